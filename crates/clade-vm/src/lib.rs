@@ -1,0 +1,2 @@
+//! The `vm` backend: QEMU microVMs whose RAM is a tmpfs file mapped copy-on-write by siblings,
+//! whose disks come from clade-nbd, and whose accelerator (KVM or TCG) is chosen by a real guest boot.

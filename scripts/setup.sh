@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# ./x setup: install what clade needs, idempotently. A second run on a complete machine touches no network.
+#
+#  - Debian packages through apt (the normal way on this distro): QEMU 7.2 (bookworm), busybox-static, cpio,
+#    debootstrap, e2fsprogs, python3, libnbd-bin (nbdinfo/nbdcopy for tests), b3sum and qemu-utils (bench peers).
+#  - The guest kernel: Debian's linux-image-*-amd64 .deb, fetched with `apt-get download` and extracted under
+#    $CLADE_HOME/kernel (never installed as the host's kernel), plus its uncompressed vmlinux (boots ~2x faster
+#    under TCG: no xz decompression).
+#  - CRIU 4.2 from Debian sid with all its libraries, fetched with a private apt configuration under
+#    $CLADE_HOME/apt-sid (the host's sources are not changed), extracted under $CLADE_HOME/criu, run through
+#    sid's own loader by the wrapper $CLADE_HOME/criu/bin/criu.
+# Downloaded .debs stay in $CLADE_HOME/debs, so a later setup needs no network. Every extraction goes to a
+# temporary directory that is renamed into place only when complete.
+set -euo pipefail
+CLADE_HOME=${CLADE_HOME:-/var/lib/clade}
+quiet=0
+[ "${1:-}" = --quiet ] && quiet=1
+say() { echo "setup: $*" >&2; }
+info() { [ $quiet = 1 ] || say "$@"; }
+die() { say "ERROR: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (clade needs namespaces, mounts and /dev/shm files)"
+command -v apt-get >/dev/null || die "no apt-get: setup supports Debian/Ubuntu; install QEMU, busybox-static, cpio, debootstrap, e2fsprogs by hand"
+mkdir -p "$CLADE_HOME"/{debs/kernel,debs/criu,kernel,tmp}
+start=$(date +%s.%N)
+
+# ---- 1. Debian packages -----------------------------------------------------------------------------------
+pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
+done
+apt_updated=0
+apt_update() {
+  [ $apt_updated = 1 ] && return 0
+  say "apt-get update"
+  apt-get update -qq || die "apt-get update failed: check that the Debian mirror in /etc/apt/sources.list is reachable"
+  apt_updated=1
+}
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
+    apt_update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || die "could not install ${missing[*]}: see the apt-get output above; the Debian mirror must be reachable"
+  fi
+fi
+command -v cargo >/dev/null || die "no cargo on PATH: install the Rust toolchain (rustup) first"
+
+# ---- 2. Guest kernel --------------------------------------------------------------------------------------
+kernel_ok() { [ -f "$CLADE_HOME/kernel/current/vmlinuz" ] && [ -f "$CLADE_HOME/kernel/current/vmlinux" ] && [ -d "$CLADE_HOME/kernel/current/modules" ]; }
+if ! kernel_ok; then
+  deb=$(ls "$CLADE_HOME"/debs/kernel/linux-image-*-amd64_*.deb 2>/dev/null | sort -V | tail -n1 || true)
+  if [ -z "$deb" ]; then
+    pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    if [ -z "$pkg" ]; then apt_update; pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}'); fi
+    [ -n "$pkg" ] || die "cannot resolve Debian's linux-image-amd64 to a kernel package: run apt-get update and retry"
+    say "downloading guest kernel $pkg (apt-get download; not installed as the host's kernel)"
+    (cd "$CLADE_HOME/debs/kernel" && apt-get download -qq -o APT::Sandbox::User=root "$pkg") \
+      || die "could not download $pkg: the Debian mirror must be reachable (apt-get download $pkg)"
+    deb=$(ls "$CLADE_HOME"/debs/kernel/linux-image-*-amd64_*.deb | sort -V | tail -n1)
+  fi
+  say "extracting guest kernel from $(basename "$deb")"
+  tmp=$(mktemp -d "$CLADE_HOME/tmp/kernel.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  dpkg-deb -x "$deb" "$tmp/root"
+  vmlinuz=$(ls "$tmp"/root/boot/vmlinuz-* | head -n1)
+  kver=${vmlinuz##*/vmlinuz-}
+  mkdir -p "$tmp/k"
+  cp "$vmlinuz" "$tmp/k/vmlinuz"
+  cp "$tmp/root/boot/config-$kver" "$tmp/k/config" 2>/dev/null || true
+  mv "$tmp/root/lib/modules/$kver" "$tmp/k/modules" 2>/dev/null || mv "$tmp/root/usr/lib/modules/$kver" "$tmp/k/modules"
+  echo "$kver" > "$tmp/k/release"
+  # The uncompressed ELF: find the xz stream inside the bzImage and decompress it.
+  off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$tmp/k/vmlinuz" | head -n1 | cut -d: -f1)
+  [ -n "$off" ] || die "no xz stream found in $vmlinuz"
+  tail -c +$((off + 1)) "$tmp/k/vmlinuz" | xz -dcq > "$tmp/k/vmlinux" 2>/dev/null || true
+  head -c 4 "$tmp/k/vmlinux" | grep -q 'ELF' || die "could not extract an ELF vmlinux from $vmlinuz"
+  rm -rf "$CLADE_HOME/kernel/$kver"
+  mv "$tmp/k" "$CLADE_HOME/kernel/$kver"
+  ln -sfn "$kver" "$CLADE_HOME/kernel/current.tmp" && mv -T "$CLADE_HOME/kernel/current.tmp" "$CLADE_HOME/kernel/current"
+  rm -rf "$tmp"; trap - EXIT
+  say "guest kernel $kver ready in $CLADE_HOME/kernel/current"
+fi
+
+# ---- 3. CRIU 4.2 from sid, private --------------------------------------------------------------------------
+criu_ok() { [ -x "$CLADE_HOME/criu/bin/criu" ] && "$CLADE_HOME/criu/bin/criu" --version >/dev/null 2>&1; }
+if ! criu_ok; then
+  if ! ls "$CLADE_HOME"/debs/criu/criu_*.deb >/dev/null 2>&1; then
+    apt_dir="$CLADE_HOME/apt-sid"
+    mkdir -p "$apt_dir"/{lists/partial,cache/archives/partial,sources.list.d,preferences.d,apt.conf.d}
+    touch "$apt_dir/status"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] ${CLADE_SID_MIRROR:-http://deb.debian.org/debian} sid main" > "$apt_dir/sources.list"
+    cat > "$apt_dir/apt.conf" <<APT
+Dir::Etc::SourceList "$apt_dir/sources.list";
+Dir::Etc::SourceParts "$apt_dir/sources.list.d";
+Dir::Etc::Parts "$apt_dir/apt.conf.d";
+Dir::Etc::Preferences "$apt_dir/preferences";
+Dir::Etc::PreferencesParts "$apt_dir/preferences.d";
+Dir::State::Lists "$apt_dir/lists";
+Dir::State::status "$apt_dir/status";
+Dir::Cache "$apt_dir/cache";
+APT::Architecture "amd64";
+APT::Architectures { "amd64"; };
+Acquire::Languages "none";
+Acquire::Check-Valid-Until "false";
+APT::Sandbox::User "root";
+APT
+    export APT_CONFIG="$apt_dir/apt.conf"
+    say "fetching Debian sid's package lists into a private apt configuration ($apt_dir)"
+    apt-get update -qq || die "could not fetch sid's package lists: the Debian mirror must be reachable (set CLADE_SID_MIRROR to use another)"
+    mapfile -t cpkgs < <(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks \
+      --no-replaces --no-enhances criu 2>/dev/null | grep -v '^[ <]' | sort -u)
+    [ ${#cpkgs[@]} -gt 0 ] || die "sid has no criu package in its lists"
+    say "downloading CRIU and its libraries from sid: ${cpkgs[*]}"
+    (cd "$CLADE_HOME/debs/criu" && apt-get download -qq "${cpkgs[@]}") || die "could not download ${cpkgs[*]} from sid"
+    unset APT_CONFIG
+  fi
+  say "extracting CRIU privately into $CLADE_HOME/criu"
+  tmp=$(mktemp -d "$CLADE_HOME/tmp/criu.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  mkdir -p "$tmp/c/root" "$tmp/c/bin"
+  for d in "$CLADE_HOME"/debs/criu/*.deb; do dpkg-deb -x "$d" "$tmp/c/root"; done
+  loader=$(ls "$tmp"/c/root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$tmp"/c/root/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 2>/dev/null | head -n1 || true)
+  [ -n "$loader" ] || die "sid's libc6 has no ld-linux-x86-64.so.2"
+  loader=${loader#"$tmp/c/root"}
+  root="$CLADE_HOME/criu/root"
+  cat > "$tmp/c/bin/criu" <<WRAP
+#!/bin/sh
+# CRIU from Debian sid, run through sid's own loader and libraries (the host's libc is too old for it).
+R="$root"
+exec "\$R$loader" --library-path "\$R/usr/lib/x86_64-linux-gnu:\$R/lib/x86_64-linux-gnu" "\$R/usr/sbin/criu" "\$@"
+WRAP
+  chmod +x "$tmp/c/bin/criu"
+  rm -rf "$CLADE_HOME/criu"
+  mv "$tmp/c" "$CLADE_HOME/criu"
+  rm -rf "$tmp"; trap - EXIT
+  criu_ok || die "the private CRIU does not run: $("$CLADE_HOME/criu/bin/criu" --version 2>&1 | head -n3)"
+  say "CRIU ready: $("$CLADE_HOME/criu/bin/criu" --version | head -n1)"
+fi
+
+end=$(date +%s.%N)
+info "everything is installed under $CLADE_HOME ($(awk "BEGIN{printf \"%.1f\", $end-$start}") s)"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# ./x test: build, then run the three test tiers (see ARCHITECTURE.md, "Test tiers").
+#   unit        assumes nothing about the machine
+#   privileged  root, mounts, namespaces       (tests whose path contains `privileged`)
+#   guest       boots QEMU or restores with CRIU (tests whose path contains `guest`)
+# `./x test unit|privileged|guest` runs one tier. Extra arguments after the tier go to the test binaries.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+tier=${1:-all}
+[ $# -gt 0 ] && shift
+export CLADE_TEST_HOME=${CLADE_TEST_HOME:-${CLADE_HOME:-/var/lib/clade}}
+export RUST_BACKTRACE=1
+cargo build --workspace --all-targets
+run_tier() {
+  local name=$1; shift
+  echo "=== test tier: $name"
+  cargo test --workspace -q -- "$@"
+}
+case "$tier" in
+  unit) run_tier unit --skip privileged --skip guest "$@" ;;
+  privileged) run_tier privileged privileged "$@" ;;
+  guest) run_tier guest guest --test-threads=1 "$@" ;;
+  all)
+    run_tier unit --skip privileged --skip guest "$@"
+    run_tier privileged privileged --skip guest "$@"
+    run_tier guest guest --test-threads=1 "$@"
+    ;;
+  *) echo "./x test: unknown tier '$tier' (unit, privileged, guest)" >&2; exit 2 ;;
+esac
