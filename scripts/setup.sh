@@ -139,5 +139,21 @@ WRAP
   say "CRIU ready: $("$CLADE_HOME/criu/bin/criu" --version | head -n1)"
 fi
 
+# ---- 4. Python tools for tests (moto's S3 server for the blob tier; later the e2b SDK) ------------------------
+py="$CLADE_HOME/py"
+py_pkgs=("moto[server]")
+py_ok() { [ -x "$py/bin/moto_server" ]; }
+if ! py_ok; then
+  say "installing Python test tools into $py: ${py_pkgs[*]}"
+  rm -rf "$py.tmp"
+  python3 -m venv "$py.tmp" 2>/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; python3 -m venv "$py.tmp"; } \
+    || die "python3 -m venv failed: install python3-venv"
+  "$py.tmp/bin/pip" install -q "${py_pkgs[@]}" || die "pip could not install ${py_pkgs[*]}: PyPI must be reachable"
+  rm -rf "$py"; mv "$py.tmp" "$py"
+  # venv scripts carry their absolute path: rewrite the shebangs after the rename.
+  grep -rl "^#!$py.tmp/bin/" "$py/bin" | xargs -r sed -i "1s|^#!$py.tmp/bin/|#!$py/bin/|"
+  py_ok || die "moto_server missing after install"
+fi
+
 end=$(date +%s.%N)
 info "everything is installed under $CLADE_HOME ($(awk "BEGIN{printf \"%.1f\", $end-$start}") s)"
