@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod home;
+pub mod host;
 
 pub use home::CladeHome;
 

@@ -1,2 +1,8 @@
 //! The `vm` backend: QEMU microVMs whose RAM is a tmpfs file mapped copy-on-write by siblings,
 //! whose disks come from clade-nbd, and whose accelerator (KVM or TCG) is chosen by a real guest boot.
+
+#![forbid(unsafe_code)]
+
+pub mod accel;
+pub mod initramfs;
+pub mod qemu;

@@ -1,0 +1,130 @@
+//! Facts about the host that decide what clade can run: kernel, cgroup version, userfaultfd, overlayfs, KSM,
+//! tmpfs and disk space. Backend-specific probes (QEMU and KVM, CRIU) live in their backend crates; `clade doctor`
+//! puts them together.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// One line of the doctor's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// Short name, e.g. `overlayfs`.
+    pub name: String,
+    pub ok: bool,
+    /// What was found.
+    pub detail: String,
+    /// When not ok: how to get it, in one line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+    /// Which backends cannot work without it (empty: informational).
+    pub needed_by: Vec<String>,
+}
+
+impl Check {
+    pub fn ok(name: &str, detail: impl Into<String>) -> Self {
+        Self { name: name.into(), ok: true, detail: detail.into(), fix: None, needed_by: vec![] }
+    }
+    pub fn missing(name: &str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self { name: name.into(), ok: false, detail: detail.into(), fix: Some(fix.into()), needed_by: vec![] }
+    }
+    pub fn needed_by(mut self, backends: &[&str]) -> Self {
+        self.needed_by = backends.iter().map(|s| s.to_string()).collect();
+        self
+    }
+}
+
+/// `uname -r`.
+pub fn kernel_release() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The boot id: a cache key for facts that hold until the next reboot (the KVM probe).
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The cgroup hierarchy mounted at /sys/fs/cgroup: `v2`, `v1` (or hybrid), or none.
+pub fn cgroup_version() -> Option<&'static str> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    let mut v1 = false;
+    for line in mounts.lines() {
+        let mut f = line.split_whitespace();
+        let (_dev, mnt, fstype) = (f.next()?, f.next()?, f.next()?);
+        if mnt == "/sys/fs/cgroup" && fstype == "cgroup2" {
+            return Some("v2");
+        }
+        if mnt.starts_with("/sys/fs/cgroup/") && fstype == "cgroup" {
+            v1 = true;
+        }
+    }
+    v1.then_some("v1")
+}
+
+fn filesystem_known(name: &str) -> bool {
+    std::fs::read_to_string("/proc/filesystems")
+        .map(|s| s.lines().any(|l| l.split_whitespace().last() == Some(name)))
+        .unwrap_or(false)
+}
+
+/// Free and total bytes of the filesystem holding `path` (or its nearest existing ancestor).
+pub fn space(path: &Path) -> Option<(u64, u64)> {
+    let mut p = path;
+    loop {
+        if p.exists() {
+            let s = nix::sys::statvfs::statvfs(p).ok()?;
+            let frag = s.fragment_size() as u64;
+            return Some((s.blocks_available() as u64 * frag, s.blocks() as u64 * frag));
+        }
+        p = p.parent()?;
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// The host checks that belong to no single backend.
+pub fn checks(home: &Path) -> Vec<Check> {
+    let mut out = vec![Check::ok("kernel", kernel_release())];
+    out.push(match cgroup_version() {
+        Some(v) => Check::ok("cgroup", v),
+        None => Check::missing("cgroup", "no cgroup hierarchy at /sys/fs/cgroup", "mount cgroup2 at /sys/fs/cgroup")
+            .needed_by(&["ct"]),
+    });
+    out.push(if Path::new("/proc/sys/vm/unprivileged_userfaultfd").exists() || Path::new("/dev/userfaultfd").exists() {
+        Check::ok("userfaultfd", "available (lazy restore)")
+    } else {
+        Check::missing("userfaultfd", "not in this kernel", "a kernel with CONFIG_USERFAULTFD; restores will be eager")
+    });
+    out.push(if filesystem_known("overlay") {
+        Check::ok("overlayfs", "available")
+    } else {
+        Check::missing("overlayfs", "not in /proc/filesystems", "modprobe overlay").needed_by(&["ct"])
+    });
+    out.push(match space(Path::new("/dev/shm")) {
+        Some((free, total)) if total > 0 => Check::ok("tmpfs", format!("/dev/shm {} free of {}", gib(free), gib(total))),
+        _ => Check::missing("tmpfs", "no /dev/shm", "mount -t tmpfs tmpfs /dev/shm").needed_by(&["vm"]),
+    });
+    out.push(if Path::new("/sys/kernel/mm/ksm/run").exists() {
+        let run = std::fs::read_to_string("/sys/kernel/mm/ksm/run").unwrap_or_default();
+        Check::ok("ksm", format!("available (run={})", run.trim()))
+    } else {
+        Check::missing("ksm", "no /sys/kernel/mm/ksm", "a kernel with CONFIG_KSM; restored ct siblings will not share memory")
+    });
+    out.push(match space(home) {
+        Some((free, _)) if free >= 4 << 30 => Check::ok("disk", format!("{} free under {}", gib(free), home.display())),
+        Some((free, _)) => Check::missing(
+            "disk",
+            format!("only {} free under {}", gib(free), home.display()),
+            "free space or point CLADE_HOME at a larger filesystem (at least 4 GiB)",
+        )
+        .needed_by(&["vm", "ct"]),
+        None => Check::missing("disk", format!("cannot stat {}", home.display()), "create CLADE_HOME"),
+    });
+    out
+}
