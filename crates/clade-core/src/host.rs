@@ -36,9 +36,7 @@ impl Check {
 
 /// `uname -r`.
 pub fn kernel_release() -> String {
-    nix::sys::utsname::uname()
-        .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "unknown".into())
+    nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown".into())
 }
 
 /// The boot id: a cache key for facts that hold until the next reboot (the KVM probe).
@@ -96,25 +94,37 @@ pub fn checks(home: &Path) -> Vec<Check> {
         None => Check::missing("cgroup", "no cgroup hierarchy at /sys/fs/cgroup", "mount cgroup2 at /sys/fs/cgroup")
             .needed_by(&["ct"]),
     });
-    out.push(if Path::new("/proc/sys/vm/unprivileged_userfaultfd").exists() || Path::new("/dev/userfaultfd").exists() {
-        Check::ok("userfaultfd", "available (lazy restore)")
-    } else {
-        Check::missing("userfaultfd", "not in this kernel", "a kernel with CONFIG_USERFAULTFD; restores will be eager")
-    });
+    out.push(
+        if Path::new("/proc/sys/vm/unprivileged_userfaultfd").exists() || Path::new("/dev/userfaultfd").exists() {
+            Check::ok("userfaultfd", "available (lazy restore)")
+        } else {
+            Check::missing(
+                "userfaultfd",
+                "not in this kernel",
+                "a kernel with CONFIG_USERFAULTFD; restores will be eager",
+            )
+        },
+    );
     out.push(if filesystem_known("overlay") {
         Check::ok("overlayfs", "available")
     } else {
         Check::missing("overlayfs", "not in /proc/filesystems", "modprobe overlay").needed_by(&["ct"])
     });
     out.push(match space(Path::new("/dev/shm")) {
-        Some((free, total)) if total > 0 => Check::ok("tmpfs", format!("/dev/shm {} free of {}", gib(free), gib(total))),
+        Some((free, total)) if total > 0 => {
+            Check::ok("tmpfs", format!("/dev/shm {} free of {}", gib(free), gib(total)))
+        }
         _ => Check::missing("tmpfs", "no /dev/shm", "mount -t tmpfs tmpfs /dev/shm").needed_by(&["vm"]),
     });
     out.push(if Path::new("/sys/kernel/mm/ksm/run").exists() {
         let run = std::fs::read_to_string("/sys/kernel/mm/ksm/run").unwrap_or_default();
         Check::ok("ksm", format!("available (run={})", run.trim()))
     } else {
-        Check::missing("ksm", "no /sys/kernel/mm/ksm", "a kernel with CONFIG_KSM; restored ct siblings will not share memory")
+        Check::missing(
+            "ksm",
+            "no /sys/kernel/mm/ksm",
+            "a kernel with CONFIG_KSM; restored ct siblings will not share memory",
+        )
     });
     out.push(match space(home) {
         Some((free, _)) if free >= 4 << 30 => Check::ok("disk", format!("{} free under {}", gib(free), home.display())),

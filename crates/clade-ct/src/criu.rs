@@ -17,9 +17,7 @@ pub fn criu_version(bin: &Path) -> Option<String> {
 }
 
 fn parse_version(text: &str) -> Option<String> {
-    text.lines()
-        .find_map(|l| l.strip_prefix("Version:"))
-        .map(|v| v.trim().to_string())
+    text.lines().find_map(|l| l.strip_prefix("Version:")).map(|v| v.trim().to_string())
 }
 
 /// The outcome of `criu check`: ok, and what it printed.

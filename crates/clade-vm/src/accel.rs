@@ -80,7 +80,11 @@ const MARKER: &str = "CLADE-PROBE-OK";
 pub fn choose(inp: &ProbeInputs, refresh: bool) -> std::io::Result<AccelChoice> {
     let cache = inp.cache_dir.join("accel.json");
     let mut choice = match (refresh, read_cache(&cache)) {
-        (false, Some(c)) if c.boot_id == inp.boot_id && c.qemu_version == inp.qemu_version && c.kernel == inp.kernel_release => c,
+        (false, Some(c))
+            if c.boot_id == inp.boot_id && c.qemu_version == inp.qemu_version && c.kernel == inp.kernel_release =>
+        {
+            c
+        }
         _ => {
             let c = probe(inp)?;
             let tmp = cache.with_extension("json.tmp");
@@ -165,7 +169,9 @@ fn boot(inp: &ProbeInputs, initrd: &PathBuf, accel: Accel, timeout: Duration) ->
         .stderr(Stdio::piped());
     let mut child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) => return BootProbe { ok: false, seconds: 0.0, detail: format!("cannot start {}: {e}", inp.qemu.display()) },
+        Err(e) => {
+            return BootProbe { ok: false, seconds: 0.0, detail: format!("cannot start {}: {e}", inp.qemu.display()) }
+        }
     };
     let mut stdout = child.stdout.take().expect("piped stdout");
     let mut stderr = child.stderr.take().expect("piped stderr");

@@ -115,11 +115,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.cpio");
         i.write_to(&path).unwrap();
-        let listed = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("cpio -it < {}", path.display()))
-            .output()
-            .unwrap();
+        let listed =
+            std::process::Command::new("sh").arg("-c").arg(format!("cpio -it < {}", path.display())).output().unwrap();
         let names = String::from_utf8_lossy(&listed.stdout);
         assert_eq!(names.lines().collect::<Vec<_>>(), vec!["etc", "etc/motd", "link"]);
     }

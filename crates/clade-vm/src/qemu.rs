@@ -9,11 +9,8 @@ pub fn qemu_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CLADE_QEMU") {
         return Some(PathBuf::from(p));
     }
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("qemu-system-x86_64"))
-            .find(|p| p.is_file())
-    })
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("qemu-system-x86_64")).find(|p| p.is_file()))
 }
 
 /// `QEMU emulator version 7.2.22 (...)` -> `7.2.22`.

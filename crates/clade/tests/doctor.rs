@@ -50,6 +50,9 @@ fn guest_doctor_probes_accelerator_by_booting() {
     let again = clade().args(["doctor", "--json"]).env("CLADE_HOME", &home).output().unwrap();
     let v2: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(v2["accel"]["chosen"], accel["chosen"]);
-    assert_eq!(v2["accel"]["tcg"]["seconds"], accel["tcg"]["seconds"], "second doctor re-probed instead of using the cache");
+    assert_eq!(
+        v2["accel"]["tcg"]["seconds"], accel["tcg"]["seconds"],
+        "second doctor re-probed instead of using the cache"
+    );
     assert!(t.elapsed().as_secs_f64() < accel["tcg"]["seconds"].as_f64().unwrap() + 5.0);
 }

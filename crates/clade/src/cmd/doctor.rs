@@ -44,11 +44,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let backends: Vec<BackendStatus> = ["vm", "ct"]
         .iter()
         .map(|b| {
-            let missing: Vec<String> = checks
-                .iter()
-                .filter(|c| !c.ok && c.needed_by.iter().any(|n| n == b))
-                .map(|c| c.name.clone())
-                .collect();
+            let missing: Vec<String> =
+                checks.iter().filter(|c| !c.ok && c.needed_by.iter().any(|n| n == b)).map(|c| c.name.clone()).collect();
             BackendStatus { backend: b.to_string(), ready: missing.is_empty(), missing }
         })
         .collect();
@@ -66,10 +63,17 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 fn print_human(r: &Report) {
     println!("clade doctor (CLADE_HOME={})", r.clade_home);
     for c in &r.checks {
-        let state = if c.ok { "ok" } else if c.needed_by.is_empty() { "absent" } else { "MISSING" };
+        let state = if c.ok {
+            "ok"
+        } else if c.needed_by.is_empty() {
+            "absent"
+        } else {
+            "MISSING"
+        };
         println!("  {state:<8} {:<12} {}", c.name, c.detail);
         if let Some(fix) = &c.fix {
-            let who = if c.needed_by.is_empty() { String::new() } else { format!(" (needed by {})", c.needed_by.join(", ")) };
+            let who =
+                if c.needed_by.is_empty() { String::new() } else { format!(" (needed by {})", c.needed_by.join(", ")) };
             println!("  {:<8} {:<12} -> {fix}{who}", "", "");
         }
     }
@@ -98,7 +102,9 @@ fn vm_checks(home: &CladeHome, checks: &mut Vec<Check>, refresh: bool) -> Option
     let kernel = kdir.join("vmlinux");
     match &release {
         Some(r) if kernel.is_file() => checks.push(Check::ok("guest-kernel", format!("{r} at {}", kdir.display()))),
-        _ => checks.push(Check::missing("guest-kernel", format!("no guest kernel at {}", kdir.display()), SETUP).needed_by(vm)),
+        _ => checks.push(
+            Check::missing("guest-kernel", format!("no guest kernel at {}", kdir.display()), SETUP).needed_by(vm),
+        ),
     }
     let busybox = Path::new("/bin/busybox");
     if busybox.is_file() {
@@ -145,7 +151,10 @@ fn vm_checks(home: &CladeHome, checks: &mut Vec<Check>, refresh: bool) -> Option
             Some(choice)
         }
         Err(e) => {
-            checks.push(Check::missing("accel", format!("probe failed: {e}"), "check that CLADE_HOME is writable").needed_by(vm));
+            checks.push(
+                Check::missing("accel", format!("probe failed: {e}"), "check that CLADE_HOME is writable")
+                    .needed_by(vm),
+            );
             None
         }
     }
@@ -166,6 +175,13 @@ fn ct_checks(home: &CladeHome, checks: &mut Vec<Check>) {
         checks.push(Check::ok("criu-check", "criu check: looks good"));
     } else {
         let last = text.lines().last().unwrap_or("").to_string();
-        checks.push(Check::missing("criu-check", format!("criu check failed: {last}"), "see `criu check` output; a newer kernel or CRIU may be needed").needed_by(ct));
+        checks.push(
+            Check::missing(
+                "criu-check",
+                format!("criu check failed: {last}"),
+                "see `criu check` output; a newer kernel or CRIU may be needed",
+            )
+            .needed_by(ct),
+        );
     }
 }
