@@ -1,0 +1,2 @@
+//! nbd-bench: placeholder, filled in below.
+fn main() {}

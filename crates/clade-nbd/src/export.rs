@@ -1,0 +1,374 @@
+//! An export: an immutable base image plus a private, sparse overlay of written 4 KiB blocks.
+//!
+//! Why this shape: siblings forked from one mark share the base (and so every cached store
+//! object), while each one's writes stay private and cost memory only for the blocks touched. A
+//! snapshot hands the base and the overlay's blocks to a [`Snapshotter`], which writes only those
+//! blocks as new data; the export then continues on the new image with an empty overlay.
+//!
+//! Locking: every request holds a shared guard on the (base, overlay) pair for its whole duration
+//! and the overlay has its own sharded mutexes, so requests run in parallel; a snapshot takes the
+//! exclusive guard, which waits for requests in flight and holds back new ones until it is done.
+//! All methods are blocking (the base may read from disk): call them from `spawn_blocking`.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use crate::source::{BlockSource, Change, Changes, Extent, SnapshotError, Snapshotter, BLOCK, BLOCK_U64};
+
+const SHARDS: usize = 64;
+
+/// What an export's request failed with; maps to an NBD errno.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("range {offset}+{len} is beyond the export size {size}")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("the export is read-only")]
+    ReadOnly,
+    #[error("reading the base image {base} at {offset}: {source}")]
+    Io { base: String, offset: u64, source: io::Error },
+    #[error("this export has no snapshotter: serve it from a store to snapshot")]
+    NoSnapshotter,
+    #[error("snapshot failed (the overlay is kept, retry is safe): {0}")]
+    Snapshot(#[from] SnapshotError),
+}
+
+impl ExportError {
+    /// The errno the protocol carries for this error; `write` selects ENOSPC for ranges past the end.
+    pub fn errno(&self, write: bool) -> u32 {
+        use crate::proto::*;
+        match self {
+            ExportError::OutOfRange { .. } if write => ENOSPC,
+            ExportError::OutOfRange { .. } => EINVAL,
+            ExportError::ReadOnly => EPERM,
+            ExportError::Io { .. } | ExportError::Snapshot(_) => EIO,
+            ExportError::NoSnapshotter => ENOTSUP,
+        }
+    }
+}
+
+enum Block {
+    Data(Box<[u8; BLOCK]>),
+    Zero,
+}
+
+/// Changed blocks, sharded by runs of 16 blocks so sequential I/O takes few distinct locks.
+struct Overlay {
+    shards: Vec<Mutex<HashMap<u64, Block>>>,
+    count: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Overlay {
+    fn new() -> Self {
+        Overlay { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(), count: AtomicUsize::new(0) }
+    }
+    fn shard(&self, idx: u64) -> MutexGuard<'_, HashMap<u64, Block>> {
+        lock(&self.shards[((idx >> 4) as usize) % SHARDS])
+    }
+    fn set(&self, idx: u64, block: Block) {
+        if self.shard(idx).insert(idx, block).is_none() {
+            self.count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.count.load(Ordering::Relaxed) == 0
+    }
+}
+
+struct State {
+    base: Arc<dyn BlockSource>,
+    overlay: Overlay,
+}
+
+/// Counters of one export, for the control socket and logs.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ExportStats {
+    pub base: String,
+    pub size: u64,
+    pub dirty_blocks: usize,
+}
+
+/// A copy-on-write block device over an immutable base image.
+pub struct Export {
+    size: u64,
+    read_only: bool,
+    state: RwLock<State>,
+    snapshotter: Option<Arc<dyn Snapshotter>>,
+}
+
+impl Export {
+    /// An export of `base`, writable unless `read_only`; `snapshotter` enables [`Export::snapshot`].
+    pub fn new(base: Arc<dyn BlockSource>, read_only: bool, snapshotter: Option<Arc<dyn Snapshotter>>) -> Self {
+        Export {
+            size: base.size(),
+            read_only,
+            state: RwLock::new(State { base, overlay: Overlay::new() }),
+            snapshotter,
+        }
+    }
+
+    /// Size in bytes; a snapshot never changes it.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Whether writes are refused.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn state(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The id of the current base image and how many blocks the overlay holds.
+    pub fn stats(&self) -> ExportStats {
+        let st = self.state();
+        ExportStats { base: st.base.id(), size: self.size, dirty_blocks: st.overlay.count.load(Ordering::Relaxed) }
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(ExportError::OutOfRange { offset, len, size: self.size }),
+        }
+    }
+
+    fn base_read(base: &Arc<dyn BlockSource>, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        base.read_at(offset, buf).map_err(|source| ExportError::Io { base: base.id(), offset, source })
+    }
+
+    /// Reads `buf.len()` bytes at `offset`: overlay blocks first, the rest from the base.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        self.check(offset, buf.len() as u64)?;
+        let st = self.state();
+        if st.overlay.is_empty() {
+            return Self::base_read(&st.base, offset, buf);
+        }
+        // Walk block by block, batching consecutive base blocks into one base read.
+        let end = offset + buf.len() as u64;
+        let mut at = offset;
+        let mut pending: Option<u64> = None; // start of a run to read from the base
+        while at < end {
+            let idx = at / BLOCK_U64;
+            let next = ((idx + 1) * BLOCK_U64).min(end);
+            let within = (at - idx * BLOCK_U64) as usize;
+            let dst = &mut buf[(at - offset) as usize..(next - offset) as usize];
+            let hit = {
+                let shard = st.overlay.shard(idx);
+                match shard.get(&idx) {
+                    Some(Block::Data(d)) => {
+                        dst.copy_from_slice(&d[within..within + dst.len()]);
+                        true
+                    }
+                    Some(Block::Zero) => {
+                        dst.fill(0);
+                        true
+                    }
+                    None => false,
+                }
+            };
+            if hit {
+                if let Some(start) = pending.take() {
+                    Self::base_read(&st.base, start, &mut buf[(start - offset) as usize..(at - offset) as usize])?;
+                }
+            } else if pending.is_none() {
+                pending = Some(at);
+            }
+            at = next;
+        }
+        if let Some(start) = pending {
+            Self::base_read(&st.base, start, &mut buf[(start - offset) as usize..])?;
+        }
+        Ok(())
+    }
+
+    /// Applies `f` to block `idx`'s current contents (read-modify-write for partial blocks).
+    fn modify(st: &State, idx: u64, f: impl FnOnce(&mut [u8; BLOCK])) -> Result<(), ExportError> {
+        {
+            let mut shard = st.overlay.shard(idx);
+            match shard.get_mut(&idx) {
+                Some(Block::Data(d)) => {
+                    f(d);
+                    return Ok(());
+                }
+                Some(slot @ Block::Zero) => {
+                    let mut d = Box::new([0u8; BLOCK]);
+                    f(&mut d);
+                    *slot = Block::Data(d);
+                    return Ok(());
+                }
+                None => {}
+            }
+        }
+        // Not in the overlay: read the base block without holding the shard lock. The base cannot
+        // change under our shared state guard, so re-checking after the read is enough.
+        let mut d = Box::new([0u8; BLOCK]);
+        let at = idx * BLOCK_U64;
+        let n = (st.base.size() - at).min(BLOCK_U64) as usize;
+        Self::base_read(&st.base, at, &mut d[..n])?;
+        let mut shard = st.overlay.shard(idx);
+        match shard.get_mut(&idx) {
+            Some(Block::Data(cur)) => f(cur),
+            Some(slot @ Block::Zero) => {
+                let mut z = Box::new([0u8; BLOCK]);
+                f(&mut z);
+                *slot = Block::Data(z);
+            }
+            None => {
+                f(&mut d);
+                shard.insert(idx, Block::Data(d));
+                st.overlay.count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`. Whole blocks are replaced; partial blocks are read-modify-written.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ExportError> {
+        if self.read_only {
+            return Err(ExportError::ReadOnly);
+        }
+        self.check(offset, data.len() as u64)?;
+        let st = self.state();
+        let end = offset + data.len() as u64;
+        let mut at = offset;
+        while at < end {
+            let idx = at / BLOCK_U64;
+            let next = ((idx + 1) * BLOCK_U64).min(end);
+            let within = (at - idx * BLOCK_U64) as usize;
+            let src = &data[(at - offset) as usize..(next - offset) as usize];
+            if src.len() == BLOCK {
+                let mut d = Box::new([0u8; BLOCK]);
+                d.copy_from_slice(src);
+                st.overlay.set(idx, Block::Data(d));
+            } else {
+                Self::modify(&st, idx, |d| d[within..within + src.len()].copy_from_slice(src))?;
+            }
+            at = next;
+        }
+        Ok(())
+    }
+
+    /// Makes `[offset, offset + len)` read as zeros. Whole blocks become zero markers (no data is
+    /// kept, with or without NO_HOLE, since the overlay never runs out of space); partial blocks
+    /// are read-modify-written.
+    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        if self.read_only {
+            return Err(ExportError::ReadOnly);
+        }
+        self.check(offset, len)?;
+        let st = self.state();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let idx = at / BLOCK_U64;
+            let next = ((idx + 1) * BLOCK_U64).min(end);
+            let within = (at - idx * BLOCK_U64) as usize;
+            let n = (next - at) as usize;
+            if n == BLOCK || (within == 0 && next == self.size) {
+                st.overlay.set(idx, Block::Zero);
+            } else {
+                Self::modify(&st, idx, |d| d[within..within + n].fill(0))?;
+            }
+            at = next;
+        }
+        Ok(())
+    }
+
+    /// Discards `[offset, offset + len)`: whole blocks become zeros, partial blocks are left alone
+    /// (the protocol allows either).
+    pub fn trim(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        if self.read_only {
+            return Err(ExportError::ReadOnly);
+        }
+        self.check(offset, len)?;
+        let st = self.state();
+        let first = offset.div_ceil(BLOCK_U64);
+        let end = offset + len;
+        let last = if end == self.size { end.div_ceil(BLOCK_U64) } else { end / BLOCK_U64 };
+        for idx in first..last {
+            st.overlay.set(idx, Block::Zero);
+        }
+        Ok(())
+    }
+
+    /// Allocation map of `[offset, offset + len)` for `base:allocation`: overlay zero blocks and
+    /// the base's zero extents are zero, everything else is data. Adjacent runs are merged.
+    pub fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, ExportError> {
+        self.check(offset, len)?;
+        let st = self.state();
+        let mut out: Vec<Extent> = Vec::new();
+        let mut push = |e: Extent| match out.last_mut() {
+            Some(last) if last.zero == e.zero && last.offset + last.len == e.offset => last.len += e.len,
+            _ => out.push(e),
+        };
+        if st.overlay.is_empty() {
+            st.base.extents(offset, len).into_iter().for_each(&mut push);
+            return Ok(out);
+        }
+        let end = offset + len;
+        let mut at = offset;
+        let mut pending: Option<u64> = None;
+        while at < end {
+            let idx = at / BLOCK_U64;
+            let next = ((idx + 1) * BLOCK_U64).min(end);
+            let hit = match st.overlay.shard(idx).get(&idx) {
+                Some(Block::Data(_)) => Some(false),
+                Some(Block::Zero) => Some(true),
+                None => None,
+            };
+            if let Some(zero) = hit {
+                if let Some(start) = pending.take() {
+                    st.base.extents(start, at - start).into_iter().for_each(&mut push);
+                }
+                push(Extent { offset: at, len: next - at, zero });
+            } else if pending.is_none() {
+                pending = Some(at);
+            }
+            at = next;
+        }
+        if let Some(start) = pending {
+            st.base.extents(start, end - start).into_iter().for_each(&mut push);
+        }
+        Ok(out)
+    }
+
+    /// Turns the overlay into a new complete image and continues on top of it with an empty
+    /// overlay; returns the new image's id. Waits for requests in flight and holds back new ones
+    /// while it runs. Take it while the guest is paused or right after a flush.
+    pub fn snapshot(&self) -> Result<String, ExportError> {
+        let snapshotter = self.snapshotter.as_ref().ok_or(ExportError::NoSnapshotter)?;
+        let mut st = self.state.write().unwrap_or_else(PoisonError::into_inner);
+        let mut guards: Vec<_> = st.overlay.shards.iter().map(|s| lock(s)).collect();
+        let mut blocks: Vec<(u64, Change<'_>)> = Vec::with_capacity(st.overlay.count.load(Ordering::Relaxed));
+        for g in &guards {
+            for (&idx, b) in g.iter() {
+                blocks.push((
+                    idx,
+                    match b {
+                        Block::Data(d) => Change::Data(d),
+                        Block::Zero => Change::Zero,
+                    },
+                ));
+            }
+        }
+        blocks.sort_unstable_by_key(|&(idx, _)| idx);
+        let changes = Changes { blocks };
+        let new_base = snapshotter.snapshot(&st.base, &changes)?;
+        drop(changes);
+        for g in &mut guards {
+            g.clear();
+        }
+        drop(guards);
+        st.overlay.count.store(0, Ordering::Relaxed);
+        let id = new_base.id();
+        st.base = new_base;
+        Ok(id)
+    }
+}
