@@ -138,3 +138,16 @@ pub fn checks(home: &Path) -> Vec<Check> {
     });
     out
 }
+
+/// Proportional and resident set size of a process, in bytes (from /proc/PID/smaps_rollup).
+pub fn pss_rss(pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some((field("Pss:")?, field("Rss:")?))
+}

@@ -5,4 +5,7 @@
 
 pub mod accel;
 pub mod initramfs;
+pub mod machine;
 pub mod qemu;
+pub mod qmp;
+pub mod templating;

@@ -1,0 +1,200 @@
+//! One QEMU process: its command line (machine type, accelerator, RAM backing, kernel, disks, agent channel,
+//! console) and its lifecycle (spawn, QMP, kill on drop). Everything the `vm` backend does to a guest goes
+//! through here, so every sandbox is started the same way and nothing is left behind when one fails.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::accel::Accel;
+use crate::qmp::{Qmp, QmpError};
+
+/// The machine type. `q35` has vmgenid (clones reseed their CRNG on fork) and boots reliably; `microvm` boots
+/// faster but lacks vmgenid in the guest and needs `tsc_early_khz` to avoid rare hangs (docs/vm.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MachineType {
+    Q35,
+    Microvm,
+}
+
+/// Where guest RAM lives: a file (on tmpfs) mapped shared (the base, whose pages become the mark) or private
+/// (siblings: clean pages stay shared with the file, written pages become the sibling's own).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RamBacking {
+    pub path: PathBuf,
+    pub share: bool,
+}
+
+/// An NBD disk served by clade-nbd on a unix socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NbdDisk {
+    pub socket: PathBuf,
+    pub export: String,
+    pub read_only: bool,
+}
+
+/// Everything that shapes a QEMU process. Marks record the parts a restore must match (machine, memory, vcpus,
+/// devices, QEMU version).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmSpec {
+    pub accel: Accel,
+    pub machine: MachineType,
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub append: String,
+    pub ram: RamBacking,
+    pub disks: Vec<NbdDisk>,
+    /// Host end of the agent's virtio-serial port (a unix socket QEMU listens on).
+    pub agent_socket: Option<PathBuf>,
+    /// Give the guest a VM generation id (`guid=auto`), so a restored clone reseeds its CRNG (q35 only).
+    pub vmgenid: bool,
+    /// Start with `-incoming defer` to restore device state instead of booting.
+    pub incoming: bool,
+}
+
+impl VmSpec {
+    /// The QEMU arguments for this spec, with the QMP socket and console log in `run_dir`.
+    pub fn args(&self, run_dir: &Path) -> Vec<String> {
+        let mut a: Vec<String> = Vec::new();
+        let mut push = |s: &str| a.push(s.to_string());
+        match self.machine {
+            MachineType::Q35 => {
+                push("-machine");
+                push("q35,memory-backend=mem,smbus=off,vmport=off,sata=off,usb=off,graphics=off");
+            }
+            MachineType::Microvm => {
+                push("-machine");
+                push("microvm,acpi=on,memory-backend=mem,pit=off,pic=off,rtc=on,isa-serial=on");
+            }
+        }
+        let mut a = a;
+        a.extend(self.accel.qemu_args());
+        let mem = format!(
+            "memory-backend-file,id=mem,size={}M,mem-path={},share={},prealloc=off",
+            self.memory_mib,
+            self.ram.path.display(),
+            if self.ram.share { "on" } else { "off" }
+        );
+        a.extend(["-m".into(), format!("{}M", self.memory_mib), "-object".into(), mem]);
+        a.extend(["-smp".into(), self.vcpus.to_string()]);
+        a.extend(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"].map(String::from));
+        a.extend(["-kernel".into(), self.kernel.display().to_string()]);
+        if let Some(i) = &self.initrd {
+            a.extend(["-initrd".into(), i.display().to_string()]);
+        }
+        a.extend(["-append".into(), self.append.clone()]);
+        a.extend(["-serial".into(), format!("file:{}", run_dir.join("console.log").display())]);
+        a.extend(["-qmp".into(), format!("unix:{},server=on,wait=off", run_dir.join("qmp.sock").display())]);
+        let (blk, serial_bus) = match self.machine {
+            MachineType::Q35 => ("virtio-blk-pci", "virtio-serial-pci"),
+            MachineType::Microvm => ("virtio-blk-device", "virtio-serial-device"),
+        };
+        for (i, d) in self.disks.iter().enumerate() {
+            a.push("-blockdev".into());
+            a.push(format!(
+                "driver=nbd,node-name=disk{i},server.type=unix,server.path={},export={},read-only={}",
+                d.socket.display(),
+                d.export,
+                if d.read_only { "on" } else { "off" }
+            ));
+            a.extend(["-device".into(), format!("{blk},drive=disk{i},id=vd{i}")]);
+        }
+        if let Some(sock) = &self.agent_socket {
+            a.extend(["-device".into(), format!("{serial_bus},id=vser0")]);
+            a.extend(["-chardev".into(), format!("socket,id=agent,path={},server=on,wait=off", sock.display())]);
+            a.extend(["-device".into(), "virtserialport,bus=vser0.0,chardev=agent,name=clade.agent".into()]);
+        }
+        if self.vmgenid && self.machine == MachineType::Q35 {
+            a.extend(["-device".into(), "vmgenid,guid=auto".into()]);
+        }
+        if self.incoming {
+            a.extend(["-incoming".into(), "defer".into()]);
+        }
+        a
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("cannot start QEMU {qemu}: {source}")]
+    Spawn { qemu: String, source: std::io::Error },
+    #[error("run dir {0}: {1}")]
+    RunDir(String, std::io::Error),
+    #[error("{source}; QEMU said: {stderr}")]
+    Qmp { source: QmpError, stderr: String },
+}
+
+/// A running QEMU process. Dropping it kills the process and removes its run dir, so an error anywhere leaves no
+/// orphan process or socket behind.
+pub struct Vm {
+    child: Child,
+    pub qmp: Qmp,
+    pub run_dir: PathBuf,
+    pub spec: VmSpec,
+    keep_run_dir: bool,
+}
+
+impl Vm {
+    /// Start QEMU for `spec` with its sockets and console in `run_dir` (created) and connect QMP.
+    pub fn spawn(qemu: &Path, spec: VmSpec, run_dir: &Path) -> Result<Vm, VmError> {
+        std::fs::create_dir_all(run_dir).map_err(|e| VmError::RunDir(run_dir.display().to_string(), e))?;
+        let stderr_path = run_dir.join("qemu.stderr");
+        let stderr =
+            std::fs::File::create(&stderr_path).map_err(|e| VmError::RunDir(run_dir.display().to_string(), e))?;
+        let child = Command::new(qemu)
+            .args(spec.args(run_dir))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| VmError::Spawn { qemu: qemu.display().to_string(), source: e })?;
+        match Qmp::connect(&run_dir.join("qmp.sock"), Duration::from_secs(10)) {
+            Ok(qmp) => Ok(Vm { child, qmp, run_dir: run_dir.to_path_buf(), spec, keep_run_dir: false }),
+            Err(source) => {
+                let mut child = child;
+                let _ = child.kill();
+                let _ = child.wait();
+                let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+                let _ = std::fs::remove_dir_all(run_dir);
+                Err(VmError::Qmp { source, stderr: stderr.trim().to_string() })
+            }
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Wrap a QMP error with what QEMU wrote on stderr (its own error text).
+    pub fn qmp_error(&mut self, source: QmpError) -> VmError {
+        // Give a dying QEMU a moment to finish writing its reason.
+        std::thread::sleep(Duration::from_millis(20));
+        let stderr = std::fs::read_to_string(self.run_dir.join("qemu.stderr")).unwrap_or_default();
+        VmError::Qmp { source, stderr: stderr.trim().to_string() }
+    }
+
+    /// The serial console so far.
+    pub fn console(&self) -> String {
+        std::fs::read_to_string(self.run_dir.join("console.log")).unwrap_or_default()
+    }
+
+    /// Keep the run dir after drop (for debugging a failure).
+    pub fn keep_run_dir(&mut self) {
+        self.keep_run_dir = true;
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !self.keep_run_dir {
+            let _ = std::fs::remove_dir_all(&self.run_dir);
+        }
+    }
+}
