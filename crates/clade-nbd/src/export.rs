@@ -126,6 +126,11 @@ impl Export {
         self.state.read().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The current base image (after a snapshot: the snapshot), e.g. to start a sibling export.
+    pub fn base(&self) -> Arc<dyn BlockSource> {
+        self.state().base.clone()
+    }
+
     /// The id of the current base image and how many blocks the overlay holds.
     pub fn stats(&self) -> ExportStats {
         let st = self.state();

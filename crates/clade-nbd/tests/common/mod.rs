@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+pub mod guest;
+
 use clade_nbd::control::{control_path, serve_control};
 use clade_nbd::proto::*;
 use clade_nbd::{BlockSource, Export, MemSnapshotter, MemSource, Server};
