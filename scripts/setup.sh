@@ -25,7 +25,7 @@ mkdir -p "$CLADE_HOME"/{debs/kernel,debs/criu,kernel,tmp}
 start=$(date +%s.%N)
 
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
-pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables)
+pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
@@ -48,7 +48,7 @@ fi
 command -v cargo >/dev/null || die "no cargo on PATH: install the Rust toolchain (rustup) first"
 
 # ---- 2. Guest kernel --------------------------------------------------------------------------------------
-kernel_ok() { [ -f "$CLADE_HOME/kernel/current/vmlinuz" ] && [ -f "$CLADE_HOME/kernel/current/vmlinux" ] && [ -d "$CLADE_HOME/kernel/current/modules" ]; }
+kernel_ok() { [ -f "$CLADE_HOME/kernel/current/vmlinuz" ] && [ -f "$CLADE_HOME/kernel/current/vmlinux" ] && [ -f "$CLADE_HOME/kernel/current/modules/modules.dep" ]; }
 if ! kernel_ok; then
   deb=$(ls "$CLADE_HOME"/debs/kernel/linux-image-*-amd64_*.deb 2>/dev/null | sort -V | tail -n1 || true)
   if [ -z "$deb" ]; then
@@ -67,9 +67,13 @@ if ! kernel_ok; then
   vmlinuz=$(ls "$tmp"/root/boot/vmlinuz-* | head -n1)
   kver=${vmlinuz##*/vmlinuz-}
   mkdir -p "$tmp/k"
+  # Debian's package ships no modules.dep (depmod runs at install time): make it, so the initramfs builder
+  # can load each module after its dependencies.
+  [ -d "$tmp/root/lib/modules/$kver" ] || { mkdir -p "$tmp/root/lib/modules"; mv "$tmp/root/usr/lib/modules/$kver" "$tmp/root/lib/modules/"; }
+  depmod -b "$tmp/root" "$kver" || die "depmod failed for the guest kernel $kver (is kmod installed?)"
   cp "$vmlinuz" "$tmp/k/vmlinuz"
   cp "$tmp/root/boot/config-$kver" "$tmp/k/config" 2>/dev/null || true
-  mv "$tmp/root/lib/modules/$kver" "$tmp/k/modules" 2>/dev/null || mv "$tmp/root/usr/lib/modules/$kver" "$tmp/k/modules"
+  mv "$tmp/root/lib/modules/$kver" "$tmp/k/modules"
   echo "$kver" > "$tmp/k/release"
   # The uncompressed ELF: find the xz stream inside the bzImage and decompress it.
   off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$tmp/k/vmlinuz" | head -n1 | cut -d: -f1)

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accel;
+pub mod boot;
 pub mod initramfs;
 pub mod machine;
 pub mod qemu;
