@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod backend;
 pub mod home;
 pub mod host;
 

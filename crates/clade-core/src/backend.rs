@@ -1,0 +1,113 @@
+//! The one model both backends implement. A backend knows how to bring a sandbox up (cold from a template's
+//! image, or from a mark's stored state) and how to turn a running sandbox back into stored state (mark, leave it
+//! running; suspend, release it). Everything that is the same on both backends lives above this trait in
+//! clade-core: the ledger records, branches, retake, fork-as-N-restores, and hygiene through the agent.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Which backend a sandbox, base or mark belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Vm,
+    Ct,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Vm => "vm",
+            BackendKind::Ct => "ct",
+        }
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vm" => Ok(BackendKind::Vm),
+            "ct" => Ok(BackendKind::Ct),
+            other => Err(format!("unknown backend '{other}': use vm or ct")),
+        }
+    }
+}
+
+/// The resources a template asks for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Shape {
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    pub disk_gib: u32,
+}
+
+/// What a backend stored for one mark: store manifests by role (`ram`, `disk`, `devstate`, `criu`, `upper`),
+/// the facts a restore must match (QEMU version, machine type, CPU model; CRIU version), sizes and the pause.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MarkState {
+    pub backend: BackendKind,
+    pub manifests: BTreeMap<String, String>,
+    /// Must equal what the restoring host offers, or the restore is refused before any process starts.
+    pub compat: BTreeMap<String, String>,
+    pub shape: Shape,
+    /// Bytes the mark describes / bytes it added to the store.
+    pub logical_bytes: u64,
+    pub stored_bytes: u64,
+    /// How long the sandbox did not run while being marked.
+    pub pause: Duration,
+    /// False when the mark keeps state that hygiene would disturb (a logged-in browser): restores then skip the
+    /// identity and connection resets.
+    pub clean: bool,
+}
+
+/// A restore refused or failed: always with the reason, never half-done (the backend cleans up before returning).
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("mark was taken under {key}={mark}, this host has {host}: {hint}")]
+    Incompatible { key: String, mark: String, host: String, hint: String },
+    #[error("mark state failed verification: {0}")]
+    Corrupt(String),
+    #[error("sandbox did not become ready within {timeout:?}: {detail}")]
+    NotReady { timeout: Duration, detail: String },
+    #[error("not enough {resource}: {detail}")]
+    Resource { resource: String, detail: String },
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Check a mark's recorded facts against the host's before anything starts.
+pub fn check_compat(mark: &BTreeMap<String, String>, host: &BTreeMap<String, String>) -> Result<(), BackendError> {
+    for (key, want) in mark {
+        let have = host.get(key).map(String::as_str).unwrap_or("(none)");
+        if have != want {
+            return Err(BackendError::Incompatible {
+                key: key.clone(),
+                mark: want.clone(),
+                host: have.to_string(),
+                hint: "restore it on a host with the same version, or take a new base here".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compat_refuses_other_versions() {
+        let mark: BTreeMap<String, String> = [("qemu".to_string(), "7.2.22".to_string())].into();
+        let same = mark.clone();
+        assert!(check_compat(&mark, &same).is_ok());
+        let other: BTreeMap<String, String> = [("qemu".to_string(), "10.0.2".to_string())].into();
+        let err = check_compat(&mark, &other).unwrap_err().to_string();
+        assert!(err.contains("qemu=7.2.22") && err.contains("10.0.2"), "{err}");
+        assert!(check_compat(&mark, &BTreeMap::new()).is_err());
+        assert_eq!("vm".parse::<BackendKind>().unwrap(), BackendKind::Vm);
+        assert!("xx".parse::<BackendKind>().is_err());
+    }
+}
