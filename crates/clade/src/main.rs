@@ -25,6 +25,9 @@ enum Command {
     /// clade's NBD server over store manifests.
     #[command(subcommand)]
     Nbd(cmd::nbd::Command),
+    /// Templates: build a root filesystem and disk image from a spec; list; remove.
+    #[command(subcommand)]
+    Template(cmd::template::Command),
     /// Run clade's main job on the embedded defaults.
     Demo(cmd::demo::Args),
 }
@@ -35,6 +38,7 @@ fn main() {
         Command::Doctor(a) => cmd::doctor::run(a),
         Command::Store(c) => cmd::store::run(c),
         Command::Nbd(c) => cmd::nbd::run(c),
+        Command::Template(c) => cmd::template::run(c),
         Command::Demo(a) => cmd::demo::run(a),
     };
     match result {

@@ -4,6 +4,7 @@ pub mod demo;
 pub mod doctor;
 pub mod nbd;
 pub mod store;
+pub mod template;
 
 /// Exit codes that mean something to scripts: 1 generic, 2 usage, 3 not found, 4 conflict, 5 resource.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
