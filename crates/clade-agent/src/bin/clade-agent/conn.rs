@@ -1,0 +1,204 @@
+//! One host connection: decode frames, dispatch requests, write replies, events and data.
+//!
+//! Quick requests are answered on the reading thread (hello stays a single round trip with no thread
+//! hop); anything that blocks (waits, big reads, scripts) runs on its own thread, so a slow request never
+//! holds up the others. Every handler runs under `catch_unwind`: a bug becomes a typed error on that
+//! request, never a dead PID 1.
+
+use crate::{fsops, netreset, procs, ready, sys, Agent};
+use clade_agent::wire::{self, Chan, Frame, Kind, ReadOutcome, WireError};
+use clade_agent::{AgentError, Event, Reply, Request, Response, WIRE_VERSION};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+/// The writing half of a connection, shared by every thread that answers on it.
+pub struct Conn {
+    w: Mutex<Box<dyn Write + Send>>,
+}
+
+impl Conn {
+    pub fn new(w: Box<dyn Write + Send>) -> Conn {
+        Conn { w: Mutex::new(w) }
+    }
+
+    /// Writes already-encoded frame bytes. Errors are dropped: the host went away, and the agent carries
+    /// on (a new connection gets fresh replies).
+    pub fn raw(&self, bytes: &[u8]) {
+        let mut w = self.w.lock().unwrap_or_else(|p| p.into_inner());
+        if w.write_all(bytes).and_then(|_| w.flush()).is_err() {
+            // ignored on purpose, see above
+        }
+    }
+
+    pub fn reply(&self, id: u32, resp: &Response) {
+        let body = serde_json::to_vec(resp).unwrap_or_else(|e| {
+            format!("{{\"Err\":{{\"error\":\"failed\",\"detail\":\"encoding the reply: {e}\"}}}}").into_bytes()
+        });
+        self.raw(&wire::encode(Kind::Reply, Chan::None, 0, id, &body));
+    }
+
+    pub fn event(&self, pid: u32, ev: &Event) {
+        if let Ok(body) = serde_json::to_vec(ev) {
+            self.raw(&wire::encode(Kind::Event, Chan::None, 0, pid, &body));
+        }
+    }
+
+    pub fn data(&self, chan: Chan, id: u32, bytes: &[u8], flags: u8) {
+        self.raw(&wire::encode(Kind::Data, chan, flags, id, bytes));
+    }
+}
+
+fn wire_error(e: &WireError) -> AgentError {
+    match e {
+        WireError::UnsupportedVersion { got, .. } => {
+            AgentError::UnsupportedVersion { got: *got, supported: WIRE_VERSION }
+        }
+        other => AgentError::BadFrame { detail: other.to_string() },
+    }
+}
+
+/// Decodes a request body, telling an unknown op from a malformed known one.
+pub fn parse_request(body: &[u8]) -> Result<Request, AgentError> {
+    match serde_json::from_slice::<Request>(body) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            let op = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("op").and_then(|o| o.as_str()).map(str::to_owned));
+            match op {
+                Some(op) if !Request::OPS.contains(&op.as_str()) => {
+                    Err(AgentError::UnknownOp { op, supported: WIRE_VERSION })
+                }
+                _ => Err(AgentError::BadRequest { detail: e.to_string() }),
+            }
+        }
+    }
+}
+
+fn guarded(f: impl FnOnce() -> Response) -> Response {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(AgentError::Failed { detail: "the agent hit a bug handling this request (it keeps serving)".into() })
+    })
+}
+
+/// Serves one connection until the host closes it.
+pub fn serve(agent: &Arc<Agent>, mut r: impl Read, w: Box<dyn Write + Send>) {
+    let conn = Arc::new(Conn::new(w));
+    let mut writes: HashMap<u32, fsops::PendingWrite> = HashMap::new();
+    loop {
+        match wire::read_frame(&mut r) {
+            Ok(ReadOutcome::Frame(f)) => handle(agent, &conn, &mut writes, f),
+            Ok(ReadOutcome::Bad(e)) => conn.reply(e.id(), &Err(wire_error(&e))),
+            Ok(ReadOutcome::Eof) => break,
+            Err(e) => {
+                crate::log(&format!("connection ended: {e}"));
+                break;
+            }
+        }
+    }
+    for (_, w) in writes.drain() {
+        w.abandon();
+    }
+}
+
+fn handle(agent: &Arc<Agent>, conn: &Arc<Conn>, writes: &mut HashMap<u32, fsops::PendingWrite>, f: Frame) {
+    let id = f.header.id;
+    match (f.header.kind, f.header.chan) {
+        (Kind::Request, _) => match parse_request(&f.body) {
+            Ok(req) => dispatch(agent, conn, writes, id, req),
+            Err(e) => conn.reply(id, &Err(e)),
+        },
+        (Kind::Data, Chan::File) => {
+            let end = f.header.flags & wire::FLAG_END != 0;
+            let Some(w) = writes.get_mut(&id) else { return };
+            if let Err(e) = w.write(&f.body) {
+                if let Some(w) = writes.remove(&id) {
+                    w.abandon();
+                }
+                conn.reply(id, &Err(e));
+            } else if end {
+                if let Some(w) = writes.remove(&id) {
+                    conn.reply(id, &guarded(|| w.finish()));
+                }
+            }
+        }
+        (Kind::Data, Chan::Stdin) => {
+            let end = f.header.flags & wire::FLAG_END != 0;
+            agent.procs.write_stdin(id, &f.body, end);
+        }
+        _ => conn.reply(
+            id,
+            &Err(AgentError::BadFrame { detail: "the agent accepts only request frames and file/stdin data".into() }),
+        ),
+    }
+}
+
+/// Runs a blocking request on its own thread.
+fn task(conn: &Arc<Conn>, id: u32, f: impl FnOnce() -> Response + Send + 'static) {
+    let c = conn.clone();
+    let spawned = std::thread::Builder::new().name(format!("req-{id}")).spawn(move || {
+        let resp = guarded(f);
+        c.reply(id, &resp);
+    });
+    if let Err(e) = spawned {
+        conn.reply(id, &Err(AgentError::os("starting a thread for the request", &e)));
+    }
+}
+
+fn dispatch(
+    agent: &Arc<Agent>,
+    conn: &Arc<Conn>,
+    writes: &mut HashMap<u32, fsops::PendingWrite>,
+    id: u32,
+    req: Request,
+) {
+    let a = agent.clone();
+    match req {
+        Request::Hello => conn.reply(id, &guarded(|| Ok(Reply::Hello(sys::hello(agent))))),
+        Request::Exec(spec) => {
+            let started = catch_unwind(AssertUnwindSafe(|| procs::spawn(agent, conn, spec)))
+                .unwrap_or_else(|_| Err(AgentError::Failed { detail: "the agent hit a bug starting it".into() }));
+            match started {
+                Ok(p) => {
+                    conn.reply(id, &Ok(Reply::Started { pid: p.pid() }));
+                    p.supervise();
+                }
+                Err(e) => conn.reply(id, &Err(e)),
+            }
+        }
+        Request::CloseStdin { pid } => conn.reply(id, &guarded(|| agent.procs.close_stdin(pid))),
+        Request::Signal { pid, signal } => conn.reply(id, &guarded(|| agent.procs.signal(pid, signal))),
+        Request::Resize { pid, rows, cols } => conn.reply(id, &guarded(|| agent.procs.resize(pid, rows, cols))),
+        Request::ListProcs => conn.reply(id, &guarded(|| Ok(Reply::Procs { procs: agent.procs.list() }))),
+        Request::Wait { pid } => task(conn, id, move || a.procs.wait(pid)),
+        Request::ReadFile { path } => {
+            let c = conn.clone();
+            task(conn, id, move || fsops::read_file(&c, id, &path));
+        }
+        Request::WriteFile { path, mode, mkdirs } => match fsops::PendingWrite::open(&path, mode, mkdirs, id) {
+            Ok(w) => {
+                writes.insert(id, w);
+            }
+            Err(e) => conn.reply(id, &Err(e)),
+        },
+        Request::Stat { path } => conn.reply(id, &guarded(|| fsops::stat(&path).map(Reply::Stat))),
+        Request::ListDir { path, depth } => task(conn, id, move || fsops::list_dir(&path, depth)),
+        Request::MkdirP { path, mode } => conn.reply(id, &guarded(|| fsops::mkdir_p(&path, mode))),
+        Request::Remove { path, recursive } => task(conn, id, move || fsops::remove(&path, recursive)),
+        Request::Rename { from, to } => conn.reply(id, &guarded(|| fsops::rename(&from, &to))),
+        Request::Chmod { path, mode } => conn.reply(id, &guarded(|| fsops::chmod(&path, mode))),
+        Request::SetIdentity(ident) => task(conn, id, move || Ok(Reply::Identity(sys::set_identity(&a, &ident)))),
+        Request::RegisterRestoreSignal { pid, signal } => {
+            conn.reply(id, &guarded(|| sys::register_restore_signal(agent, pid, signal)))
+        }
+        Request::ClockRead => conn.reply(id, &guarded(|| sys::clock_read().map(Reply::Clock))),
+        Request::ClockShift { by_ns } => conn.reply(id, &guarded(|| sys::clock_shift(by_ns).map(Reply::Clock))),
+        Request::NetReset { peer, keep_local_ports } => {
+            conn.reply(id, &guarded(|| netreset::reset(peer.as_deref(), &keep_local_ports)))
+        }
+        Request::WriteEnv { vars } => conn.reply(id, &guarded(|| sys::write_env(agent, &vars))),
+        Request::WaitReady { target, timeout_ms } => task(conn, id, move || ready::wait(&target, timeout_ms)),
+    }
+}

@@ -1,0 +1,234 @@
+//! File operations. Paths are checked before any system call: absolute, no NUL, no `..` component
+//! (the host names paths inside the sandbox; `..` is never needed and only ever a mistake or an attack).
+
+use crate::conn::Conn;
+use clade_agent::wire::{encode_header, Chan, Kind, DATA_CHUNK};
+use clade_agent::{AgentError, DirEntry, FileStat, FileType, Reply, Response};
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+const MAX_LIST: usize = 100_000;
+
+/// Accepts an absolute path without NUL or `..`.
+pub fn check_path(p: &str) -> Result<PathBuf, AgentError> {
+    let bad = |reason: &str| AgentError::BadPath { path: p.escape_default().to_string(), reason: reason.into() };
+    if p.contains('\0') {
+        return Err(bad("it contains a NUL byte"));
+    }
+    if !p.starts_with('/') {
+        return Err(bad("it must be absolute"));
+    }
+    if Path::new(p).components().any(|c| c == Component::ParentDir) {
+        return Err(bad("it contains a `..` component"));
+    }
+    Ok(PathBuf::from(p))
+}
+
+fn io_err(what: &str, path: &Path, e: &std::io::Error) -> AgentError {
+    let p = path.display().to_string();
+    match e.kind() {
+        ErrorKind::NotFound => AgentError::NotFound { path: p },
+        _ if e.raw_os_error() == Some(libc::EISDIR) => AgentError::IsADirectory { path: p },
+        _ => AgentError::os(format!("{what} {p}"), e),
+    }
+}
+
+fn to_stat(path: &Path, m: &fs::Metadata) -> FileStat {
+    let ft = m.file_type();
+    let file_type = if ft.is_symlink() {
+        FileType::Symlink
+    } else if ft.is_dir() {
+        FileType::Dir
+    } else if ft.is_file() {
+        FileType::File
+    } else {
+        FileType::Other
+    };
+    FileStat {
+        file_type,
+        size: m.len(),
+        mode: m.mode() & 0o7777,
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime_ns: m.mtime().saturating_mul(1_000_000_000).saturating_add(m.mtime_nsec()),
+        link_target: if ft.is_symlink() {
+            fs::read_link(path).ok().map(|t| t.to_string_lossy().into_owned())
+        } else {
+            None
+        },
+    }
+}
+
+pub fn stat(path: &str) -> Result<FileStat, AgentError> {
+    let p = check_path(path)?;
+    let m = fs::symlink_metadata(&p).map_err(|e| io_err("stat", &p, &e))?;
+    Ok(to_stat(&p, &m))
+}
+
+/// Streams a file as `Data` frames; the caller sends the final reply.
+pub fn read_file(conn: &Conn, id: u32, path: &str) -> Response {
+    let p = check_path(path)?;
+    let mut f = File::open(&p).map_err(|e| io_err("opening", &p, &e))?;
+    let m = f.metadata().map_err(|e| io_err("stat", &p, &e))?;
+    if m.is_dir() {
+        return Err(AgentError::IsADirectory { path: path.into() });
+    }
+    if !m.is_file() {
+        return Err(AgentError::BadPath { path: path.into(), reason: "not a regular file".into() });
+    }
+    let mut buf = vec![0u8; 12 + DATA_CHUNK];
+    let mut total = 0u64;
+    loop {
+        let n = match f.read(&mut buf[12..]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_err("reading", &p, &e)),
+        };
+        buf[..12].copy_from_slice(&encode_header(Kind::Data, Chan::File, 0, id, n));
+        conn.raw(&buf[..12 + n]);
+        total += n as u64;
+    }
+    Ok(Reply::Bytes { n: total })
+}
+
+/// A file being written from `Data` frames: a temp file next to the target, renamed over it at the end.
+pub struct PendingWrite {
+    tmp: PathBuf,
+    target: PathBuf,
+    file: File,
+    mode: u32,
+    n: u64,
+}
+
+impl PendingWrite {
+    pub fn open(path: &str, mode: Option<u32>, mkdirs: bool, id: u32) -> Result<PendingWrite, AgentError> {
+        let target = check_path(path)?;
+        if fs::metadata(&target).is_ok_and(|m| m.is_dir()) {
+            return Err(AgentError::IsADirectory { path: path.into() });
+        }
+        let (Some(dir), Some(name)) = (target.parent(), target.file_name()) else {
+            return Err(AgentError::BadPath { path: path.into(), reason: "it names no file".into() });
+        };
+        if mkdirs {
+            fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| io_err("mkdir -p", dir, &e))?;
+        }
+        let tmp = dir.join(format!(".{}.clade-tmp.{id}.{}", name.to_string_lossy(), std::process::id()));
+        let mode = mode.unwrap_or(0o644) & 0o7777;
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(|e| io_err("creating", &tmp, &e))?;
+        Ok(PendingWrite { tmp, target, file, mode, n: 0 })
+    }
+
+    pub fn write(&mut self, data: &[u8]) -> Result<(), AgentError> {
+        self.file.write_all(data).map_err(|e| io_err("writing", &self.tmp, &e))?;
+        self.n += data.len() as u64;
+        Ok(())
+    }
+
+    pub fn finish(self) -> Response {
+        let res = fs::set_permissions(&self.tmp, fs::Permissions::from_mode(self.mode))
+            .and_then(|_| fs::rename(&self.tmp, &self.target));
+        if let Err(e) = res {
+            let _ = fs::remove_file(&self.tmp);
+            return Err(io_err("renaming into place", &self.target, &e));
+        }
+        Ok(Reply::Bytes { n: self.n })
+    }
+
+    pub fn abandon(self) {
+        let _ = fs::remove_file(&self.tmp);
+    }
+}
+
+pub fn list_dir(path: &str, depth: u32) -> Response {
+    let p = check_path(path)?;
+    let m = fs::metadata(&p).map_err(|e| io_err("stat", &p, &e))?;
+    if !m.is_dir() {
+        return Err(AgentError::BadPath { path: path.into(), reason: "not a directory".into() });
+    }
+    let mut entries = Vec::new();
+    walk(&p, 1, depth.max(1), &mut entries)?;
+    Ok(Reply::Dir { entries })
+}
+
+fn walk(dir: &Path, level: u32, max: u32, out: &mut Vec<DirEntry>) -> Result<(), AgentError> {
+    let rd = fs::read_dir(dir).map_err(|e| io_err("listing", dir, &e))?;
+    let mut names: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    names.sort();
+    for path in names {
+        let Ok(m) = fs::symlink_metadata(&path) else { continue };
+        if out.len() >= MAX_LIST {
+            return Err(AgentError::Failed {
+                detail: format!("more than {MAX_LIST} entries: list with a smaller depth"),
+            });
+        }
+        out.push(DirEntry { path: path.to_string_lossy().into_owned(), depth: level, stat: to_stat(&path, &m) });
+        if m.is_dir() && level < max {
+            // Unreadable subdirectories are listed but not descended into.
+            let _ = walk(&path, level + 1, max, out);
+        }
+    }
+    Ok(())
+}
+
+pub fn mkdir_p(path: &str, mode: Option<u32>) -> Response {
+    let p = check_path(path)?;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode.unwrap_or(0o755))
+        .create(&p)
+        .map_err(|e| io_err("mkdir -p", &p, &e))?;
+    Ok(Reply::Done)
+}
+
+pub fn remove(path: &str, recursive: bool) -> Response {
+    let p = check_path(path)?;
+    if p == Path::new("/") {
+        return Err(AgentError::BadPath { path: path.into(), reason: "refusing to remove /".into() });
+    }
+    let m = fs::symlink_metadata(&p).map_err(|e| io_err("stat", &p, &e))?;
+    let res = if m.is_dir() {
+        if recursive {
+            fs::remove_dir_all(&p)
+        } else {
+            fs::remove_dir(&p)
+        }
+    } else {
+        fs::remove_file(&p)
+    };
+    res.map_err(|e| io_err("removing", &p, &e))?;
+    Ok(Reply::Done)
+}
+
+pub fn rename(from: &str, to: &str) -> Response {
+    let (f, t) = (check_path(from)?, check_path(to)?);
+    fs::rename(&f, &t).map_err(|e| io_err("renaming", &f, &e))?;
+    Ok(Reply::Done)
+}
+
+pub fn chmod(path: &str, mode: u32) -> Response {
+    let p = check_path(path)?;
+    fs::set_permissions(&p, fs::Permissions::from_mode(mode & 0o7777)).map_err(|e| io_err("chmod", &p, &e))?;
+    Ok(Reply::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_checked() {
+        assert!(check_path("/etc/hostname").is_ok());
+        assert!(matches!(check_path("etc"), Err(AgentError::BadPath { .. })));
+        assert!(matches!(check_path("/etc/../root"), Err(AgentError::BadPath { .. })));
+        assert!(matches!(check_path("/etc/a\0b"), Err(AgentError::BadPath { .. })));
+        assert!(check_path("/a/..b/c").is_ok());
+    }
+}

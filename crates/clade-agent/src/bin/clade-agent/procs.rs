@@ -1,0 +1,318 @@
+//! Processes started for the host: spawn (pipes or a PTY), stream their output, deliver their exit.
+//!
+//! Each process gets one supervisor thread that polls its output fds and sends `Data` frames tagged with
+//! its pid; when the output has ended (or stayed open 2 s after the exit, e.g. held by a daemon it
+//! forked) it sends the exit event, so a host sees all of the output before the exit.
+
+use crate::conn::Conn;
+use crate::Agent;
+use clade_agent::wire::{encode_header, Chan, Kind, FLAG_END};
+use clade_agent::{AgentError, Event, ExecSpec, ExitStatus, ProcInfo, Reply, Response};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+const KEEP_EXITED: usize = 256;
+const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+struct Entry {
+    pid: u32,
+    argv: Vec<String>,
+    tag: Option<String>,
+    stdin: Mutex<Option<File>>,
+    master: Option<Arc<File>>,
+    exit: Mutex<Option<ExitStatus>>,
+    cv: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The table of processes the agent started.
+#[derive(Default)]
+pub struct Procs {
+    map: Mutex<BTreeMap<u32, Arc<Entry>>>,
+}
+
+impl Procs {
+    fn get(&self, pid: u32) -> Result<Arc<Entry>, AgentError> {
+        lock(&self.map).get(&pid).cloned().ok_or(AgentError::NoSuchProcess { pid })
+    }
+
+    fn insert(&self, e: Arc<Entry>) {
+        let mut map = lock(&self.map);
+        map.insert(e.pid, e);
+        let exited: Vec<u32> = map.values().filter(|e| lock(&e.exit).is_some()).map(|e| e.pid).collect();
+        if exited.len() > KEEP_EXITED {
+            for pid in &exited[..exited.len() - KEEP_EXITED] {
+                map.remove(pid);
+            }
+        }
+    }
+
+    pub fn list(&self) -> Vec<ProcInfo> {
+        lock(&self.map)
+            .values()
+            .map(|e| ProcInfo {
+                pid: e.pid,
+                argv: e.argv.clone(),
+                tag: e.tag.clone(),
+                pty: e.master.is_some(),
+                exit: *lock(&e.exit),
+            })
+            .collect()
+    }
+
+    pub fn wait(&self, pid: u32) -> Response {
+        let e = self.get(pid)?;
+        let mut exit = lock(&e.exit);
+        loop {
+            if let Some(s) = *exit {
+                return Ok(Reply::Exited(s));
+            }
+            exit = e.cv.wait(exit).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    pub fn write_stdin(&self, pid: u32, data: &[u8], end: bool) {
+        let Ok(e) = self.get(pid) else { return };
+        if let Some(m) = &e.master {
+            let _ = (&**m).write_all(data);
+            return;
+        }
+        let mut stdin = lock(&e.stdin);
+        if let Some(f) = stdin.as_mut() {
+            if f.write_all(data).is_err() {
+                *stdin = None;
+            }
+        }
+        if end {
+            *stdin = None;
+        }
+    }
+
+    pub fn close_stdin(&self, pid: u32) -> Response {
+        let e = self.get(pid)?;
+        if let Some(m) = &e.master {
+            // A PTY has no separate stdin: EOF is the terminal's ^D.
+            (&**m).write_all(&[4]).map_err(|err| AgentError::os("writing EOF to the pty", &err))?;
+        } else {
+            *lock(&e.stdin) = None;
+        }
+        Ok(Reply::Done)
+    }
+
+    pub fn signal(&self, pid: u32, signal: i32) -> Response {
+        let e = self.get(pid)?;
+        if lock(&e.exit).is_some() {
+            return Err(AgentError::NoSuchProcess { pid });
+        }
+        let sig = nix::sys::signal::Signal::try_from(signal)
+            .map_err(|_| AgentError::BadRequest { detail: format!("{signal} is not a signal number") })?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig)
+            .map_err(|e| AgentError::os(format!("kill({pid}, {signal})"), &e.into()))?;
+        Ok(Reply::Done)
+    }
+
+    pub fn resize(&self, pid: u32, rows: u16, cols: u16) -> Response {
+        let e = self.get(pid)?;
+        let Some(m) = &e.master else {
+            return Err(AgentError::BadRequest { detail: format!("process {pid} has no pty to resize") });
+        };
+        crate::sys::set_winsize(m.as_fd(), rows, cols).map_err(|err| AgentError::os("TIOCSWINSZ", &err))?;
+        Ok(Reply::Done)
+    }
+}
+
+/// A spawned process whose supervisor has not started yet (it starts after the `started` reply).
+pub struct Started {
+    agent: Arc<Agent>,
+    conn: Arc<Conn>,
+    entry: Arc<Entry>,
+    outs: Vec<(Chan, File)>,
+}
+
+fn resolve_user(name: &str) -> Result<nix::unistd::User, AgentError> {
+    match nix::unistd::User::from_name(name) {
+        Ok(Some(u)) => Ok(u),
+        Ok(None) => Err(AgentError::BadRequest { detail: format!("no user {name:?} in the sandbox's /etc/passwd") }),
+        Err(e) => Err(AgentError::os(format!("looking up user {name:?}"), &e.into())),
+    }
+}
+
+/// Spawns a process as `spec` says.
+pub fn spawn(agent: &Arc<Agent>, conn: &Arc<Conn>, spec: ExecSpec) -> Result<Started, AgentError> {
+    let Some(prog) = spec.argv.first() else {
+        return Err(AgentError::BadRequest { detail: "exec needs a non-empty argv".into() });
+    };
+    if spec.argv.iter().any(|a| a.contains('\0')) {
+        return Err(AgentError::BadRequest { detail: "argv contains a NUL byte".into() });
+    }
+    let mut cmd = Command::new(prog);
+    cmd.args(&spec.argv[1..]);
+    let user = spec.user.as_deref().map(resolve_user).transpose()?;
+    if spec.clear_env {
+        cmd.env_clear().env("PATH", DEFAULT_PATH);
+        cmd.env("HOME", user.as_ref().map(|u| u.dir.to_string_lossy().into_owned()).unwrap_or("/root".into()));
+        cmd.env("USER", user.as_ref().map(|u| u.name.clone()).unwrap_or("root".into()));
+    } else if let Some(u) = &user {
+        cmd.env("HOME", &u.dir).env("USER", &u.name);
+    }
+    if spec.pty.is_some() && !spec.env.contains_key("TERM") {
+        cmd.env("TERM", "xterm-256color");
+    }
+    cmd.envs(&spec.env);
+    if let Some(cwd) = &spec.cwd {
+        cmd.current_dir(crate::fsops::check_path(cwd)?);
+    }
+    if let Some(uid) = spec.uid.or(user.as_ref().map(|u| u.uid.as_raw())) {
+        cmd.uid(uid);
+    }
+    if let Some(gid) = spec.gid.or(user.as_ref().map(|u| u.gid.as_raw())) {
+        cmd.gid(gid);
+    }
+    let spawn_err = |e: std::io::Error| match e.kind() {
+        ErrorKind::NotFound => AgentError::NotFound { path: prog.clone() },
+        _ => AgentError::os(format!("starting {prog}"), &e),
+    };
+    let (child, master, outs, stdin) = if let Some(size) = spec.pty {
+        let (master, slave) = crate::sys::open_pty(size.rows, size.cols).map_err(|e| AgentError::os("openpty", &e))?;
+        let dup = |fd: &OwnedFd| fd.try_clone().map(Stdio::from);
+        let (i, o, e) = (dup(&slave), dup(&slave), dup(&slave));
+        let (i, o, e) = match (i, o, e) {
+            (Ok(i), Ok(o), Ok(e)) => (i, o, e),
+            _ => {
+                return Err(AgentError::Failed {
+                    detail: "duplicating the pty slave failed: too many open files?".into(),
+                })
+            }
+        };
+        cmd.stdin(i).stdout(o).stderr(e);
+        crate::sys::pre_exec_controlling_tty(&mut cmd);
+        let child = agent.reaper.spawn(&mut cmd).map_err(spawn_err)?;
+        drop(slave);
+        let master = Arc::new(File::from(master));
+        let reader = master.try_clone().map_err(|e| AgentError::os("dup pty master", &e))?;
+        (child, Some(master), vec![(Chan::Stdout, reader)], None)
+    } else {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() });
+        cmd.process_group(0);
+        let mut child = agent.reaper.spawn(&mut cmd).map_err(spawn_err)?;
+        let mut outs = Vec::new();
+        if let Some(o) = child.stdout.take() {
+            outs.push((Chan::Stdout, File::from(OwnedFd::from(o))));
+        }
+        if let Some(e) = child.stderr.take() {
+            outs.push((Chan::Stderr, File::from(OwnedFd::from(e))));
+        }
+        let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+        (child, None, outs, stdin)
+    };
+    let entry = Arc::new(Entry {
+        pid: child.id(),
+        argv: spec.argv.clone(),
+        tag: spec.tag.clone(),
+        stdin: Mutex::new(stdin),
+        master,
+        exit: Mutex::new(None),
+        cv: Condvar::new(),
+    });
+    agent.procs.insert(entry.clone());
+    Ok(Started { agent: agent.clone(), conn: conn.clone(), entry, outs })
+}
+
+impl Started {
+    pub fn pid(&self) -> u32 {
+        self.entry.pid
+    }
+
+    /// Starts the supervisor thread. If no thread can be had, supervises on this one.
+    pub fn supervise(self) {
+        let pid = self.entry.pid;
+        let cell = Arc::new(Mutex::new(Some(self)));
+        let c2 = cell.clone();
+        let spawned = std::thread::Builder::new().name(format!("proc-{pid}")).spawn(move || {
+            if let Some(s) = lock(&c2).take() {
+                s.run();
+            }
+        });
+        if spawned.is_err() {
+            if let Some(s) = lock(&cell).take() {
+                s.run();
+            }
+        }
+    }
+
+    fn run(mut self) {
+        let pid = self.entry.pid;
+        let mut buf = vec![0u8; 12 + 64 * 1024];
+        let mut exit: Option<ExitStatus> = None;
+        let mut grace: Option<Instant> = None;
+        while !self.outs.is_empty() {
+            let wait = match grace {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_millis(200),
+            };
+            let ready: Vec<bool> = {
+                let mut fds: Vec<PollFd> =
+                    self.outs.iter().map(|(_, f)| PollFd::new(f.as_fd(), PollFlags::POLLIN)).collect();
+                let t = PollTimeout::try_from(wait.as_millis().min(10_000) as i32).unwrap_or(PollTimeout::MAX);
+                match poll(&mut fds, t) {
+                    Ok(_) => fds.iter().map(|p| p.revents().is_some_and(|r| !r.is_empty())).collect(),
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(_) => vec![true; fds.len()],
+                }
+            };
+            let mut i = 0;
+            let mut idx = 0;
+            while i < self.outs.len() {
+                if !ready[idx] {
+                    i += 1;
+                    idx += 1;
+                    continue;
+                }
+                idx += 1;
+                let (chan, f) = &self.outs[i];
+                match (&*f).read(&mut buf[12..]) {
+                    Ok(n) if n > 0 => {
+                        buf[..12].copy_from_slice(&encode_header(Kind::Data, *chan, 0, pid, n));
+                        self.conn.raw(&buf[..12 + n]);
+                        i += 1;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted || e.kind() == ErrorKind::WouldBlock => i += 1,
+                    _ => {
+                        // EOF, or EIO on a PTY whose slave side is all closed.
+                        self.conn.data(*chan, pid, &[], FLAG_END);
+                        self.outs.remove(i);
+                    }
+                }
+            }
+            if exit.is_none() {
+                exit = self.agent.reaper.wait(pid, Some(Duration::ZERO));
+                if exit.is_some() {
+                    grace = Some(Instant::now() + OUTPUT_GRACE);
+                }
+            }
+            if grace.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+        }
+        let status = match exit {
+            Some(s) => s,
+            None => self.agent.reaper.wait(pid, None).unwrap_or(ExitStatus { code: None, signal: None }),
+        };
+        *lock(&self.entry.stdin) = None;
+        *lock(&self.entry.exit) = Some(status);
+        self.entry.cv.notify_all();
+        self.conn.event(pid, &Event::Exit { pid, status });
+    }
+}

@@ -1,0 +1,103 @@
+//! Readiness waits: a listening TCP port (read from /proc/net/tcp{,6}, so the service sees no probe
+//! connection), an `http://` URL answering 2xx (a minimal HTTP/1.0 GET: no TLS, no redirects), or a path.
+
+use clade_agent::{AgentError, ReadyTarget, Reply, Response};
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+const POLL: Duration = Duration::from_millis(10);
+
+fn port_listens(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|s| {
+            s.lines().skip(1).any(|l| {
+                let mut cols = l.split_whitespace();
+                let local = cols.nth(1).unwrap_or("");
+                let state = cols.nth(1).unwrap_or("");
+                state == "0A" && local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
+            })
+        })
+    })
+}
+
+/// Splits `http://host[:port][/path]`.
+fn parse_url(url: &str) -> Result<(String, String), AgentError> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| AgentError::BadRequest {
+        detail: format!("{url:?}: only http:// URLs are supported (use a port target for TLS services)"),
+    })?;
+    let (hostport, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if hostport.is_empty() {
+        return Err(AgentError::BadRequest { detail: format!("{url:?} has no host") });
+    }
+    let hostport = if hostport.contains(':') && !hostport.ends_with(']') {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:80")
+    };
+    Ok((hostport, path.to_string()))
+}
+
+fn url_ok(hostport: &str, path: &str) -> bool {
+    let Some(addr) = hostport.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let host = hostport.rsplit_once(':').map(|h| h.0).unwrap_or(hostport);
+    if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
+        return false;
+    }
+    let mut head = [0u8; 16];
+    let mut got = 0;
+    while got < 12 {
+        match s.read(&mut head[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    let line = String::from_utf8_lossy(&head[..got]);
+    line.starts_with("HTTP/") && line.split_whitespace().nth(1).is_some_and(|c| c.starts_with('2') && c.len() == 3)
+}
+
+pub fn wait(target: &ReadyTarget, timeout_ms: u64) -> Response {
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_millis(timeout_ms);
+    let (what, check): (String, Box<dyn Fn() -> bool>) = match target {
+        ReadyTarget::Port { port } => {
+            let p = *port;
+            (format!("tcp port {p}"), Box::new(move || port_listens(p)))
+        }
+        ReadyTarget::Url { url } => {
+            let (hp, path) = parse_url(url)?;
+            (url.clone(), Box::new(move || url_ok(&hp, &path)))
+        }
+        ReadyTarget::File { path } => {
+            let p = crate::fsops::check_path(path)?;
+            (path.clone(), Box::new(move || p.exists()))
+        }
+    };
+    loop {
+        if check() {
+            return Ok(Reply::Ready { waited_ms: t0.elapsed().as_millis() as u64 });
+        }
+        if Instant::now() >= deadline {
+            return Err(AgentError::Timeout { what, waited_ms: t0.elapsed().as_millis() as u64 });
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse() {
+        assert_eq!(parse_url("http://127.0.0.1:8080/x").unwrap(), ("127.0.0.1:8080".into(), "/x".into()));
+        assert_eq!(parse_url("http://h").unwrap(), ("h:80".into(), "/".into()));
+        assert!(parse_url("https://h").is_err());
+        assert!(parse_url("http:///x").is_err());
+    }
+}

@@ -1,0 +1,307 @@
+//! Identity, clock, env file, and the few ioctls the agent needs (each `unsafe` is a single syscall).
+
+use crate::Agent;
+use clade_agent::{AgentError, ClockReading, Hello, Identity, IdentityReport, Reply, Response, ScriptRun};
+use nix::time::{clock_gettime, clock_settime, ClockId};
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// `_IOW('R', 0x03, int[2])`: add entropy to the input pool and credit it (needs CAP_SYS_ADMIN).
+const RNDADDENTROPY: u64 = 0x4008_5203;
+/// `_IO('R', 0x07)`: reseed the CRNG from the pool now (Linux 4.17+).
+const RNDRESEEDCRNG: u64 = 0x5207;
+const MAX_ENTROPY: usize = 64 * 1024;
+const SCRIPT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn ns(c: ClockId) -> Result<i64, AgentError> {
+    let t = clock_gettime(c).map_err(|e| AgentError::os("clock_gettime", &e.into()))?;
+    Ok(t.tv_sec() * 1_000_000_000 + t.tv_nsec())
+}
+
+pub fn clock_read() -> Result<ClockReading, AgentError> {
+    Ok(ClockReading {
+        realtime_ns: ns(ClockId::CLOCK_REALTIME)?,
+        monotonic_ns: ns(ClockId::CLOCK_MONOTONIC)?,
+        boottime_ns: ns(ClockId::CLOCK_BOOTTIME)?,
+    })
+}
+
+/// Seed 003's `shift`: read our own clock and set it `by_ns` later, so transit time does not matter.
+pub fn clock_shift(by_ns: i64) -> Result<ClockReading, AgentError> {
+    let target = ns(ClockId::CLOCK_REALTIME)?.saturating_add(by_ns);
+    let ts = nix::sys::time::TimeSpec::new(target.div_euclid(1_000_000_000), target.rem_euclid(1_000_000_000));
+    clock_settime(ClockId::CLOCK_REALTIME, ts)
+        .map_err(|e| AgentError::os("clock_settime (the agent needs CAP_SYS_TIME)", &e.into()))?;
+    clock_read()
+}
+
+pub fn hello(agent: &Agent) -> Hello {
+    Hello {
+        wire_version: clade_agent::WIRE_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").into(),
+        role: agent.role.into(),
+        boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default(),
+        uptime_ms: ns(ClockId::CLOCK_BOOTTIME).map(|n| n as u64 / 1_000_000).unwrap_or(0),
+        generation: agent.generation.load(Ordering::Relaxed),
+        pid: std::process::id(),
+        services_ready: agent.services_ready.load(Ordering::Relaxed),
+    }
+}
+
+/// Writes `path` through a temp file and a rename, so readers see the old or the new content only.
+pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    fs::create_dir_all(dir)?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.clade-tmp.{}", std::process::id()));
+    let res = (|| {
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))?;
+        fs::rename(&tmp, path)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+fn shell_quote(v: &str) -> String {
+    format!("'{}'", v.replace('\'', "'\\''"))
+}
+
+pub fn write_env(agent: &Agent, vars: &BTreeMap<String, String>) -> Response {
+    for k in vars.keys() {
+        let ok = k.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(AgentError::BadRequest { detail: format!("{k:?} is not a valid variable name") });
+        }
+    }
+    if vars.values().any(|v| v.contains('\0')) {
+        return Err(AgentError::BadRequest { detail: "a value contains a NUL byte".into() });
+    }
+    let mut env = String::from("# written by clade-agent\n");
+    let mut profile = String::from("# written by clade-agent: the sandbox's env for login shells\n");
+    for (k, v) in vars {
+        env.push_str(&format!("{k}={}\n", shell_quote(v)));
+        profile.push_str(&format!("export {k}={}\n", shell_quote(v)));
+    }
+    let env_path = agent.sys_path("/etc/clade/env");
+    write_atomic(&env_path, env.as_bytes(), 0o644)
+        .map_err(|e| AgentError::os(format!("writing {}", env_path.display()), &e))?;
+    let prof = agent.sys_path("/etc/profile.d/clade.sh");
+    write_atomic(&prof, profile.as_bytes(), 0o644)
+        .map_err(|e| AgentError::os(format!("writing {}", prof.display()), &e))?;
+    Ok(Reply::Done)
+}
+
+pub fn register_restore_signal(agent: &Agent, pid: u32, signal: i32) -> Response {
+    if nix::sys::signal::Signal::try_from(signal).is_err() {
+        return Err(AgentError::BadRequest { detail: format!("{signal} is not a signal number") });
+    }
+    let mut regs = agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner());
+    regs.retain(|(p, _)| *p != pid);
+    regs.push((pid, signal));
+    Ok(Reply::Done)
+}
+
+fn add_entropy(bytes: &[u8]) -> io::Result<()> {
+    let f = OpenOptions::new().write(true).open("/dev/urandom")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }, built as u32 words.
+    let mut words = vec![0u32; 2 + bytes.len().div_ceil(4)];
+    words[0] = (bytes.len() * 8) as u32;
+    words[1] = bytes.len() as u32;
+    for (i, c) in bytes.chunks(4).enumerate() {
+        let mut w = [0u8; 4];
+        w[..c.len()].copy_from_slice(c);
+        words[2 + i] = u32::from_ne_bytes(w);
+    }
+    // SAFETY: `words` is a live, correctly sized rand_pool_info (header + buf_size bytes) for the whole
+    // call; the kernel only reads from it.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, words.as_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn reseed_crng() -> io::Result<()> {
+    let f = OpenOptions::new().write(true).open("/dev/urandom")?;
+    // SAFETY: RNDRESEEDCRNG takes no argument and touches no user memory.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG as _, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
+    let mut rep = IdentityReport::default();
+    if let Some(h) = &id.hostname {
+        let valid =
+            !h.is_empty() && h.len() <= 64 && h.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+        if !valid {
+            rep.errors.push(format!("hostname {h:?} refused: use 1-64 of [A-Za-z0-9.-]"));
+        } else {
+            match nix::unistd::sethostname(h) {
+                Err(e) => rep.errors.push(format!("sethostname: {e} (needs CAP_SYS_ADMIN in its uts namespace)")),
+                Ok(()) => {
+                    let p = agent.sys_path("/etc/hostname");
+                    match write_atomic(&p, format!("{h}\n").as_bytes(), 0o644) {
+                        Ok(()) => rep.hostname_set = true,
+                        Err(e) => rep.errors.push(format!("writing {}: {e}", p.display())),
+                    }
+                }
+            }
+        }
+    }
+    if let Some(m) = &id.machine_id {
+        if m.len() != 32 || !m.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()) {
+            rep.errors.push(format!("machine id {m:?} refused: use 32 lowercase hex digits"));
+        } else {
+            let p = agent.sys_path("/etc/machine-id");
+            match write_atomic(&p, format!("{m}\n").as_bytes(), 0o444) {
+                Ok(()) => rep.machine_id_set = true,
+                Err(e) => rep.errors.push(format!("writing {}: {e}", p.display())),
+            }
+        }
+    }
+    if !id.entropy.is_empty() {
+        let bytes = &id.entropy[..id.entropy.len().min(MAX_ENTROPY)];
+        match add_entropy(bytes) {
+            Ok(()) => rep.entropy_added = bytes.len() as u32,
+            Err(e) => rep.errors.push(format!("RNDADDENTROPY: {e} (needs CAP_SYS_ADMIN)")),
+        }
+        match reseed_crng() {
+            Ok(()) => rep.crng_reseeded = true,
+            Err(e) => rep.errors.push(format!("RNDRESEEDCRNG: {e}")),
+        }
+    }
+    if let Some(g) = id.generation {
+        agent.generation.store(g, Ordering::Relaxed);
+    }
+    if id.run_on_restore {
+        run_on_restore(agent, &mut rep);
+    }
+    if id.signal_registered {
+        signal_registered(agent, &mut rep);
+    }
+    rep
+}
+
+fn run_on_restore(agent: &Agent, rep: &mut IdentityReport) {
+    let dir = agent.sys_path("/etc/clade/on-restore.d");
+    let Ok(rd) = fs::read_dir(&dir) else { return };
+    let mut paths: Vec<_> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    for p in paths {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let exec = fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+        if name.starts_with('.') || !exec {
+            continue;
+        }
+        let t0 = Instant::now();
+        let mut cmd = Command::new(&p);
+        cmd.env("CLADE_GENERATION", agent.generation.load(Ordering::Relaxed).to_string())
+            .stdin(Stdio::null())
+            .process_group(0);
+        let status = match agent.reaper.spawn(&mut cmd) {
+            Err(e) => {
+                rep.errors.push(format!("starting {}: {e}", p.display()));
+                None
+            }
+            Ok(child) => {
+                let s = agent.reaper.wait(child.id(), Some(SCRIPT_TIMEOUT));
+                if s.is_none() {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(child.id() as i32),
+                        nix::sys::signal::SIGKILL,
+                    );
+                    agent.reaper.forget(child.id());
+                    rep.errors.push(format!("{} ran over {} s and was killed", p.display(), SCRIPT_TIMEOUT.as_secs()));
+                }
+                s
+            }
+        };
+        if let Some(s) = status.filter(|s| !s.success()) {
+            rep.errors.push(format!("{} failed: {s:?}", p.display()));
+        }
+        rep.scripts.push(ScriptRun { name, status, ms: t0.elapsed().as_millis() as u64 });
+    }
+}
+
+fn signal_registered(agent: &Agent, rep: &mut IdentityReport) {
+    let mut targets: Vec<(u32, i32)> = agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    // Programs in the sandbox register themselves with a file named by their pid holding a signal number.
+    if let Ok(rd) = fs::read_dir(agent.sys_path("/run/clade/restore-signal.d")) {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let sig = fs::read_to_string(e.path()).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(libc::SIGUSR1);
+            targets.push((pid, sig));
+        }
+    }
+    let mut gone = Vec::new();
+    for (pid, sig) in targets {
+        let Ok(s) = nix::sys::signal::Signal::try_from(sig) else { continue };
+        match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), s) {
+            Ok(()) => rep.signalled += 1,
+            Err(e) => {
+                rep.errors.push(format!("signalling {pid} with {sig}: {e}"));
+                gone.push(pid);
+            }
+        }
+    }
+    agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner()).retain(|(p, _)| !gone.contains(p));
+}
+
+fn set_cloexec(fd: &OwnedFd) -> io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    fcntl(fd.as_raw_fd(), FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map_err(io::Error::from)?;
+    Ok(())
+}
+
+/// A new PTY pair (master, slave), both close-on-exec (the child gets dups on 0/1/2).
+pub fn open_pty(rows: u16, cols: u16) -> io::Result<(OwnedFd, OwnedFd)> {
+    let ws = nix::pty::Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let r = nix::pty::openpty(&ws, None).map_err(io::Error::from)?;
+    set_cloexec(&r.master)?;
+    set_cloexec(&r.slave)?;
+    Ok((r.master, r.slave))
+}
+
+pub fn set_winsize(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> io::Result<()> {
+    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCSWINSZ reads one `struct winsize` from the pointer, which lives for the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes the child a session leader with its PTY (already its stdin) as the controlling terminal.
+pub fn pre_exec_controlling_tty(cmd: &mut Command) {
+    // SAFETY: the hook runs in the forked child before exec and only makes two async-signal-safe
+    // syscalls; it allocates nothing and touches no shared state.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+}

@@ -1,0 +1,566 @@
+//! The JSON bodies of control frames: requests, replies, events and the typed errors.
+//!
+//! These types are the contract between the agent and both backends (`clade-vm`, `clade-ct`); they are
+//! declared here once and imported. Adding an optional field (with `#[serde(default)]`) keeps the wire
+//! version; anything else bumps [`crate::WIRE_VERSION`].
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A request from the host. The frame id is the request id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Proves the sandbox is up: replies [`Reply::Hello`].
+    Hello,
+    /// Starts a process: replies [`Reply::Started`]; then `Data` frames on stdout/stderr (id = pid) and an
+    /// [`Event::Exit`] once it exited and its output ended.
+    Exec(ExecSpec),
+    /// Closes a process's stdin pipe (or sends EOF on its PTY).
+    CloseStdin {
+        /// Process id.
+        pid: u32,
+    },
+    /// Sends a signal to a process started by the agent.
+    Signal {
+        /// Process id.
+        pid: u32,
+        /// Signal number (e.g. 15).
+        signal: i32,
+    },
+    /// Resizes a process's PTY.
+    Resize {
+        /// Process id.
+        pid: u32,
+        /// Rows.
+        rows: u16,
+        /// Columns.
+        cols: u16,
+    },
+    /// Lists the processes the agent started (running, and recently exited).
+    ListProcs,
+    /// Replies [`Reply::Exited`] once the process has exited.
+    Wait {
+        /// Process id.
+        pid: u32,
+    },
+    /// Streams a regular file as `Data` frames on [`crate::Chan::File`], then replies [`Reply::Bytes`].
+    ReadFile {
+        /// Absolute path.
+        path: String,
+    },
+    /// Creates or replaces a file from the `Data` frames that follow on [`crate::Chan::File`] with the same
+    /// id (the last one carries [`crate::FLAG_END`]); the file appears atomically (temp file + rename).
+    WriteFile {
+        /// Absolute path.
+        path: String,
+        /// Permission bits (default 0o644).
+        #[serde(default)]
+        mode: Option<u32>,
+        /// Create missing parent directories.
+        #[serde(default)]
+        mkdirs: bool,
+    },
+    /// Replies [`Reply::Stat`] (without following a final symlink).
+    Stat {
+        /// Absolute path.
+        path: String,
+    },
+    /// Replies [`Reply::Dir`] with entries down to `depth` levels (1 = the directory's own entries).
+    ListDir {
+        /// Absolute path.
+        path: String,
+        /// Levels to descend (at least 1).
+        #[serde(default = "one")]
+        depth: u32,
+    },
+    /// `mkdir -p`.
+    MkdirP {
+        /// Absolute path.
+        path: String,
+        /// Permission bits of created directories (default 0o755).
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Removes a file, a symlink, or (with `recursive`) a directory tree.
+    Remove {
+        /// Absolute path.
+        path: String,
+        /// Remove directories with their contents.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// `rename(2)`.
+    Rename {
+        /// Absolute source path.
+        from: String,
+        /// Absolute destination path.
+        to: String,
+    },
+    /// `chmod(2)`.
+    Chmod {
+        /// Absolute path.
+        path: String,
+        /// Permission bits.
+        mode: u32,
+    },
+    /// Makes a restored sibling a distinct machine: replies [`Reply::Identity`].
+    SetIdentity(Identity),
+    /// Registers a process to be signalled by every `set_identity` (e.g. to reseed its RNG).
+    RegisterRestoreSignal {
+        /// Process id in the sandbox.
+        pid: u32,
+        /// Signal number.
+        signal: i32,
+    },
+    /// Reads the clocks: replies [`Reply::Clock`].
+    ClockRead,
+    /// Moves CLOCK_REALTIME by `by_ns` against the agent's own reading (seed 003's `shift`): the step does
+    /// not depend on when the request arrives.
+    ClockShift {
+        /// Nanoseconds to add (negative moves back).
+        by_ns: i64,
+    },
+    /// Destroys established TCP connections (sock_diag SOCK_DESTROY, what `ss -K` does): replies
+    /// [`Reply::NetReset`].
+    NetReset {
+        /// Only connections whose remote address is this IP; all non-loopback ones when absent.
+        #[serde(default)]
+        peer: Option<String>,
+        /// Local ports whose connections are kept (the agent's own, when it serves over TCP).
+        #[serde(default)]
+        keep_local_ports: Vec<u16>,
+    },
+    /// Writes the env file and `/etc/profile.d/clade.sh` atomically.
+    WriteEnv {
+        /// Variables (names: `[A-Za-z_][A-Za-z0-9_]*`).
+        vars: BTreeMap<String, String>,
+    },
+    /// Waits until a target is ready: replies [`Reply::Ready`] or [`AgentError::Timeout`].
+    WaitReady {
+        /// What to wait for.
+        target: ReadyTarget,
+        /// Give up after this many milliseconds.
+        timeout_ms: u64,
+    },
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Request {
+    /// Every op name, for telling an unknown op from a malformed known one.
+    pub const OPS: &'static [&'static str] = &[
+        "hello",
+        "exec",
+        "close_stdin",
+        "signal",
+        "resize",
+        "list_procs",
+        "wait",
+        "read_file",
+        "write_file",
+        "stat",
+        "list_dir",
+        "mkdir_p",
+        "remove",
+        "rename",
+        "chmod",
+        "set_identity",
+        "register_restore_signal",
+        "clock_read",
+        "clock_shift",
+        "net_reset",
+        "write_env",
+        "wait_ready",
+    ];
+}
+
+/// How to start a process.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// Program and arguments; a program without `/` is searched in the resulting `PATH`.
+    pub argv: Vec<String>,
+    /// Variables to set (on top of the agent's environment unless `clear_env`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Start from an empty environment (plus `PATH`, `HOME`, `USER` defaults).
+    #[serde(default)]
+    pub clear_env: bool,
+    /// Working directory (absolute).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// User name from the sandbox's /etc/passwd (sets uid, gid, HOME, USER).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Numeric uid (overrides `user`'s).
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// Numeric gid (overrides `user`'s).
+    #[serde(default)]
+    pub gid: Option<u32>,
+    /// Run on a new PTY of this size (stdout carries the terminal output, stderr is unused).
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// Keep stdin open for [`crate::Chan::Stdin`] data; otherwise stdin is /dev/null.
+    #[serde(default)]
+    pub stdin: bool,
+    /// A free-form label shown by `list_procs`.
+    #[serde(default)]
+    pub tag: Option<String>,
+}
+
+impl ExecSpec {
+    /// A spec for `argv` with every other field defaulted.
+    pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(argv: I) -> ExecSpec {
+        ExecSpec { argv: argv.into_iter().map(Into::into).collect(), ..ExecSpec::default() }
+    }
+}
+
+/// A terminal size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+/// What `set_identity` does; every field is optional and done in the order listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Sets the kernel hostname and writes /etc/hostname.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// Writes /etc/machine-id (32 lowercase hex digits).
+    #[serde(default)]
+    pub machine_id: Option<String>,
+    /// Host-supplied random bytes for RNDADDENTROPY (credited), followed by RNDRESEEDCRNG.
+    #[serde(default)]
+    pub entropy: Vec<u8>,
+    /// The restore generation the sandbox now is (reported by `hello`).
+    #[serde(default)]
+    pub generation: Option<u64>,
+    /// Run `/etc/clade/on-restore.d/*` in name order.
+    #[serde(default)]
+    pub run_on_restore: bool,
+    /// Signal the registered processes.
+    #[serde(default)]
+    pub signal_registered: bool,
+}
+
+/// A readiness target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ReadyTarget {
+    /// A TCP socket listening on this port (any local address).
+    Port {
+        /// Port number.
+        port: u16,
+    },
+    /// An `http://` URL answering a GET with 2xx.
+    Url {
+        /// The URL.
+        url: String,
+    },
+    /// A path that exists.
+    File {
+        /// Absolute path.
+        path: String,
+    },
+}
+
+/// A successful reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// To `hello`.
+    Hello(Hello),
+    /// To `exec`.
+    Started {
+        /// Process id in the sandbox.
+        pid: u32,
+    },
+    /// To `wait`.
+    Exited(ExitStatus),
+    /// To `list_procs`.
+    Procs {
+        /// The processes.
+        procs: Vec<ProcInfo>,
+    },
+    /// To `read_file` / `write_file`.
+    Bytes {
+        /// Bytes transferred.
+        n: u64,
+    },
+    /// To `stat`.
+    Stat(FileStat),
+    /// To `list_dir`.
+    Dir {
+        /// The entries, parents before children.
+        entries: Vec<DirEntry>,
+    },
+    /// To `set_identity`.
+    Identity(IdentityReport),
+    /// To `clock_read` / `clock_shift`.
+    Clock(ClockReading),
+    /// To `net_reset`.
+    NetReset {
+        /// Connections destroyed.
+        destroyed: u32,
+    },
+    /// To `wait_ready`.
+    Ready {
+        /// Milliseconds waited.
+        waited_ms: u64,
+    },
+    /// To operations with nothing to report.
+    Done,
+}
+
+/// The agent's answer to `hello`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The agent's wire version.
+    pub wire_version: u8,
+    /// The agent's crate version.
+    pub agent_version: String,
+    /// `init` or `serve`.
+    pub role: String,
+    /// /proc/sys/kernel/random/boot_id (same across a restore: the kernel did not boot again).
+    pub boot_id: String,
+    /// CLOCK_BOOTTIME in milliseconds.
+    pub uptime_ms: u64,
+    /// The restore generation last set by `set_identity` (0 before any).
+    pub generation: u64,
+    /// The agent's pid in its namespace (1 as init).
+    pub pid: u32,
+    /// Whether `/etc/clade/services.d/*` have all returned (always true in serve mode).
+    pub services_ready: bool,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitStatus {
+    /// Exit code, if it exited.
+    pub code: Option<i32>,
+    /// Signal number, if it was killed by one.
+    pub signal: Option<i32>,
+}
+
+impl ExitStatus {
+    /// True for exit code 0.
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+/// A process the agent started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcInfo {
+    /// Process id.
+    pub pid: u32,
+    /// Its argv.
+    pub argv: Vec<String>,
+    /// Its tag.
+    pub tag: Option<String>,
+    /// Whether it has a PTY.
+    pub pty: bool,
+    /// Its exit status, once exited.
+    pub exit: Option<ExitStatus>,
+}
+
+/// File type in a stat or dir entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileType {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Anything else (device, fifo, socket).
+    Other,
+}
+
+/// `stat` of a path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    /// Type.
+    pub file_type: FileType,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Modification time, ns since the epoch.
+    pub mtime_ns: i64,
+    /// Symlink target.
+    pub link_target: Option<String>,
+}
+
+/// One `list_dir` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// Absolute path.
+    pub path: String,
+    /// Depth below the listed directory (1 = its own entries).
+    pub depth: u32,
+    /// Its stat.
+    pub stat: FileStat,
+}
+
+/// What `set_identity` did. Steps that failed are listed in `errors`; the others still ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdentityReport {
+    /// The hostname was set and written.
+    pub hostname_set: bool,
+    /// /etc/machine-id was written.
+    pub machine_id_set: bool,
+    /// Entropy bytes added to the kernel pool.
+    pub entropy_added: u32,
+    /// RNDRESEEDCRNG succeeded.
+    pub crng_reseeded: bool,
+    /// `on-restore.d` scripts run, in order.
+    pub scripts: Vec<ScriptRun>,
+    /// Registered processes signalled.
+    pub signalled: u32,
+    /// One line per failed step, saying what failed and why.
+    pub errors: Vec<String>,
+}
+
+/// One on-restore script's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScriptRun {
+    /// File name.
+    pub name: String,
+    /// Its exit status (None if it could not start or timed out).
+    pub status: Option<ExitStatus>,
+    /// Milliseconds it took.
+    pub ms: u64,
+}
+
+/// The sandbox's clocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockReading {
+    /// CLOCK_REALTIME, ns since the epoch.
+    pub realtime_ns: i64,
+    /// CLOCK_MONOTONIC, ns.
+    pub monotonic_ns: i64,
+    /// CLOCK_BOOTTIME, ns.
+    pub boottime_ns: i64,
+}
+
+/// An unsolicited message from the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// A process exited and its output streams ended (or stayed open 2 s after the exit).
+    Exit {
+        /// Process id.
+        pid: u32,
+        /// How it ended.
+        status: ExitStatus,
+    },
+}
+
+/// A typed error on one request. The agent keeps serving after every one of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "error", rename_all = "snake_case")]
+pub enum AgentError {
+    /// The frame could not be decoded.
+    #[error("bad frame: {detail}")]
+    BadFrame {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The host speaks a newer wire version.
+    #[error(
+        "the host speaks wire version {got}, this agent speaks {supported}: put a newer clade-agent in the template"
+    )]
+    UnsupportedVersion {
+        /// The host's version.
+        got: u8,
+        /// The agent's version.
+        supported: u8,
+    },
+    /// The op is not one this agent knows.
+    #[error("unknown op {op:?}: this agent (wire version {supported}) does not implement it")]
+    UnknownOp {
+        /// The op name.
+        op: String,
+        /// The agent's wire version.
+        supported: u8,
+    },
+    /// The request's JSON did not match its op.
+    #[error("malformed request: {detail}")]
+    BadRequest {
+        /// The decoder's message.
+        detail: String,
+    },
+    /// A path was refused before touching the filesystem.
+    #[error("path {path:?} refused: {reason}")]
+    BadPath {
+        /// The path (NULs shown escaped).
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The path does not exist.
+    #[error("{path}: no such file or directory")]
+    NotFound {
+        /// The path.
+        path: String,
+    },
+    /// A file operation was given a directory.
+    #[error("{path} is a directory: use list_dir, or remove with recursive")]
+    IsADirectory {
+        /// The path.
+        path: String,
+    },
+    /// The process is not one the agent started, or it is gone.
+    #[error("no process {pid} started by this agent: list_procs shows the known ones")]
+    NoSuchProcess {
+        /// The pid.
+        pid: u32,
+    },
+    /// A wait ran out of time.
+    #[error("{what} not ready after {waited_ms} ms")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        waited_ms: u64,
+    },
+    /// A system call failed.
+    #[error("{context}: {message} (errno {errno})")]
+    Os {
+        /// What the agent was doing.
+        context: String,
+        /// errno.
+        errno: i32,
+        /// strerror.
+        message: String,
+    },
+    /// Anything else.
+    #[error("{detail}")]
+    Failed {
+        /// What failed.
+        detail: String,
+    },
+}
+
+impl AgentError {
+    /// An [`AgentError::Os`] from an I/O error, with what the agent was doing.
+    pub fn os(context: impl Into<String>, e: &std::io::Error) -> AgentError {
+        AgentError::Os { context: context.into(), errno: e.raw_os_error().unwrap_or(0), message: e.to_string() }
+    }
+}
+
+/// The body of a `Reply` frame.
+pub type Response = Result<Reply, AgentError>;
