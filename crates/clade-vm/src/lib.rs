@@ -9,4 +9,5 @@ pub mod initramfs;
 pub mod machine;
 pub mod qemu;
 pub mod qmp;
+pub mod ramdiff;
 pub mod templating;

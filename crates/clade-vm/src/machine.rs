@@ -55,24 +55,25 @@ pub struct VmSpec {
     pub vmgenid: bool,
     /// Start with `-incoming defer` to restore device state instead of booting.
     pub incoming: bool,
+    /// The incoming state is device state alone (`xen-save-devices-state` of a clone): it has no configuration
+    /// section and no vmdescription trailer, and the loader must be told so.
+    pub devstate_only: bool,
 }
 
 impl VmSpec {
     /// The QEMU arguments for this spec, with the QMP socket and console log in `run_dir`.
     pub fn args(&self, run_dir: &Path) -> Vec<String> {
         let mut a: Vec<String> = Vec::new();
-        let mut push = |s: &str| a.push(s.to_string());
-        match self.machine {
-            MachineType::Q35 => {
-                push("-machine");
-                push("q35,memory-backend=mem,smbus=off,vmport=off,sata=off,usb=off,graphics=off");
-            }
+        let mut machine = match self.machine {
+            MachineType::Q35 => "q35,memory-backend=mem,smbus=off,vmport=off,sata=off,usb=off,graphics=off".to_string(),
             MachineType::Microvm => {
-                push("-machine");
-                push("microvm,acpi=on,memory-backend=mem,pit=off,pic=off,rtc=on,isa-serial=on");
+                "microvm,acpi=on,memory-backend=mem,pit=off,pic=off,rtc=on,isa-serial=on".to_string()
             }
+        };
+        if self.devstate_only {
+            machine.push_str(",suppress-vmdesc=on");
         }
-        let mut a = a;
+        a.extend(["-machine".to_string(), machine]);
         a.extend(self.accel.qemu_args());
         let mem = format!(
             "memory-backend-file,id=mem,size={}M,mem-path={},share={},prealloc=off",
@@ -114,6 +115,9 @@ impl VmSpec {
         }
         if self.incoming {
             a.extend(["-incoming".into(), "defer".into()]);
+        }
+        if self.devstate_only {
+            a.extend(["-global", "migration.send-configuration=off"].map(String::from));
         }
         a
     }

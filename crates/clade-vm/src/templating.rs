@@ -87,3 +87,76 @@ pub fn restore(qemu: &Path, spec: VmSpec, state: &Path, run_dir: &Path) -> Resul
     let total_ms = start.elapsed().as_secs_f64() * 1e3;
     Ok((vm, RestoreStats { spawn_ms, load_ms, total_ms }))
 }
+
+/// A mark of a clone: its device state (without RAM) and the pages it changed relative to the RAM file it maps.
+pub struct CloneMark {
+    pub stats: SaveStats,
+    /// Diverged page indexes, ascending, and their contents (4 KiB each, same order).
+    pub pages: Vec<u64>,
+    pub data: Vec<u8>,
+}
+
+/// Pause a clone (RAM mapped `share=off`), save its device state alone with `xen-save-devices-state` (RAM is not
+/// streamed: the base file plus the diverged pages are the RAM), and read its diverged pages. The guest stays
+/// paused; the caller continues it.
+pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> {
+    let start = Instant::now();
+    let r = vm.qmp.execute("stop", json!({}));
+    qmp(vm, r)?;
+    let tmp = dest.with_extension("tmp");
+    let r = vm.qmp.execute("xen-save-devices-state", json!({"filename": tmp.display().to_string(), "live": false}));
+    qmp(vm, r)?;
+    let io = |e: std::io::Error| VmError::RunDir(format!("guest RAM of QEMU {}", 0), e);
+    let mapping = crate::ramdiff::find_mapping(vm.pid(), &vm.spec.ram.path).map_err(io)?;
+    let pages = crate::ramdiff::diverged_pages(vm.pid(), &mapping).map_err(io)?;
+    let mut data = Vec::with_capacity(pages.len() * crate::ramdiff::PAGE as usize);
+    crate::ramdiff::read_pages(vm.pid(), &mapping, &pages, |_, bytes| {
+        data.extend_from_slice(bytes);
+        Ok(())
+    })
+    .map_err(io)?;
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    std::fs::rename(&tmp, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
+    let state_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+    Ok(CloneMark { stats: SaveStats { pause_ms, state_bytes }, pages, data })
+}
+
+/// Start a child of a clone's mark: QEMU maps the base RAM file `share=off` and waits on `-incoming defer`; the
+/// mark's pages are written into its private mapping, then its device state is loaded through the ordinary
+/// incoming path and it continues. `spec` must have `share: false`, `incoming: true`, `devstate_only: true`.
+/// (`xen-load-devices-state` would load the same file without `-incoming`, but QEMU 7.2 aborts in it:
+/// `yank_unregister_instance: Assertion 'entry' failed`.)
+pub fn restore_clone_mark(
+    qemu: &Path,
+    spec: VmSpec,
+    state: &Path,
+    pages: &[u64],
+    data: &[u8],
+    run_dir: &Path,
+) -> Result<(Vm, RestoreStats), VmError> {
+    let start = Instant::now();
+    let mut vm = Vm::spawn(qemu, spec, run_dir)?;
+    let spawn_ms = start.elapsed().as_secs_f64() * 1e3;
+    let load = Instant::now();
+    let io = |e: std::io::Error| VmError::RunDir("guest RAM".into(), e);
+    let mapping = crate::ramdiff::find_mapping(vm.pid(), &vm.spec.ram.path).map_err(io)?;
+    let mem = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{}/mem", vm.pid())).map_err(io)?;
+    let page = crate::ramdiff::PAGE as usize;
+    let mut off = 0usize;
+    for (first, n) in crate::ramdiff::runs(pages) {
+        let len = n as usize * page;
+        crate::ramdiff::write_pages(&mem, &mapping, first, &data[off..off + len]).map_err(io)?;
+        off += len;
+    }
+    let file = std::fs::File::open(state).map_err(|e| VmError::RunDir(state.display().to_string(), e))?;
+    let r = vm.qmp.send_fd("statefd", file.as_fd()).map(|_| json!({}));
+    qmp(&mut vm, r)?;
+    let r = vm.qmp.execute("migrate-incoming", json!({"uri": "fd:statefd"}));
+    qmp(&mut vm, r)?;
+    let r = vm.qmp.wait_migration(Duration::from_secs(30));
+    qmp(&mut vm, r)?;
+    let load_ms = load.elapsed().as_secs_f64() * 1e3;
+    let r = vm.qmp.execute("cont", json!({}));
+    qmp(&mut vm, r)?;
+    Ok((vm, RestoreStats { spawn_ms, load_ms, total_ms: start.elapsed().as_secs_f64() * 1e3 }))
+}

@@ -91,6 +91,7 @@ fn boot_root(machine: MachineType) {
         agent_socket: None,
         vmgenid: false,
         incoming: false,
+        devstate_only: false,
     };
     let vm = Vm::spawn(&qemu, spec, &w.join("run")).unwrap();
     let t = Instant::now();

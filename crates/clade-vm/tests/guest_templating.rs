@@ -52,6 +52,7 @@ fn spec(kernel: &Path, initrd: &Path, ram: &Path, share: bool, incoming: bool) -
         agent_socket: None,
         vmgenid: true,
         incoming,
+        devstate_only: false,
     }
 }
 
@@ -109,4 +110,48 @@ fn guest_clones_continue_the_base_and_share_its_pages() {
     }
     eprintln!("3 clones: PSS {} MiB, RSS {} MiB, ratio {:.2}", pss >> 20, rss >> 20, pss as f64 / rss as f64);
     assert!((pss as f64) < 0.8 * rss as f64, "clones do not share pages: PSS {pss} RSS {rss}");
+
+    // Mark a running clone (its RAM is a private mapping): device state alone plus its diverged pages.
+    let mut clone = clones.remove(0);
+    drop(clones);
+    std::thread::sleep(Duration::from_millis(500));
+    let cstate = work.path().join("clone.state");
+    let mark = clade_vm::templating::save_clone_state(&mut clone, &cstate).unwrap();
+    let clone_tick = last_tick(&clone.console()).unwrap();
+    eprintln!(
+        "clone mark: pause {:.1} ms, device state {} KiB, {} diverged pages ({} KiB)",
+        mark.stats.pause_ms,
+        mark.stats.state_bytes >> 10,
+        mark.pages.len(),
+        mark.data.len() >> 10
+    );
+    assert!(!mark.pages.is_empty());
+    assert!(mark.pages.len() < 256 * 256 / 2, "most of RAM diverged? {}", mark.pages.len());
+    assert!(clone_tick > base_tick);
+    // The clone runs on after its mark.
+    clone.qmp.execute("cont", serde_json::json!({})).unwrap();
+    assert!(wait_console(&clone, &format!("tick {}", clone_tick + 2), Duration::from_secs(30)));
+    drop(clone);
+
+    // A child of the clone's mark: base RAM file + the mark's pages + its device state.
+    let mut s = spec(&kernel, &initrd, &ram, false, true);
+    s.devstate_only = true;
+    let (child, stats) = clade_vm::templating::restore_clone_mark(
+        &qemu,
+        s,
+        &cstate,
+        &mark.pages,
+        &mark.data,
+        &work.path().join("child"),
+    )
+    .unwrap();
+    eprintln!("child of the clone's mark: {stats:?}");
+    let want = format!("tick {}", clone_tick + 3);
+    assert!(
+        wait_console(&child, &want, Duration::from_secs(30)),
+        "child did not continue the clone: {}",
+        child.console()
+    );
+    let first = child.console().lines().find_map(|l| l.trim().strip_prefix("tick ")?.parse::<u64>().ok()).unwrap();
+    assert_eq!(first, clone_tick + 1, "child must continue exactly where the clone was marked");
 }
