@@ -1,5 +1,85 @@
-//! Content-addressed chunk store: objects named by BLAKE3, packed, compressed, described by
-//! flat manifests, tiered (local + blob via object_store), verified on every read, collected by GC.
-//! It knows nothing of QEMU or CRIU.
+//! Content-addressed chunk store: every mark clade takes (guest memory, disks, CRIU image directories) lives
+//! here, and every restore reads from here. It knows nothing of QEMU or CRIU.
+//!
+//! Images are cut into 4 KiB blocks, the unit of change of both guest memory and disks. Each non-zero block
+//! is an object named by the BLAKE3 of its bytes and stored once, whatever image it came from. New blocks are
+//! packed in image order into frames of up to 1 MiB (the unit of compression and of reading), frames into
+//! packs of ~32 MiB (the unit of files). A manifest maps an image's byte ranges to frames, collapsing runs
+//! into extents, so it is complete (no parent chain) yet small. See `docs/store.md` for the design and the
+//! measurements behind it.
+//!
+//! The API is synchronous. From async code call it through `spawn_blocking`; never on a runtime worker
+//! thread (the blob tier blocks on its own private runtime and refuses to run inside another one).
 
 #![forbid(unsafe_code)]
+
+mod blob;
+mod codec;
+mod error;
+mod fsutil;
+mod ids;
+mod index;
+mod lease;
+mod maint;
+mod manifest;
+mod pack;
+mod reader;
+mod store;
+mod tree;
+mod writer;
+
+pub use blob::BlobConfig;
+pub use error::StoreError;
+pub use ids::{FrameId, ManifestId, ObjectId, PackId, TreeId};
+pub use lease::{Lease, Root};
+pub use maint::{FsckReport, GcReport, StoreStats};
+pub use manifest::{Extent, ImageKind, Manifest};
+pub use reader::{ImageExtent, ImageReader};
+pub use store::{Store, StoreConfig};
+pub use tree::{EntryKind, Tree, TreeEntry, TreeReport};
+pub use writer::{ManifestBuilder, PutReport};
+
+use std::path::Path;
+
+/// The block size: unit of dedup, of change tracking and of manifest addressing.
+pub const BLOCK: usize = 4096;
+
+/// Bytes read per step when storing a file.
+const PUT_CHUNK: usize = 8 << 20;
+
+impl Store {
+    /// Store a file as an image of `kind`; returns the published manifest and what was new.
+    pub fn put_file(&self, path: &Path, kind: ImageKind) -> Result<PutReport, StoreError> {
+        use error::IoCtx;
+        let mut f = std::fs::File::open(path).ctx("open", path)?;
+        let size = f.metadata().ctx("stat", path)?.len();
+        let mut b = self.derive(None, size)?.kind(kind);
+        let mut buf = Vec::new();
+        let mut off = 0u64;
+        while off < size {
+            let n = tree::read_full(&mut f, &mut buf, PUT_CHUNK).ctx("read", path)?;
+            if n == 0 {
+                return Err(StoreError::Invalid(format!("{} shrank while being stored; retry", path.display())));
+            }
+            let n = n.min((size - off) as usize);
+            b.write(off, &buf[..n])?;
+            off += n as u64;
+        }
+        b.finish()
+    }
+
+    /// Store bytes as an image of `kind`.
+    pub fn put_bytes(&self, data: &[u8], kind: ImageKind) -> Result<PutReport, StoreError> {
+        let mut b = self.derive(None, data.len() as u64)?.kind(kind);
+        for (i, chunk) in data.chunks(PUT_CHUNK).enumerate() {
+            b.write((i * PUT_CHUNK) as u64, chunk)?;
+        }
+        b.finish()
+    }
+
+    /// Start a new complete manifest of `size` bytes: `base`'s content (or zeros), then the blocks you
+    /// write or zero over it. For an NBD snapshot or a VM's diverged pages: write only what changed.
+    pub fn derive(&self, base: Option<&ManifestId>, size: u64) -> Result<ManifestBuilder, StoreError> {
+        ManifestBuilder::new(self, base, size)
+    }
+}

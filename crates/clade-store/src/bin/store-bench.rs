@@ -1,0 +1,266 @@
+//! store-bench: the store's figures as ratios measured side by side in one run, printed as JSON lines.
+//!
+//! `store-bench [--size-mib N] [--dir DIR] [--store-dir DIR]`: builds an N MiB (default 1024) image of
+//! guest-RAM-like pages (zero pages, binaries, text, random bytes in runs) under DIR (default /dev/shm),
+//! then measures put vs `b3sum`, a second put, a 1%-changed copy (both as a full put and as a derived
+//! mark), get vs `cp`, and compression levels. Everything it creates is deleted at the end.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use clade_store::{ImageKind, Store, StoreConfig, BLOCK};
+use rand::{Rng, SeedableRng};
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("store-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn arg(name: &str) -> Option<String> {
+    let a: Vec<String> = std::env::args().collect();
+    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1).cloned())
+}
+
+fn emit(v: serde_json::Value) {
+    println!("{v}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Bytes of files under `dirs` (binaries and text), as material for pages.
+fn corpus(dirs: &[&str], limit: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut stack: Vec<PathBuf> = dirs.iter().map(PathBuf::from).collect();
+    while let Some(p) = stack.pop() {
+        if out.len() >= limit {
+            break;
+        }
+        let Ok(md) = std::fs::symlink_metadata(&p) else { continue };
+        if md.is_dir() {
+            if let Ok(rd) = std::fs::read_dir(&p) {
+                let mut v: Vec<_> = rd.flatten().map(|e| e.path()).collect();
+                v.sort();
+                stack.extend(v);
+            }
+        } else if md.is_file() && md.len() > 0 && md.len() < 64 << 20 {
+            if let Ok(b) = std::fs::read(&p) {
+                out.extend_from_slice(&b);
+            }
+        }
+    }
+    out.truncate(limit);
+    out
+}
+
+fn make_image(path: &Path, size: usize) -> std::io::Result<()> {
+    let bins = corpus(&["/usr/bin", "/usr/lib/x86_64-linux-gnu"], 256 << 20);
+    let text = corpus(&["/usr/share/doc", "/usr/share/perl", "/usr/include", "/usr/share/man"], 128 << 20);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(path)?);
+    let mut written = 0usize;
+    let mut page = vec![0u8; BLOCK];
+    while written < size {
+        let run = rng.random_range(1..=64usize).min((size - written) / BLOCK);
+        let kind = rng.random_range(0..100);
+        for _ in 0..run {
+            match kind {
+                0..=29 => page.fill(0),
+                30..=59 if bins.len() > BLOCK => {
+                    let o = rng.random_range(0..bins.len() - BLOCK);
+                    page.copy_from_slice(&bins[o..o + BLOCK]);
+                }
+                60..=84 if text.len() > BLOCK => {
+                    let o = rng.random_range(0..text.len() - BLOCK);
+                    page.copy_from_slice(&text[o..o + BLOCK]);
+                }
+                _ => rng.fill(&mut page[..]),
+            }
+            f.write_all(&page)?;
+        }
+        written += run * BLOCK;
+    }
+    f.flush()
+}
+
+fn secs<T>(f: impl FnOnce() -> T) -> (f64, T) {
+    let t = Instant::now();
+    let r = f();
+    (t.elapsed().as_secs_f64(), r)
+}
+
+fn du(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        if let Ok(rd) = std::fs::read_dir(&p) {
+            for e in rd.flatten() {
+                match e.metadata() {
+                    Ok(m) if m.is_dir() => stack.push(e.path()),
+                    Ok(m) => total += m.len(),
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+    total
+}
+
+fn sh(cmd: &mut Command) -> Result<(), String> {
+    let st = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !st.success() {
+        return Err(format!("{cmd:?} failed: {st}"));
+    }
+    Ok(())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let mib: usize = arg("--size-mib").map(|s| s.parse()).transpose()?.unwrap_or(1024);
+    let base = PathBuf::from(arg("--dir").unwrap_or_else(|| "/dev/shm".into()));
+    let work = base.join(format!("clade-store-bench.{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let res = bench(&work, mib, arg("--store-dir").map(PathBuf::from));
+    let _ = std::fs::remove_dir_all(&work);
+    res
+}
+
+fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<dyn std::error::Error>> {
+    let size = mib << 20;
+    let img = work.join("image.bin");
+    let (t, r) = secs(|| make_image(&img, size));
+    r?;
+    emit(serde_json::json!({"step": "make_image", "bytes": size, "secs": t, "dir": work.display().to_string()}));
+
+    let data_dir =
+        store_dir.map(|d| d.join(format!("clade-store-bench.{}", std::process::id()))).unwrap_or(work.join("store"));
+    let cfg = StoreConfig { compression_level: None, gc_grace: std::time::Duration::ZERO, ..Default::default() };
+    let store = Store::open(&data_dir, cfg)?;
+
+    // Warm the page cache, then b3sum (all cores) vs put (compression off).
+    sh(Command::new("cat").arg(&img).stdout(std::process::Stdio::null()))?;
+    let mut b3 = f64::MAX;
+    for _ in 0..2 {
+        let (t, r) = secs(|| sh(Command::new("b3sum").arg(&img).stdout(std::process::Stdio::null())));
+        r?;
+        b3 = b3.min(t);
+    }
+    let (t_put1, r1) = secs(|| store.put_file(&img, ImageKind::Mem));
+    let r1 = r1?;
+    let stored1 = du(&data_dir);
+    emit(serde_json::json!({
+        "figure": "put_vs_b3sum", "bytes": size, "b3sum_secs": b3, "put_secs": t_put1,
+        "b3sum_mb_s": size as f64 / b3 / 1e6, "put_mb_s": size as f64 / t_put1 / 1e6,
+        "ratio": b3 / t_put1, "bar": 0.7, "compression": "off",
+        "bytes_new": r1.bytes_new, "bytes_zero": r1.bytes_zero, "bytes_dedup": r1.bytes_dedup,
+        "manifest_bytes": r1.manifest_bytes, "store_bytes": stored1, "store_dir": data_dir.display().to_string(),
+    }));
+
+    let (t_put2, r2) = secs(|| store.put_file(&img, ImageKind::Mem));
+    let r2 = r2?;
+    emit(serde_json::json!({
+        "figure": "second_put", "first_secs": t_put1, "second_secs": t_put2, "ratio": t_put1 / t_put2, "bar": 5.0,
+        "new_objects": r2.new_objects, "bytes_new": r2.bytes_new, "same_id": r1.id == r2.id,
+        "store_growth_bytes": du(&data_dir) - stored1,
+    }));
+
+    // A copy with 1% of pages changed at random.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let npages = size / BLOCK;
+    let changed: Vec<usize> = {
+        let mut v: Vec<usize> = rand::seq::index::sample(&mut rng, npages, npages / 100).into_vec();
+        v.sort_unstable();
+        v
+    };
+    let copy = work.join("copy.bin");
+    std::fs::copy(&img, &copy)?;
+    let mut new_pages: Vec<Vec<u8>> = Vec::new();
+    {
+        let f = std::fs::OpenOptions::new().write(true).open(&copy)?;
+        for &p in &changed {
+            let mut page = vec![0u8; BLOCK];
+            rng.fill(&mut page[..]);
+            std::os::unix::fs::FileExt::write_all_at(&f, &page, (p * BLOCK) as u64)?;
+            new_pages.push(page);
+        }
+    }
+    let changed_bytes = (changed.len() * BLOCK) as u64;
+    let before = du(&data_dir);
+    let (t_put3, r3) = secs(|| store.put_file(&copy, ImageKind::Mem));
+    let r3 = r3?;
+    let grown = du(&data_dir) - before;
+    emit(serde_json::json!({
+        "figure": "one_percent_copy_put", "changed_pages": changed.len(), "changed_bytes": changed_bytes,
+        "store_growth_bytes": grown, "ratio": grown as f64 / changed_bytes as f64, "bar": 1.25,
+        "bytes_new": r3.bytes_new, "manifest_bytes": r3.manifest_bytes, "secs": t_put3,
+    }));
+
+    // The same change as a mark: base manifest + only the changed pages.
+    let before = du(&data_dir);
+    let (t_mark, r4) = secs(|| -> Result<_, clade_store::StoreError> {
+        let mut b = store.derive(r1.id.as_ref(), size as u64)?;
+        for (&p, page) in changed.iter().zip(&new_pages) {
+            b.write((p * BLOCK) as u64, page)?;
+        }
+        b.finish()
+    });
+    let r4 = r4?;
+    let grown4 = du(&data_dir) - before;
+    emit(serde_json::json!({
+        "figure": "one_percent_mark_derive", "changed_bytes": changed_bytes, "store_growth_bytes": grown4,
+        "ratio": grown4 as f64 / changed_bytes as f64, "bar": 1.25, "secs": t_mark,
+        "same_manifest_as_full_put": r4.id == r3.id, "manifest_bytes": r4.manifest_bytes,
+        "frames_in_manifest": store.manifest(r4.id.as_ref().ok_or("no id")?)?.frames.len(),
+    }));
+
+    // get vs cp (same destination directory, page cache warm).
+    let id = r3.id.ok_or("no id")?;
+    let dest_cp = work.join("cp.out");
+    let dest_get = work.join("get.out");
+    let mut t_cp = f64::MAX;
+    let mut t_get = f64::MAX;
+    for _ in 0..2 {
+        let _ = std::fs::remove_file(&dest_cp);
+        let _ = std::fs::remove_file(&dest_get);
+        let (t, r) = secs(|| sh(Command::new("cp").arg(&copy).arg(&dest_cp)));
+        r?;
+        t_cp = t_cp.min(t);
+        let fresh = Store::open(&data_dir, StoreConfig { compression_level: None, ..Default::default() })?;
+        let (t, r) = secs(|| fresh.get_file(&id, &dest_get));
+        r?;
+        t_get = t_get.min(t);
+    }
+    let same = std::fs::read(&dest_get)? == std::fs::read(&copy)?;
+    emit(serde_json::json!({
+        "figure": "get_vs_cp", "bytes": size, "cp_secs": t_cp, "get_secs": t_get, "ratio": t_cp / t_get, "bar": 0.8,
+        "identical": same,
+    }));
+    let _ = std::fs::remove_file(&dest_cp);
+    let _ = std::fs::remove_file(&dest_get);
+    let _ = std::fs::remove_file(&copy);
+    drop(store);
+    let _ = std::fs::remove_dir_all(&data_dir);
+
+    // Compression levels on the same image.
+    for level in [1, 3, 9] {
+        let d = work.join(format!("store-z{level}"));
+        let s = Store::open(&d, StoreConfig { compression_level: Some(level), ..Default::default() })?;
+        let (t, r) = secs(|| s.put_file(&img, ImageKind::Mem));
+        let r = r?;
+        let fresh = Store::open(&d, StoreConfig::default())?;
+        let out = work.join("z.out");
+        let (tg, g) = secs(|| fresh.get_file(r.id.as_ref().ok_or("no id")?, &out).map_err(|e| e.to_string()));
+        g?;
+        emit(serde_json::json!({
+            "figure": "compression", "level": level, "put_secs": t, "put_mb_s": size as f64 / t / 1e6,
+            "get_secs": tg, "get_mb_s": size as f64 / tg / 1e6,
+            "bytes_new": r.bytes_new, "bytes_stored": r.bytes_stored,
+            "ratio_stored_to_new": r.bytes_stored as f64 / r.bytes_new as f64,
+        }));
+        let _ = std::fs::remove_file(&out);
+        drop((s, fresh));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! The blob tier: the same layout as the local tier (`packs/ab/<id>.pack|.idx`, `manifests/ab/<id>`,
+//! `trees/ab/<id>`) in an `object_store` backend: a local directory (a shared mount, or tests) or an
+//! S3-compatible bucket for fleets.
+//!
+//! `object_store` is async; the store's API is sync (callers are worker threads, and the NBD server uses
+//! `spawn_blocking`). So the blob tier owns a small private tokio runtime and blocks on it. Blocking inside
+//! somebody else's runtime would stall or panic, so every call first checks that it is not on a tokio worker
+//! thread and returns a clear error if it is: **never call the store's sync API from an async task**.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use object_store::path::Path as BlobPath;
+use object_store::{ObjectStore, PutPayload};
+
+use crate::StoreError;
+
+/// Where the blob tier lives.
+#[derive(Clone, Debug)]
+pub enum BlobConfig {
+    /// A directory through `object_store`'s LocalFileSystem.
+    Local {
+        /// Root directory (created if missing).
+        root: PathBuf,
+    },
+    /// An S3-compatible bucket.
+    S3 {
+        /// Bucket name (must exist).
+        bucket: String,
+        /// Endpoint URL, e.g. `http://127.0.0.1:9000`; `None` for AWS itself.
+        endpoint: Option<String>,
+        /// Region (any string for most S3-compatible servers).
+        region: String,
+        /// Access key id.
+        access_key_id: String,
+        /// Secret access key.
+        secret_access_key: String,
+        /// Allow plain `http://` endpoints.
+        allow_http: bool,
+    },
+}
+
+pub(crate) struct Blob {
+    rt: tokio::runtime::Runtime,
+    store: Arc<dyn ObjectStore>,
+    desc: String,
+}
+
+fn berr(op: &'static str, key: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Blob { op, key: key.to_string(), detail: e.to_string() }
+}
+
+impl Blob {
+    pub fn open(cfg: &BlobConfig) -> Result<Self, StoreError> {
+        let (store, desc): (Arc<dyn ObjectStore>, String) = match cfg {
+            BlobConfig::Local { root } => {
+                std::fs::create_dir_all(root).map_err(|e| StoreError::io("create blob directory", root, e))?;
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
+                    .map_err(|e| berr("open", &root.display().to_string(), e))?;
+                (Arc::new(fs), format!("file://{}", root.display()))
+            }
+            BlobConfig::S3 { bucket, endpoint, region, access_key_id, secret_access_key, allow_http } => {
+                let mut b = object_store::aws::AmazonS3Builder::new()
+                    .with_bucket_name(bucket)
+                    .with_region(region)
+                    .with_access_key_id(access_key_id)
+                    .with_secret_access_key(secret_access_key)
+                    .with_allow_http(*allow_http);
+                if let Some(ep) = endpoint {
+                    b = b.with_endpoint(ep);
+                }
+                let s3 = b.build().map_err(|e| berr("open", bucket, e))?;
+                (Arc::new(s3), format!("s3://{bucket}"))
+            }
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("clade-store-blob")
+            .enable_all()
+            .build()
+            .map_err(|e| berr("start runtime", "", e))?;
+        Ok(Blob { rt, store, desc })
+    }
+
+    pub fn describe(&self) -> &str {
+        &self.desc
+    }
+
+    fn block_on<F: std::future::Future>(&self, key: &str, f: F) -> Result<F::Output, StoreError> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(berr(
+                "call",
+                key,
+                "the store's sync API was called on an async runtime thread; call it through tokio::task::spawn_blocking",
+            ));
+        }
+        Ok(self.rt.block_on(f))
+    }
+
+    pub fn put(&self, key: &str, data: Vec<u8>) -> Result<(), StoreError> {
+        let p = BlobPath::from(key);
+        self.block_on(key, self.store.put(&p, PutPayload::from(data)))?.map_err(|e| berr("put", key, e))?;
+        Ok(())
+    }
+
+    /// The whole object, or `None` if it does not exist.
+    pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let p = BlobPath::from(key);
+        let r = self.block_on(key, async {
+            match self.store.get(&p).await {
+                Ok(g) => g.bytes().await.map(Some),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })?;
+        r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr("get", key, e))
+    }
+
+    pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
+        let p = BlobPath::from(key);
+        let b = self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr("get range", key, e))?;
+        Ok(b.to_vec())
+    }
+
+    /// Keys under `prefix`.
+    pub fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let p = BlobPath::from(prefix);
+        let r = self.block_on(prefix, async {
+            let mut out = Vec::new();
+            let mut s = self.store.list(Some(&p));
+            while let Some(m) = s.next().await {
+                out.push(m?.location.to_string());
+            }
+            Ok::<_, object_store::Error>(out)
+        })?;
+        r.map_err(|e| berr("list", prefix, e))
+    }
+}

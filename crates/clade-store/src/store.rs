@@ -1,0 +1,406 @@
+//! The [`Store`] handle: layout on disk, opening, the frame cache, and reads through the tiers.
+//!
+//! Layout under the store directory:
+//! ```text
+//! lock                    writers hold a shared flock, gc an exclusive one
+//! packs/ab/<pack>.pack    frames (+ a copy of the index in the trailer)
+//! packs/ab/<pack>.idx     the pack's index, loaded at open
+//! manifests/ab/<id>       published manifests (the roots gc keeps)
+//! trees/ab/<id>           published directory trees (also roots)
+//! trash/<id>.manifest     deleted manifests, kept while a lease names them
+//! leases/<n>.lease        one per live lease, flock-held by its owner
+//! tmp/                    temp files of writers in flight
+//! ```
+
+use std::num::NonZeroUsize;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use lru::LruCache;
+
+use crate::blob::{Blob, BlobConfig};
+use crate::codec::DecodeError;
+use crate::error::IoCtx;
+use crate::fsutil;
+use crate::ids::{FrameId, ManifestId, PackId};
+use crate::index::{FrameLoc, Index};
+use crate::manifest::Manifest;
+use crate::pack::{self, FrameEntry};
+use crate::StoreError;
+
+/// How a store is opened.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// zstd level for new frames; `None` stores them raw. Default `Some(1)` (see docs/store.md).
+    pub compression_level: Option<i32>,
+    /// Bound of the decoded-frame LRU cache, in bytes. Default 256 MiB.
+    pub cache_bytes: u64,
+    /// Optional blob tier; puts write through to it, reads fall back to it.
+    pub blob: Option<BlobConfig>,
+    /// Blocks per frame (1..=256). Default 256 (1 MiB frames).
+    pub frame_blocks: usize,
+    /// A pack is closed when it reaches this many bytes. Default 32 MiB.
+    pub pack_bytes: u64,
+    /// gc leaves packs and temp files younger than this alone (writers in flight). Default 1 hour.
+    pub gc_grace: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            compression_level: Some(1),
+            cache_bytes: 256 << 20,
+            blob: None,
+            frame_blocks: 256,
+            pack_bytes: 32 << 20,
+            gc_grace: Duration::from_secs(3600),
+        }
+    }
+}
+
+pub(crate) struct FrameCache {
+    lru: LruCache<FrameId, Arc<[u8]>>,
+    bytes: u64,
+    limit: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl FrameCache {
+    fn get(&mut self, id: &FrameId) -> Option<Arc<[u8]>> {
+        let r = self.lru.get(id).cloned();
+        if r.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        r
+    }
+    fn insert(&mut self, id: FrameId, data: Arc<[u8]>) {
+        if data.len() as u64 > self.limit {
+            return;
+        }
+        self.bytes += data.len() as u64;
+        if let Some(old) = self.lru.put(id, data) {
+            self.bytes -= old.len() as u64;
+        }
+        while self.bytes > self.limit {
+            match self.lru.pop_lru() {
+                Some((_, d)) => self.bytes -= d.len() as u64,
+                None => break,
+            }
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub dir: PathBuf,
+    pub packs: PathBuf,
+    pub manifests: PathBuf,
+    pub trees: PathBuf,
+    pub tmp: PathBuf,
+    pub trash: PathBuf,
+    pub leases: PathBuf,
+    pub cfg: StoreConfig,
+    pub index: RwLock<Index>,
+    pub cache: Mutex<FrameCache>,
+    pub manifest_cache: Mutex<LruCache<ManifestId, Arc<Manifest>>>,
+    pub blob: Option<Blob>,
+    /// Blob `.idx` keys already loaded.
+    pub blob_seen: Mutex<std::collections::HashSet<String>>,
+    /// Pack indexes that could not be loaded (reported by fsck; their frames read as missing).
+    pub load_errors: Mutex<Vec<String>>,
+}
+
+/// A content-addressed chunk store. Cheap to clone (an `Arc` inside), `Send + Sync`.
+///
+/// The API is synchronous and may block on disk or network: from async code, call it through
+/// `tokio::task::spawn_blocking`, never directly on a runtime worker thread.
+#[derive(Clone)]
+pub struct Store {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) fn corrupt(kind: &'static str, id: String, location: &Path, e: DecodeError) -> StoreError {
+    StoreError::Corrupt { kind, id, location: location.display().to_string(), detail: e.to_string() }
+}
+
+pub(crate) fn blob_key(local: &Path, dir: &Path) -> String {
+    local.strip_prefix(dir).unwrap_or(local).to_string_lossy().into_owned()
+}
+
+impl Store {
+    /// Open (creating if needed) the store in `dir` and load its pack indexes.
+    pub fn open(dir: &Path, cfg: StoreConfig) -> Result<Store, StoreError> {
+        if cfg.frame_blocks == 0 || cfg.frame_blocks > 256 {
+            return Err(StoreError::Invalid(format!("frame_blocks must be 1..=256, not {}", cfg.frame_blocks)));
+        }
+        let inner = Inner {
+            dir: dir.to_path_buf(),
+            packs: dir.join("packs"),
+            manifests: dir.join("manifests"),
+            trees: dir.join("trees"),
+            tmp: dir.join("tmp"),
+            trash: dir.join("trash"),
+            leases: dir.join("leases"),
+            cache: Mutex::new(FrameCache {
+                lru: LruCache::unbounded(),
+                bytes: 0,
+                limit: cfg.cache_bytes,
+                hits: 0,
+                misses: 0,
+            }),
+            manifest_cache: Mutex::new(LruCache::new(NonZeroUsize::new(64).unwrap_or(NonZeroUsize::MIN))),
+            blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
+            blob_seen: Mutex::new(Default::default()),
+            load_errors: Mutex::new(Vec::new()),
+            index: RwLock::new(Index::default()),
+            cfg,
+        };
+        for d in [&inner.dir, &inner.packs, &inner.manifests, &inner.trees, &inner.tmp, &inner.trash, &inner.leases] {
+            fsutil::ensure_dir(d)?;
+        }
+        let lock = inner.dir.join("lock");
+        std::fs::OpenOptions::new().create(true).append(true).open(&lock).ctx("create lock file", &lock)?;
+        let store = Store { inner: Arc::new(inner) };
+        store.reload_index()?;
+        Ok(store)
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The configuration it was opened with.
+    pub fn config(&self) -> &StoreConfig {
+        &self.inner.cfg
+    }
+
+    /// Load any `.idx` files not yet in the index (packs written by other processes since open).
+    pub fn reload_index(&self) -> Result<(), StoreError> {
+        let files = fsutil::list_fanout(&self.inner.packs, ".idx")?;
+        for f in files {
+            let Ok(id) = fsutil::stem(&f).parse::<PackId>() else { continue };
+            if self.read_index().packs.contains_key(&id) {
+                continue;
+            }
+            match load_idx_file(&f, &id) {
+                Ok(frames) => self.write_index().add_pack(id, frames),
+                Err(e) => {
+                    let mut errs = self.inner.load_errors.lock().unwrap_or_else(|p| p.into_inner());
+                    let msg = e.to_string();
+                    if !errs.contains(&msg) {
+                        errs.push(msg);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        self.inner.index.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn write_index(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
+        self.inner.index.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, FrameCache> {
+        self.inner.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn manifest_path(&self, id: &ManifestId) -> PathBuf {
+        self.inner.manifests.join(id.fanout()).join(id.to_hex())
+    }
+
+    /// Load pack indexes from the blob tier that are not known yet. Returns how many were added.
+    pub(crate) fn refresh_from_blob(&self) -> Result<usize, StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(0) };
+        let keys = blob.list("packs")?;
+        let mut added = 0;
+        for k in keys.into_iter().filter(|k| k.ends_with(".idx")) {
+            if self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(&k) {
+                continue;
+            }
+            let name = k.rsplit('/').next().unwrap_or("");
+            let Ok(id) = fsutil::stem(Path::new(name)).parse::<PackId>() else { continue };
+            if let Some(bytes) = blob.get(&k)? {
+                if PackId::of(&bytes) != id {
+                    return Err(StoreError::Corrupt {
+                        kind: "pack index",
+                        id: id.to_hex(),
+                        location: format!("{}/{k}", blob.describe()),
+                        detail: "bytes do not hash to the pack id".into(),
+                    });
+                }
+                let frames = pack::decode_index(&bytes).map_err(|e| StoreError::Corrupt {
+                    kind: "pack index",
+                    id: id.to_hex(),
+                    location: format!("{}/{k}", blob.describe()),
+                    detail: e.to_string(),
+                })?;
+                self.write_index().add_pack(id, frames);
+                added += 1;
+            }
+            self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).insert(k);
+        }
+        Ok(added)
+    }
+
+    pub(crate) fn frame_loc(&self, id: &FrameId) -> Result<FrameLoc, StoreError> {
+        if let Some(l) = self.read_index().frames.get(id) {
+            return Ok(l.clone());
+        }
+        // Another process may have published it, locally or in the blob tier.
+        self.reload_index()?;
+        if let Some(l) = self.read_index().frames.get(id) {
+            return Ok(l.clone());
+        }
+        if self.refresh_from_blob()? > 0 {
+            if let Some(l) = self.read_index().frames.get(id) {
+                return Ok(l.clone());
+            }
+        }
+        Err(StoreError::NotFound {
+            kind: "frame",
+            id: id.to_hex(),
+            blob: if self.inner.blob.is_some() { ", blob tier" } else { "" },
+        })
+    }
+
+    /// Read and verify a frame from the local tier, else the blob tier (no caching).
+    pub(crate) fn load_frame(&self, id: &FrameId) -> Result<Vec<u8>, StoreError> {
+        let loc = self.frame_loc(id)?;
+        self.load_frame_at(&loc)
+    }
+
+    pub(crate) fn load_frame_at(&self, loc: &FrameLoc) -> Result<Vec<u8>, StoreError> {
+        let e: &FrameEntry = &loc.entry;
+        let path = pack::pack_path(&self.inner.packs, &loc.pack);
+        let mut buf = vec![0u8; e.stored_len as usize];
+        match std::fs::File::open(&path) {
+            Ok(f) => {
+                let mut got = 0usize;
+                while got < buf.len() {
+                    let n = f.read_at(&mut buf[got..], e.offset + got as u64).ctx("read pack", &path)?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n;
+                }
+                buf.truncate(got);
+                pack::decode_frame(&buf, e, &|| path.display().to_string())
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                let Some(blob) = &self.inner.blob else {
+                    return Err(StoreError::Missing {
+                        what: format!("the index of pack {}", loc.pack),
+                        kind: "pack file",
+                        id: path.display().to_string(),
+                    });
+                };
+                let key = blob_key(&path, &self.inner.dir);
+                let data = blob.get_range(&key, e.offset..e.offset + e.stored_len as u64)?;
+                pack::decode_frame(&data, e, &|| format!("{}/{key}", blob.describe()))
+            }
+            Err(err) => Err(StoreError::io("open pack", &path, err)),
+        }
+    }
+
+    /// A verified frame through the LRU cache. `keep` = insert into the cache on a miss.
+    pub(crate) fn frame(&self, id: &FrameId, keep: bool) -> Result<Arc<[u8]>, StoreError> {
+        if let Some(f) = self.cache().get(id) {
+            return Ok(f);
+        }
+        let data: Arc<[u8]> = self.load_frame(id)?.into();
+        if keep {
+            self.cache().insert(*id, data.clone());
+        }
+        Ok(data)
+    }
+
+    /// Cache hits and misses so far.
+    pub fn cache_counters(&self) -> (u64, u64) {
+        let c = self.cache();
+        (c.hits, c.misses)
+    }
+
+    /// Read a manifest (local tier, then blob tier), verified against its id.
+    pub fn manifest(&self, id: &ManifestId) -> Result<Arc<Manifest>, StoreError> {
+        if let Some(m) = self.inner.manifest_cache.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            return Ok(m.clone());
+        }
+        let path = self.manifest_path(id);
+        let (bytes, location) = match fsutil::read_opt(&path)? {
+            Some(b) => (b, path.display().to_string()),
+            None => {
+                let trash = self.inner.trash.join(format!("{id}.manifest"));
+                match fsutil::read_opt(&trash)? {
+                    Some(b) => (b, trash.display().to_string()),
+                    None => self.blob_get_root(&path, "manifest", &id.to_hex())?,
+                }
+            }
+        };
+        if ManifestId::of(&bytes) != *id {
+            return Err(StoreError::Corrupt {
+                kind: "manifest",
+                id: id.to_hex(),
+                location,
+                detail: "bytes do not hash to the manifest id".into(),
+            });
+        }
+        let m = Manifest::decode(&bytes).map_err(|e| corrupt("manifest", id.to_hex(), Path::new(&location), e))?;
+        let m = Arc::new(m);
+        self.inner.manifest_cache.lock().unwrap_or_else(|p| p.into_inner()).put(*id, m.clone());
+        Ok(m)
+    }
+
+    pub(crate) fn blob_get_root(
+        &self,
+        path: &Path,
+        kind: &'static str,
+        id: &str,
+    ) -> Result<(Vec<u8>, String), StoreError> {
+        let not_found = || StoreError::NotFound {
+            kind,
+            id: id.to_string(),
+            blob: if self.inner.blob.is_some() { ", blob tier" } else { "" },
+        };
+        let Some(blob) = &self.inner.blob else { return Err(not_found()) };
+        let key = blob_key(path, &self.inner.dir);
+        match blob.get(&key)? {
+            Some(b) => Ok((b, format!("{}/{key}", blob.describe()))),
+            None => Err(not_found()),
+        }
+    }
+
+    /// True if a manifest with this id is published (local tier).
+    pub fn has_manifest(&self, id: &ManifestId) -> bool {
+        self.manifest_path(id).exists()
+    }
+
+    /// Upload a local file to the blob tier under the same relative key (no-op without a blob tier).
+    pub(crate) fn blob_upload(&self, path: &Path) -> Result<(), StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(()) };
+        let data = std::fs::read(path).ctx("read", path)?;
+        blob.put(&blob_key(path, &self.inner.dir), data)
+    }
+}
+
+/// Read and verify a `.idx` file.
+pub(crate) fn load_idx_file(path: &Path, id: &PackId) -> Result<Vec<FrameEntry>, StoreError> {
+    let bytes = std::fs::read(path).ctx("read pack index", path)?;
+    if PackId::of(&bytes) != *id {
+        return Err(StoreError::Corrupt {
+            kind: "pack index",
+            id: id.to_hex(),
+            location: path.display().to_string(),
+            detail: "bytes do not hash to the pack id".into(),
+        });
+    }
+    pack::decode_index(&bytes).map_err(|e| corrupt("pack index", id.to_hex(), path, e))
+}
