@@ -118,6 +118,11 @@ for arg in $($B cat /proc/cmdline); do
     clade.rootflags=*) rootflags=${{arg#clade.rootflags=}} ;;
   esac
 done
+# What udev would do: name the virtio-serial ports (/dev/virtio-ports/NAME), so the agent finds its channel.
+$B mkdir -p /dev/virtio-ports
+for p in /sys/class/virtio-ports/*; do
+  [ -f $p/name ] && $B ln -sf ../${{p##*/}} /dev/virtio-ports/$($B cat $p/name)
+done
 i=0; while [ ! -b $root ]; do i=$((i+1)); [ $i -gt 500 ] && fail "no root disk $root"; $B usleep 10000; done
 $B mount -t ext4 -o $rootflags $root /newroot || fail "mount $root"
 [ -x /newroot$init ] || fail "no init $init in the root filesystem"

@@ -108,7 +108,10 @@ impl VmSpec {
         if let Some(sock) = &self.agent_socket {
             a.extend(["-device".into(), format!("{serial_bus},id=vser0")]);
             a.extend(["-chardev".into(), format!("socket,id=agent,path={},server=on,wait=off", sock.display())]);
-            a.extend(["-device".into(), "virtserialport,bus=vser0.0,chardev=agent,name=clade.agent".into()]);
+            a.extend([
+                "-device".into(),
+                format!("virtserialport,bus=vser0.0,chardev=agent,name={}", clade_agent::VM_PORT_NAME),
+            ]);
         }
         if self.vmgenid && self.machine == MachineType::Q35 {
             a.extend(["-device".into(), "vmgenid,guid=auto".into()]);
