@@ -111,3 +111,70 @@ mod tests {
         assert!("xx".parse::<BackendKind>().is_err());
     }
 }
+
+/// What a sandbox starts from when it boots cold: the template's built artifacts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateImage {
+    /// Template name and identity hash.
+    pub name: String,
+    pub hash: String,
+    /// The root filesystem directory (the `ct` overlay's lower layer; read-only once built).
+    pub rootfs: std::path::PathBuf,
+    /// The ext4 disk image as a store manifest (the `vm` root disk).
+    pub disk_manifest: Option<String>,
+    pub shape: Shape,
+    /// Whether the sandbox gets a route out (NAT egress); loopback only when false.
+    pub egress: bool,
+}
+
+/// Who the new sandbox is: every sibling gets its own.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Identity {
+    /// clade's id of the sandbox (also its run dir name under `$CLADE_HOME/run`).
+    pub sandbox_id: String,
+    pub hostname: String,
+    /// 32 lowercase hex digits.
+    pub machine_id: String,
+    /// Host-supplied entropy for the guest kernel's pool.
+    pub entropy: Vec<u8>,
+    /// How many restores led to this sandbox (0 for a cold start).
+    pub generation: u64,
+}
+
+/// Options of one mark.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MarkOptions {
+    pub label: Option<String>,
+    /// Keep state hygiene would disturb (see [`MarkState::clean`]).
+    pub not_clean: bool,
+}
+
+/// A running sandbox, owned by whoever started it (a supervisor process, or the CLI in `clade demo`). Dropping it
+/// without `kill` also ends it: nothing is left behind.
+pub trait Sandbox: Send {
+    fn kind(&self) -> BackendKind;
+    fn id(&self) -> &str;
+    /// The connected agent inside.
+    fn agent(&self) -> &clade_agent::client::AgentClient;
+    /// Host processes whose memory is this sandbox's (QEMU; the restored tree), for PSS/RSS accounting.
+    fn pids(&self) -> Vec<u32>;
+    /// Store the sandbox's state as a mark; it keeps running.
+    fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError>;
+    /// Mark, then stop and release CPU and memory.
+    fn suspend(self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError>;
+    /// End the sandbox and remove everything it held on the host.
+    fn kill(self: Box<Self>) -> Result<(), BackendError>;
+}
+
+/// A backend: brings sandboxes up, cold or from a mark. Fork is N restores of one mark (clade-core decides
+/// identities and applies hygiene through the agent; a backend adds what only it can, like vmgenid).
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// The facts of this host that a mark must match to be restored here ([`check_compat`]).
+    fn host_compat(&self) -> BTreeMap<String, String>;
+    /// Boot a template's image cold, with the agent answering.
+    fn cold_start(&self, image: &TemplateImage, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError>;
+    /// Start a sandbox from a mark (refused before anything starts when `check_compat` fails or the mark's
+    /// state does not verify), with the agent answering. Hygiene is the caller's next step.
+    fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError>;
+}
