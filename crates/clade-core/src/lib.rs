@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod home;
 pub mod host;
+pub mod hygiene;
 
 pub use home::CladeHome;
 
