@@ -71,7 +71,7 @@ impl Ledger {
         conn.busy_timeout(options.busy_timeout).map_err(open_err)?;
         // Read-only checks first: a newer or foreign file is refused before anything writes to it.
         schema::check(&conn, &path, migrations.len() as i64)?;
-        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(open_err)?;
+        let mode = wal_mode(&conn, options.busy_timeout).map_err(open_err)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(LedgerError::Invalid(format!(
                 "ledger {} could not be put in WAL mode (got {mode}); put it on a local filesystem",
@@ -114,6 +114,24 @@ impl Ledger {
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
         let tx = Transaction::new_unchecked(&self.conn, TransactionBehavior::Deferred)?;
         f(&tx)
+    }
+}
+
+/// Switches the file to WAL. The switch needs the file to itself for a moment and SQLite reports
+/// `SQLITE_BUSY` for it without calling the busy handler when another connection is reading (two
+/// processes opening a new ledger at once), so it is retried here until the busy timeout.
+fn wal_mode(conn: &Connection, timeout: Duration) -> rusqlite::Result<String> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get::<_, String>(0)) {
+            Err(e)
+                if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            r => return r,
+        }
     }
 }
 

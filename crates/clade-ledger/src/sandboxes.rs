@@ -91,6 +91,16 @@ impl Ledger {
                     "sandbox {id} is dead and cannot become {state}; start a new sandbox from its branch"
                 )));
             }
+            if state.is_live() && !cur.state.is_live() {
+                let deleted: Option<i64> =
+                    tx.query_row("SELECT deleted_ms FROM branches WHERE id = ?1", [&cur.branch], |r| r.get(0))?;
+                if deleted.is_some() {
+                    return Err(LedgerError::Invalid(format!(
+                        "sandbox {id} is on deleted branch {}; start a new sandbox on a live branch",
+                        cur.branch
+                    )));
+                }
+            }
             tx.execute(
                 "UPDATE sandboxes SET state = ?2, error = ?3, last_active_ms = ?4 WHERE id = ?1",
                 params![id, state, error, now],

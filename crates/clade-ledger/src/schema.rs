@@ -139,11 +139,20 @@ fn read_ids(conn: &Connection) -> rusqlite::Result<(i64, i64)> {
     Ok((app, version))
 }
 
+/// Identity, version and number of schema objects, read in one snapshot (another process may be
+/// creating the file at this very moment).
+fn read_identity(conn: &Connection) -> rusqlite::Result<(i64, i64, i64)> {
+    let tx = rusqlite::Transaction::new_unchecked(conn, rusqlite::TransactionBehavior::Deferred)?;
+    let objects: i64 = tx.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))?;
+    let (app, version) = read_ids(&tx)?;
+    Ok((app, version, objects)) // dropping `tx` ends the read; nothing was written
+}
+
 /// Reads the file's identity and version without writing anything, and refuses a file that is not
 /// a clade ledger or is newer than `supported`. Returns the file's version (0 for a new file).
 pub(crate) fn check(conn: &Connection, path: &Path, supported: i64) -> Result<i64> {
     let not_a_ledger = |why: String| LedgerError::NotALedger { path: path.to_owned(), why };
-    let (app, version) = read_ids(conn).map_err(|e| match e.sqlite_error_code() {
+    let (app, version, tables) = read_identity(conn).map_err(|e| match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::NotADatabase) => not_a_ledger("not an SQLite file".into()),
         _ => LedgerError::Open { path: path.to_owned(), source: e },
     })?;
@@ -151,8 +160,6 @@ pub(crate) fn check(conn: &Connection, path: &Path, supported: i64) -> Result<i6
         return Err(not_a_ledger(format!("application_id is {app:#x}")));
     }
     if app == 0 {
-        let tables: i64 =
-            conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0)).map_err(LedgerError::from)?;
         if tables > 0 || version != 0 {
             return Err(not_a_ledger(format!(
                 "it has {tables} schema objects and user_version {version} but no clade application_id"

@@ -123,3 +123,25 @@ fn readers_are_not_blocked_and_a_stuck_writer_gives_busy() {
     add(&l, &b.id, 1);
     assert_eq!(l.marks(&b.id).unwrap().len(), 2);
 }
+
+#[test]
+fn many_connections_creating_the_same_new_file_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let barrier = Arc::new(Barrier::new(4));
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let (path, barrier) = (path.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let l = Ledger::open(&path).expect("every opener migrates or sees it migrated");
+                l.create_branch(&NewBranch { name: Some(format!("b{i}")), ..Default::default() }).unwrap();
+                l.schema_version().unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), SCHEMA_VERSION);
+    }
+    assert_eq!(Ledger::open(&path).unwrap().branches().unwrap().len(), 4);
+}

@@ -382,3 +382,49 @@ fn thinning_through_the_ledger_with_a_fake_clock() {
         );
     }
 }
+
+#[test]
+fn hand_edited_rows_are_named_not_panicked_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let l = Ledger::open(&path).unwrap();
+    let b = root(&l, RetentionPolicy::KEEP_ALL);
+    let s = l
+        .create_sandbox(&NewSandbox {
+            id: None,
+            backend: Backend::Vm,
+            branch: b.id.clone(),
+            origin_mark: None,
+            supervisor_pid: Some(1),
+            host: None,
+        })
+        .unwrap();
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    raw.execute("UPDATE sandboxes SET supervisor_pid = -7", []).unwrap();
+    let err = l.sandbox(&s.id).unwrap_err();
+    assert!(matches!(err, LedgerError::Corrupt { .. }), "{err:?}");
+    assert!(err.to_string().contains("edited by hand"), "{err}");
+    assert_eq!(err.exit_code(), 5);
+    assert_eq!(l.sandbox(&SandboxId::new("nope")).unwrap_err().exit_code(), 3);
+}
+
+#[test]
+fn a_failed_sandbox_on_a_deleted_branch_cannot_come_back() {
+    let (_d, l, _c) = ledger();
+    let b = root(&l, RetentionPolicy::KEEP_ALL);
+    let s = l
+        .create_sandbox(&NewSandbox {
+            id: None,
+            backend: Backend::Vm,
+            branch: b.id.clone(),
+            origin_mark: None,
+            supervisor_pid: None,
+            host: None,
+        })
+        .unwrap();
+    l.set_sandbox_state(&s.id, SandboxState::Failed, Some("boom")).unwrap();
+    l.delete_branch(&b.id).unwrap();
+    let err = l.set_sandbox_state(&s.id, SandboxState::Running, None).unwrap_err();
+    assert!(matches!(err, LedgerError::Invalid(_)), "{err:?}");
+    l.set_sandbox_state(&s.id, SandboxState::Dead, None).unwrap();
+}
