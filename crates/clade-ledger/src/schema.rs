@@ -159,12 +159,10 @@ pub(crate) fn check(conn: &Connection, path: &Path, supported: i64) -> Result<i6
     if app != 0 && app != APPLICATION_ID {
         return Err(not_a_ledger(format!("application_id is {app:#x}")));
     }
-    if app == 0 {
-        if tables > 0 || version != 0 {
-            return Err(not_a_ledger(format!(
-                "it has {tables} schema objects and user_version {version} but no clade application_id"
-            )));
-        }
+    if app == 0 && (tables > 0 || version != 0) {
+        return Err(not_a_ledger(format!(
+            "it has {tables} schema objects and user_version {version} but no clade application_id"
+        )));
     }
     if version > supported {
         return Err(LedgerError::NewerSchema { path: path.to_owned(), found: version, supported });
