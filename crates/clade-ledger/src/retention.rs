@@ -5,11 +5,12 @@
 //! For a live branch, a mark is kept when any of these holds:
 //! - it is the branch's head;
 //! - the policy has no `retain` (nothing is cut by count);
-//! - it is among the newest `retain` marks (by creation time; pins count among them);
+//! - it is among the newest `retain` of the branch's other marks (by creation time; the head takes no
+//!   slot, pins count among them like any other mark);
 //! - it is pinned and among the branch's newest [`PROTECTED_PINS`] pins;
 //! - with `thin`, past the newest `retain`: it is the oldest mark of its calendar hour (UTC) while
 //!   younger than a day, or the oldest of its UTC day while younger than 30 days. The oldest is
-//!   chosen among the marks past the newest `retain` in the same tier, so a newer mark never
+//!   chosen among the marks past the newest `retain` in the same tier (the head not among them), so a newer mark never
 //!   displaces a keeper: a mark that stayed stays until its tier ends, and an hour's keeper goes
 //!   when it crosses into the day tier unless it is also its day's oldest;
 //! - it is needed elsewhere (a live branch's fork point or head, a base, a lease, a live sandbox's
@@ -40,7 +41,7 @@ pub enum KeepReason {
     Head,
     /// The branch has no `retain`: nothing is cut.
     NoLimit,
-    /// Among the newest `retain`.
+    /// Among the newest `retain` marks other than the head.
     Newest,
     /// Pinned, among the newest 20 pins.
     Pinned,
@@ -118,11 +119,19 @@ pub fn plan_branch(
         let mut pins = 0usize;
         // (tier reason, bucket) -> index in `order` of the oldest candidate seen so far.
         let mut keepers: BTreeMap<(KeepReason, i64), usize> = BTreeMap::new();
+        // Rank among the branch's marks other than its head: the head is kept on its own and
+        // takes no `retain` slot (seed 003: "its head, and of the other snapshots the newest retain").
+        let mut rank = 0usize;
         for (i, m) in order.iter().enumerate() {
             let reasons = &mut verdicts[i].reasons;
+            let is_head = branch.head == Some(&m.id);
+            if !is_head {
+                rank += 1;
+            }
             match retain {
                 None => reasons.push(KeepReason::NoLimit),
-                Some(n) if i < n => reasons.push(KeepReason::Newest),
+                Some(_) if is_head => {}
+                Some(n) if rank <= n => reasons.push(KeepReason::Newest),
                 Some(_) if policy.thin => {
                     let age = now.saturating_sub(m.created_ms);
                     let tier = if age < HOUR_TIER_MS {

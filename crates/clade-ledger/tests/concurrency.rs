@@ -51,10 +51,10 @@ fn two_connections_write_at_once() {
         l.ops(&OpQuery { op: Some("mark".into()), limit: Some(10_000), ..Default::default() }).unwrap().len(),
         2 * n
     );
-    // Branch a was collected while both wrote; a final collection leaves retain 5.
+    // Branch a was collected while both wrote; a final collection leaves the head and 5 more.
     l.collect(&CollectOptions::default()).unwrap();
     let kept = l.marks(&a.id).unwrap();
-    assert_eq!(kept.len(), 5);
+    assert_eq!(kept.len(), 6);
     assert_eq!(kept.last().unwrap().label.as_deref(), Some("m149"));
     assert_eq!(l.head(&a.id).unwrap().unwrap().id, kept.last().unwrap().id);
 }

@@ -221,14 +221,14 @@ fn ops_log_records_timings() {
     assert_eq!(l.ops(&OpQuery::default()).unwrap().len(), 2);
 }
 
-/// Ten marks an hour apart, retain 3: the seven oldest go except the base, the fork point, the
+/// Ten marks an hour apart, retain 2 (the head and two more): the seven oldest go except the base, the fork point, the
 /// leased one and a pin; shared manifests are reported unreferenced only once nothing names them.
 #[test]
 fn collect_applies_retention_and_reports() {
     let (_d, l, clock) = ledger();
     let tp = TemplateId::new("tp-1");
     l.put_template(&tp, "t", &json!({})).unwrap();
-    let b = root(&l, RetentionPolicy::retain(3));
+    let b = root(&l, RetentionPolicy::retain(2));
     let mut ms = Vec::new();
     for i in 0..10 {
         // Every mark shares "disk-base"; m0 and m1 share "ram-01".
@@ -260,7 +260,11 @@ fn collect_applies_retention_and_reports() {
     assert_eq!(r.deleted, dry.deleted, "the dry run says exactly what the real one does");
     assert_eq!(r.unreferenced_manifests, dry.unreferenced_manifests);
     let deleted: Vec<&str> = r.deleted.iter().map(|d| d.label.as_deref().unwrap()).collect();
-    assert_eq!(deleted, ["m6", "m1"], "newest first; m0 base, m2 fork, m3 lease, m4 pin, m5 sandbox, m7-9 newest");
+    assert_eq!(
+        deleted,
+        ["m6", "m1"],
+        "newest first; m0 base, m2 fork, m3 lease, m4 pin, m5 sandbox, m7-8 newest, m9 head"
+    );
     assert_eq!(r.bytes_freed, 1006 + 1001);
     // ram-01 is still named by m0 (the base); disk-base by everyone.
     assert_eq!(r.unreferenced_manifests, vec![ManifestId::new("ram-6")]);
@@ -270,7 +274,8 @@ fn collect_applies_retention_and_reports() {
     assert_eq!(reasons(3), vec![KeepReason::Lease]);
     assert_eq!(reasons(4), vec![KeepReason::Pinned]);
     assert_eq!(reasons(5), vec![KeepReason::LiveSandbox]);
-    assert_eq!(reasons(9), vec![KeepReason::Head, KeepReason::Newest]);
+    assert_eq!(reasons(9), vec![KeepReason::Head]);
+    assert_eq!(reasons(8), vec![KeepReason::Newest]);
     assert_eq!(l.marks(&b.id).unwrap().len(), 8);
     assert!(!l.live_manifests().unwrap().contains(&ManifestId::new("ram-6")));
     assert_eq!(l.ops(&OpQuery { op: Some("collect".into()), ..Default::default() }).unwrap()[0].details["deleted"], 2);

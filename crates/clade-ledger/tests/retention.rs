@@ -69,7 +69,13 @@ fn cases() -> Vec<Case> {
             Some("e"),
             vec!["a", "b", "c", "d", "e"],
         ),
-        base("retain 2 keeps the newest two", RetentionPolicy::retain(2), abcde.clone(), Some("e"), vec!["d", "e"]),
+        base(
+            "retain 2 keeps the head and the two newest others",
+            RetentionPolicy::retain(2),
+            abcde.clone(),
+            Some("e"),
+            vec!["c", "d", "e"],
+        ),
         base("retain 0 keeps only the head", RetentionPolicy::retain(0), abcde.clone(), Some("e"), vec!["e"]),
         base(
             "a retaken head is kept outside the newest",
@@ -88,17 +94,27 @@ fn cases() -> Vec<Case> {
         base(
             "an old pin survives retain",
             RetentionPolicy::retain(1),
-            vec![("a", at(3, 0, 0), true), ("b", at(2, 0, 0), false), ("c", at(1, 0, 0), false)],
-            Some("c"),
-            vec!["a", "c"],
+            vec![
+                ("a", at(3, 0, 0), true),
+                ("b", at(2, 0, 0), false),
+                ("c", at(1, 0, 0), false),
+                ("d", at(0, 1, 0), false),
+            ],
+            Some("d"),
+            vec!["a", "c", "d"],
         ),
         base("only the newest 20 pins are protected", RetentionPolicy::retain(0), pins25, None, pins25_keep),
         base(
             "pins count among the newest retain",
             RetentionPolicy::retain(2),
-            vec![("x", at(0, 1, 0), false), ("y", at(0, 2, 0), false), ("z", at(0, 3, 0), true)],
-            Some("z"),
-            vec!["y", "z"],
+            vec![
+                ("x", at(0, 1, 0), false),
+                ("y", at(0, 2, 0), false),
+                ("z", at(0, 3, 0), true),
+                ("w", at(0, 4, 0), false),
+            ],
+            Some("w"),
+            vec!["y", "z", "w"],
         ),
         base(
             "same millisecond: insertion order decides which is newer",
@@ -119,7 +135,7 @@ fn cases() -> Vec<Case> {
                 ("h12_20", at(0, 12, 20), false),
             ],
             Some("h12_20"),
-            vec!["h09_30", "h10_01", "h11_10", "h12_20"],
+            vec!["h09_30", "h10_01", "h11_10", "h11_50", "h12_20"],
         ),
         base(
             "thin: the newest retain do not take part in bucketing",
@@ -130,7 +146,7 @@ fn cases() -> Vec<Case> {
                 ("h12_15", at(0, 12, 15), false),
                 ("h12_20", at(0, 12, 20), false),
             ],
-            Some("h12_20"),
+            None,
             vec!["h12_05", "h12_15", "h12_20"],
         ),
         base(
@@ -198,7 +214,16 @@ fn cases() -> Vec<Case> {
                 ("dec02_1220", at(0, 12, 20), false),
             ],
             Some("dec02_1220"),
-            vec!["nov20_0800", "nov25_1000_pin", "dec01_0900", "dec01_1300", "dec02_1105", "dec02_1210", "dec02_1220"],
+            vec![
+                "nov20_0800",
+                "nov25_1000_pin",
+                "dec01_0900",
+                "dec01_1300",
+                "dec02_1105",
+                "dec02_1145",
+                "dec02_1210",
+                "dec02_1220",
+            ],
         ),
         Case {
             name: "marks needed elsewhere are kept despite retain 0",
@@ -245,14 +270,22 @@ fn reasons_say_why() {
         name: "reasons",
         policy: RetentionPolicy::thin(1),
         live: true,
-        marks: vec![("day", at(3, 5, 0), false), ("hour", at(0, 9, 0), true), ("newest", at(0, 12, 0), false)],
+        marks: vec![
+            ("day", at(3, 5, 0), false),
+            ("hour_a", at(0, 8, 10), false),
+            ("hour_b", at(0, 9, 0), true),
+            ("second", at(0, 12, 0), false),
+            ("newest", at(0, 12, 20), false),
+        ],
         head: Some("newest"),
         elsewhere: vec![("day", KeepReason::Lease)],
         keep: vec![],
     };
     let got: HashMap<String, Vec<KeepReason>> = plan(&c, NOW).into_iter().collect();
-    assert_eq!(got["newest"], vec![KeepReason::Head, KeepReason::Newest]);
-    assert_eq!(got["hour"], vec![KeepReason::Pinned, KeepReason::HourBucket]);
+    assert_eq!(got["newest"], vec![KeepReason::Head], "the head takes no retain slot");
+    assert_eq!(got["second"], vec![KeepReason::Newest]);
+    assert_eq!(got["hour_b"], vec![KeepReason::Pinned, KeepReason::HourBucket]);
+    assert_eq!(got["hour_a"], vec![KeepReason::HourBucket]);
     assert_eq!(got["day"], vec![KeepReason::DayBucket, KeepReason::Lease]);
 }
 
@@ -295,14 +328,14 @@ fn thinning_is_stable_over_a_simulated_month() {
         marks.retain(|m| last.contains_key(&m.id));
     }
     assert!(checked > 100, "the simulation let go of only {checked} keepers; it tests nothing");
-    // In steady state: newest 3, at most 25 hour keepers, at most 31 day keepers, and the pins.
+    // In steady state: the head, newest 3, at most 25 hour keepers, at most 31 day keepers, and the pins.
     let pins = marks.iter().filter(|m| m.pinned).count();
     assert!(pins <= PROTECTED_PINS);
     let unpinned = marks.len() - pins;
-    assert!(unpinned <= 3 + 25 + 31, "kept {unpinned} unpinned marks after a month");
+    assert!(unpinned <= 1 + 3 + 25 + 31, "kept {unpinned} unpinned marks after a month");
     let day_tier = marks.iter().filter(|m| !m.pinned && (DAY_MS..30 * DAY_MS).contains(&(now - m.created_ms))).count();
     assert!((28..=31).contains(&day_tier), "one per day for a month, got {day_tier}");
     let hour_tier = marks.iter().filter(|m| !m.pinned && now - m.created_ms < DAY_MS).count();
-    assert!((24..=3 + 25).contains(&hour_tier), "one per hour for a day plus the newest, got {hour_tier}");
+    assert!((24..=1 + 3 + 25).contains(&hour_tier), "one per hour for a day plus the newest, got {hour_tier}");
     assert!(marks.iter().all(|m| m.pinned || now - m.created_ms < 30 * DAY_MS), "nothing unpinned older than 30 days");
 }
