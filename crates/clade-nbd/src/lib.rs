@@ -15,6 +15,7 @@ pub mod proto;
 pub mod run;
 pub mod server;
 pub mod source;
+pub mod store;
 pub mod transmission;
 
 pub use export::{Export, ExportError, ExportStats};
@@ -22,3 +23,4 @@ pub use server::Server;
 pub use source::{
     BlockSource, Change, Changes, Extent, FileSource, MemSnapshotter, MemSource, Run, SnapshotError, Snapshotter, BLOCK,
 };
+pub use store::{store_export, StoreSnapshotter, StoreSource};

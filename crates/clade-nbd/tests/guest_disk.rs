@@ -1,6 +1,7 @@
 //! Guest tier: a QEMU guest (TCG) mounts an ext4 filesystem served by clade's NBD server, writes
 //! files, and finds them again after a snapshot and a new export from that snapshot; a snapshot
-//! taken while the guest is paused mid-write passes the guest's own e2fsck.
+//! taken while the guest is paused mid-write passes the guest's own e2fsck. Images live in a real
+//! store: the filesystem is `put_file`d, snapshots are manifests derived from it.
 
 mod common;
 
@@ -9,7 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clade_nbd::{BlockSource, Export, FileSource, MemSnapshotter};
+use clade_nbd::{store_export, Export};
+use clade_store::{ImageKind, ManifestId, Store, StoreConfig};
 use common::guest::{initramfs, kernel, Guest};
 use common::*;
 
@@ -66,14 +68,22 @@ fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf,
     Some((dir, k, initrd, img))
 }
 
-fn export_of(base: Arc<dyn BlockSource>) -> Arc<Export> {
-    Arc::new(Export::new(base, false, Some(Arc::new(MemSnapshotter::default()))))
+/// The image put into a fresh store in `dir`, and that store.
+fn stored(dir: &Path, img: &Path) -> (Store, ManifestId) {
+    let s = Store::open(&dir.join("store"), StoreConfig::default()).unwrap();
+    let id = s.put_file(img, ImageKind::Disk).unwrap().id.unwrap();
+    (s, id)
+}
+
+fn export_of(s: &Store, id: &ManifestId) -> Arc<Export> {
+    Arc::new(store_export(s, id, false).unwrap())
 }
 
 #[test]
 fn guest_files_survive_snapshot_and_new_export() {
     let Some((dir, k, initrd, img)) = setup() else { return };
-    let e1 = export_of(Arc::new(FileSource::open(&img).unwrap()));
+    let (s, id0) = stored(dir.path(), &img);
+    let e1 = export_of(&s, &id0);
     let srv = TestServer::start(vec![("disk", e1.clone())]);
     let mut g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "write");
     g.wait_for("PHASE-DONE", BOOT);
@@ -84,8 +94,9 @@ fn guest_files_survive_snapshot_and_new_export() {
     let id = e1.snapshot().unwrap();
     assert_eq!(e1.stats().dirty_blocks, 0);
     // A fresh export (another server, as for a forked sibling) from the snapshot sees the files.
-    let e2 = export_of(e1.base());
-    assert_eq!(e2.stats().base, id);
+    let id1: ManifestId = id.parse().unwrap();
+    assert_ne!(id1, id0);
+    let e2 = export_of(&s, &id1);
     let srv2 = TestServer::start(vec![("disk", e2)]);
     let mut g = Guest::boot(dir.path(), &k, &initrd, &srv2.socket, "read");
     g.wait_for("PHASE-DONE", BOOT);
@@ -100,7 +111,8 @@ fn guest_files_survive_snapshot_and_new_export() {
 #[test]
 fn guest_fsck_is_clean_after_snapshot_taken_paused_mid_write() {
     let Some((dir, k, initrd, img)) = setup() else { return };
-    let e = export_of(Arc::new(FileSource::open(&img).unwrap()));
+    let (s, id0) = stored(dir.path(), &img);
+    let e = export_of(&s, &id0);
     let srv = TestServer::start(vec![("disk", e.clone())]);
     let g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "churn");
     g.wait_for("WRITING", BOOT);
@@ -109,10 +121,10 @@ fn guest_fsck_is_clean_after_snapshot_taken_paused_mid_write() {
     assert!(r.contains("return"), "{r}");
     let before = e.stats().dirty_blocks;
     assert!(before > 0);
-    e.snapshot().unwrap();
+    let id1: ManifestId = e.snapshot().unwrap().parse().unwrap();
     let _ = g.qmp(r#"{"execute":"quit"}"#);
     drop(g);
-    let e2 = export_of(e.base());
+    let e2 = export_of(&s, &id1);
     let srv2 = TestServer::start(vec![("disk", e2)]);
     let mut g = Guest::boot(dir.path(), &k, &initrd, &srv2.socket, "fsck");
     g.wait_for("PHASE-DONE", BOOT);

@@ -53,11 +53,14 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
                     clade_nbd::FileSource::open(raw).with_context(|| format!("opening raw image {}", raw.display()))?;
                 (Arc::new(src), None)
             }
-            (None, Some(_id)) => {
-                let _ = &a.store;
-                anyhow::bail!(
-                    "serving manifests needs the store adapter, which is not built yet: use --raw FILE for now"
-                );
+            (None, Some(id)) => {
+                let id: clade_store::ManifestId = id.parse().context("--manifest takes a 64-hex-digit manifest id")?;
+                let dir = a.store.clone().unwrap_or_else(|| clade_core::CladeHome::from_env().store_dir());
+                let store = clade_store::Store::open(&dir, clade_store::StoreConfig::default())
+                    .with_context(|| format!("opening the store at {}", dir.display()))?;
+                let src =
+                    clade_nbd::StoreSource::open(&store, &id).with_context(|| format!("opening manifest {id}"))?;
+                (Arc::new(src), Some(Arc::new(clade_nbd::StoreSnapshotter::new(store))))
             }
             (None, None) => anyhow::bail!("give --manifest ID or --raw FILE"),
         };
