@@ -127,6 +127,13 @@ impl Ledger {
             branches_purged: Vec::new(),
         };
         let elsewhere = needed_elsewhere(&tx)?;
+        // A deleted branch's head and fork point hold nothing any more (in or out of scope); clear
+        // them so the marks they name can go.
+        tx.execute(
+            "UPDATE branches SET head_mark = NULL, parent_mark = NULL \
+             WHERE deleted_ms IS NOT NULL AND (head_mark IS NOT NULL OR parent_mark IS NOT NULL)",
+            [],
+        )?;
         let branches = in_scope(&tx, opts.branch.as_ref())?;
         let mut dead_branches = Vec::new();
         for b in &branches {
@@ -134,8 +141,6 @@ impl Ledger {
             let live = b.deleted_ms.is_none();
             if !live {
                 dead_branches.push(b.id.clone());
-                // Its head and fork point hold nothing now; clear them so its marks can go.
-                tx.execute("UPDATE branches SET head_mark = NULL, parent_mark = NULL WHERE id = ?1", [&b.id])?;
             }
             let input = BranchInput { policy: b.policy, live, head: b.head_mark.as_ref(), marks: &marks };
             for v in plan_branch(input, &elsewhere, now) {

@@ -39,7 +39,7 @@ pub enum LedgerError {
     },
 
     /// A row the call names does not exist.
-    #[error("{kind} {id} is not in the ledger; list them with `clade ls` or check the id")]
+    #[error("{kind} {id} is not in the ledger; check the id (a collection may have let it go)")]
     NotFound { kind: &'static str, id: String },
 
     /// The call would contradict what is recorded (e.g. a template id reused for another spec).

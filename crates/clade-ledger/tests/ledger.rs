@@ -433,3 +433,20 @@ fn a_failed_sandbox_on_a_deleted_branch_cannot_come_back() {
     assert!(matches!(err, LedgerError::Invalid(_)), "{err:?}");
     l.set_sandbox_state(&s.id, SandboxState::Dead, None).unwrap();
 }
+
+#[test]
+fn a_scoped_collection_lets_go_of_a_deleted_forks_point() {
+    let (_d, l, clock) = ledger();
+    let b = root(&l, RetentionPolicy::retain(0));
+    let fp = mark(&l, &b, "fp", "r1", "d1", 1);
+    clock.advance(1);
+    mark(&l, &b, "head", "r2", "d2", 1);
+    let fork = l.create_branch(&NewBranch { parent_mark: Some(fp.id.clone()), ..Default::default() }).unwrap();
+    l.delete_branch(&fork.id).unwrap();
+    // Only b is in scope, yet the deleted fork's head and parent (both fp) must not hold fp.
+    let r = l.collect(&CollectOptions { dry_run: false, branch: Some(b.id.clone()) }).unwrap();
+    assert_eq!(r.deleted.iter().map(|d| d.mark.clone()).collect::<Vec<_>>(), vec![fp.id.clone()]);
+    assert!(r.branches_purged.is_empty(), "the fork is out of scope");
+    let r = l.collect(&CollectOptions::default()).unwrap();
+    assert_eq!(r.branches_purged, vec![fork.id]);
+}
