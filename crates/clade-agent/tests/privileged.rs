@@ -1,0 +1,195 @@
+//! The agent as PID 1 of a namespace sandbox built by the test (`unshare -p -m -n -u -i --fork`, a
+//! tmpfs root): init's mounts, loopback, services, survival, identity, and the stale-connection reset.
+
+mod common;
+
+use clade_agent::{ExecSpec, Identity, ReadyTarget};
+use common::NsAgent;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn sh(script: &str) -> ExecSpec {
+    ExecSpec::new(["/bin/sh", "-c", script])
+}
+
+fn out(c: &clade_agent::AgentClient, script: &str) -> String {
+    let o = c.run(sh(script)).unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+}
+
+fn can_unshare() -> bool {
+    let ok = std::process::Command::new("unshare")
+        .args(["-p", "-m", "-n", "-u", "-i", "--fork", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: unshare -p -m -n -u -i does not work here");
+    }
+    ok
+}
+
+/// A setup tree with a service that starts an HTTP server and returns once it listens.
+fn setup_tree(dir: &Path) {
+    let svc = dir.join("etc/clade/services.d");
+    std::fs::create_dir_all(&svc).unwrap();
+    std::fs::write(
+        svc.join("10-http"),
+        "#!/bin/sh\ncd /tmp\npython3 -m http.server 7001 --bind 127.0.0.1 >/dev/null 2>&1 &\n\
+         while ! python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7001))\" 2>/dev/null; do sleep 0.05; done\n\
+         touch /run/svc-ready\n",
+    )
+    .unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(svc.join("10-http")).status().unwrap();
+    let hook = dir.join("etc/clade/on-restore.d");
+    std::fs::create_dir_all(&hook).unwrap();
+    std::fs::write(hook.join("50-gen"), "#!/bin/sh\necho \"$CLADE_GENERATION\" > /run/restored\n").unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(hook.join("50-gen")).status().unwrap();
+}
+
+fn start() -> NsAgent {
+    let setup = common::tempdir("setup");
+    setup_tree(&setup);
+    let a = NsAgent::start("ns", Some(&setup));
+    let _ = std::fs::remove_dir_all(&setup);
+    a
+}
+
+#[test]
+fn privileged_init_mounts_services_and_loopback() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let h = c.hello().unwrap();
+    assert_eq!((h.pid, h.role.as_str()), (1, "init"));
+    let mounts = out(&c, "cat /proc/self/mountinfo");
+    for m in [" /proc ", " /sys ", " /dev ", " /dev/pts ", " /dev/shm ", " /run ", " /tmp "] {
+        assert!(mounts.contains(m), "{m} not mounted:\n{mounts}");
+    }
+    assert!(out(&c, "cat /sys/class/net/lo/operstate; cat /sys/class/net/lo/flags").contains("0x9"), "lo is not up");
+    // the service returned once it listened, in order, and hello says so
+    let t0 = Instant::now();
+    while !c.hello().unwrap().services_ready {
+        assert!(t0.elapsed() < Duration::from_secs(30), "services never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.stat("/run/svc-ready").unwrap();
+    c.wait_ready(ReadyTarget::Url { url: "http://127.0.0.1:7001/".into() }, Duration::from_secs(10)).unwrap();
+    c.wait_ready(ReadyTarget::Port { port: 7001 }, Duration::from_secs(1)).unwrap();
+    // a PTY works inside (devpts mounted by init)
+    let mut spec = sh("tty");
+    spec.pty = Some(clade_agent::PtySize { rows: 5, cols: 40 });
+    assert!(String::from_utf8_lossy(&c.run(spec).unwrap().stdout).contains("/dev/pts/"));
+    // env for login shells
+    let mut vars = BTreeMap::new();
+    vars.insert("CLADE_TEST".to_string(), "v1".to_string());
+    c.write_env(vars).unwrap();
+    assert_eq!(out(&c, "sh -lc 'echo $CLADE_TEST'").trim(), "v1");
+}
+
+#[test]
+fn privileged_pid1_survives_crashes_sigpipe_and_orphans() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let st = c.run(sh("kill -SEGV $$")).unwrap().status;
+    assert_eq!(st.signal, Some(11));
+    let st = c.run(sh("yes | head -c 1 >/dev/null")).unwrap().status;
+    assert!(st.success());
+    // signals sent to PID 1 from inside are ignored or survived
+    c.run(sh("kill -PIPE 1; kill -TERM 1; kill -HUP 1; kill -INT 1; kill -USR1 1; kill -SEGV 1; true")).unwrap();
+    // orphans get reaped: a daemon whose parent exits
+    c.run(sh("sleep 0.2 & exit 0")).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    let stats = out(&c, "cat /proc/[0-9]*/stat 2>/dev/null");
+    assert!(!stats.contains(") Z "), "zombies left:\n{stats}");
+    // the host vanishing mid-stream costs the agent nothing (EPIPE on its writes)
+    {
+        let c2 = a.client();
+        let _p = c2.exec(sh("yes")).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(a.alive());
+    let c3 = a.client();
+    assert_eq!(c3.hello().unwrap().pid, 1);
+    // the `yes` whose reader went away keeps running (its output is dropped): kill it by name
+    c3.run(sh("kill $(pidof yes) 2>/dev/null; true")).unwrap();
+    assert!(a.alive());
+}
+
+#[test]
+fn privileged_identity_in_sandbox() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let p = c.exec(sh("trap 'echo got > /run/sig; exit 0' USR1; while :; do sleep 0.02; done")).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    c.register_restore_signal(p.pid, 10).unwrap();
+    let rep = c
+        .set_identity(Identity {
+            hostname: Some("sib-3".into()),
+            machine_id: Some("fedcba9876543210fedcba9876543210".into()),
+            entropy: (0..64u8).map(|i| i.wrapping_mul(37)).collect(),
+            generation: Some(3),
+            run_on_restore: true,
+            signal_registered: true,
+        })
+        .unwrap();
+    assert!(rep.errors.is_empty(), "{rep:?}");
+    assert!(rep.hostname_set && rep.machine_id_set && rep.crng_reseeded);
+    assert_eq!((rep.entropy_added, rep.signalled, rep.scripts.len()), (64, 1, 1));
+    assert_eq!(
+        out(&c, "hostname; cat /etc/hostname /etc/machine-id /run/restored"),
+        "sib-3\nsib-3\nfedcba9876543210fedcba9876543210\n3\n"
+    );
+    assert!(p.output().unwrap().status.success());
+    assert_eq!(c.read_file_vec("/run/sig").unwrap(), b"got\n");
+    assert_eq!(c.hello().unwrap().generation, 3);
+    // the host's own files were not touched
+    assert_ne!(
+        std::fs::read_to_string("/etc/machine-id").unwrap_or_default().trim(),
+        "fedcba9876543210fedcba9876543210"
+    );
+}
+
+#[test]
+fn privileged_net_reset_destroys_established_connections() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    // a long-lived TCP connection on the sandbox's own loopback: both ends established
+    let server = c
+        .exec(sh("python3 -c \"import socket,time\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 7100)); s.listen()\nc,_=s.accept()\ntry:\n  c.recv(10)\n  print('closed')\nexcept OSError as e:\n  print('reset', e.errno)\""))
+        .unwrap();
+    c.wait_ready(ReadyTarget::Port { port: 7100 }, Duration::from_secs(10)).unwrap();
+    let client = c
+        .exec(sh("python3 -c \"import socket\ns=socket.create_connection(('127.0.0.1', 7100))\ntry:\n  s.recv(10)\n  print('closed')\nexcept OSError as e:\n  print('reset', e.errno)\""))
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let ss = out(&c, "cat /proc/net/tcp");
+        if ss.lines().filter(|l| l.split_whitespace().nth(3) == Some("01")).count() >= 2 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "connection never established:\n{ss}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // loopback connections are not "to the host": the default keeps them
+    assert_eq!(c.net_reset(None, &[]).unwrap(), 0);
+    // the kept local port's socket is kept; its peer (the client end) is destroyed, and on loopback the
+    // reset that sends takes the kept end down too
+    assert_eq!(c.net_reset(Some("127.0.0.1".parse().unwrap()), &[7100]).unwrap(), 1);
+    let s = String::from_utf8_lossy(&server.output().unwrap().stdout).into_owned();
+    let k = String::from_utf8_lossy(&client.output().unwrap().stdout).into_owned();
+    assert!(s.contains("reset") || k.contains("reset"), "server: {s} client: {k}");
+    assert_eq!(c.net_reset(Some("127.0.0.1".parse().unwrap()), &[]).unwrap(), 0);
+}
