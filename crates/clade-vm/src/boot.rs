@@ -32,7 +32,8 @@ pub fn wanted_modules(machine: MachineType) -> Vec<&'static str> {
         MachineType::Q35 => "virtio_pci",
         MachineType::Microvm => "virtio_mmio",
     };
-    vec![transport, "virtio_blk", "virtio_console", "virtio_rng", "crc32c_generic", "ext4"]
+    // tcp_diag (with inet_diag): the agent destroys stale connections after a restore through sock_diag.
+    vec![transport, "virtio_blk", "virtio_console", "virtio_rng", "crc32c_generic", "ext4", "tcp_diag"]
 }
 
 /// Module name (`virtio_blk`) -> (relative path, dependencies' relative paths), from `modules.dep`.
@@ -82,6 +83,37 @@ pub fn load_order(modules_dir: &Path, wanted: &[&str]) -> Result<Vec<String>, Bo
 
 /// Build the guest initramfs for `machine` into `dest`.
 pub fn build_initramfs(kernel_dir: &Path, busybox: &Path, machine: MachineType, dest: &Path) -> Result<(), BootError> {
+    let bytes = initramfs_bytes(kernel_dir, busybox, machine)?;
+    write_atomic(dest, &bytes)
+}
+
+/// Build the guest initramfs into `dir`, named by a hash of its content, unless that file exists; return its path.
+/// A change of the init script, the module list or the kernel gives a new name, so a stale cache is never used.
+pub fn cached_initramfs(
+    kernel_dir: &Path,
+    busybox: &Path,
+    machine: MachineType,
+    dir: &Path,
+) -> Result<PathBuf, BootError> {
+    use std::hash::{Hash, Hasher};
+    let bytes = initramfs_bytes(kernel_dir, busybox, machine)?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    let path = dir.join(format!("initramfs-{:016x}.cpio", h.finish()));
+    if !path.exists() {
+        write_atomic(&path, &bytes)?;
+    }
+    Ok(path)
+}
+
+fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<(), BootError> {
+    let tmp = dest.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::rename(&tmp, dest))
+        .map_err(|e| BootError::Write(dest.display().to_string(), e))
+}
+
+fn initramfs_bytes(kernel_dir: &Path, busybox: &Path, machine: MachineType) -> Result<Vec<u8>, BootError> {
     let modules_dir = kernel_dir.join("modules");
     let order = load_order(&modules_dir, &wanted_modules(machine))?;
     let mut img = Initramfs::new();
@@ -98,7 +130,7 @@ pub fn build_initramfs(kernel_dir: &Path, busybox: &Path, machine: MachineType, 
         names.push(name);
     }
     img.file("init", 0o755, init_script(&names).as_bytes());
-    img.write_to(dest).map_err(|e| BootError::Write(dest.display().to_string(), e))
+    Ok(img.finish())
 }
 
 fn init_script(modules: &[String]) -> String {

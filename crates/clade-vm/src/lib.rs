@@ -4,7 +4,10 @@
 #![forbid(unsafe_code)]
 
 pub mod accel;
+pub mod agent_link;
+pub mod backend;
 pub mod boot;
+pub mod disks;
 pub mod initramfs;
 pub mod machine;
 pub mod qemu;

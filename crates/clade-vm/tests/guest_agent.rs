@@ -9,55 +9,10 @@ use std::time::{Duration, Instant};
 
 use clade_agent::client::AgentClient;
 use clade_agent::proto::ExecSpec;
-use clade_vm::accel::Accel;
 use clade_vm::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 
-fn home() -> PathBuf {
-    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
-}
-
-fn accel() -> Accel {
-    std::fs::read(home().join("cache/accel.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .map(|v| if v["chosen"] == "kvm" { Accel::Kvm } else { Accel::Tcg })
-        .unwrap_or(Accel::Tcg)
-}
-
-/// The agent binary built next to this test (`cargo build --workspace` puts it in the target dir).
-fn agent_binary() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?; // target/debug/deps -> target/debug
-    let p = dir.join("clade-agent");
-    p.exists().then_some(p)
-}
-
-struct Child(std::process::Child);
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Copy `bin` and the shared libraries `ldd` names into `root`.
-fn install_with_libs(bin: &Path, root: &Path, dest: &str) {
-    let target = root.join(dest.trim_start_matches('/'));
-    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-    std::fs::copy(bin, &target).unwrap();
-    let out = Command::new("ldd").arg(bin).output().unwrap();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let path = line.split_whitespace().find(|w| w.starts_with('/'));
-        if let Some(p) = path {
-            let t = root.join(p.trim_start_matches('/'));
-            std::fs::create_dir_all(t.parent().unwrap()).unwrap();
-            std::fs::copy(p, &t).unwrap();
-        }
-    }
-}
+mod common;
+use common::*;
 
 /// Say hello, giving up after `timeout` (the guest may still be booting).
 fn hello_until(sock: &Path, timeout: Duration) -> (AgentClient, clade_agent::proto::Hello) {
@@ -94,23 +49,8 @@ fn guest_agent_answers_over_virtio_serial_and_survives_a_clone() {
     let w = work.path();
     let initrd = w.join("initrd.cpio");
     clade_vm::boot::build_initramfs(&kdir, Path::new("/bin/busybox"), MachineType::Q35, &initrd).unwrap();
-    let root = w.join("root");
-    for d in ["bin", "dev", "proc", "sys", "run", "tmp", "etc", "root"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    std::os::unix::fs::symlink("busybox", root.join("bin/sh")).unwrap();
-    std::os::unix::fs::symlink("busybox", root.join("bin/hostname")).unwrap();
-    install_with_libs(&agent, &root, clade_vm::boot::AGENT_PATH);
     let img = w.join("root.img");
-    let st = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-E", "root_owner=0:0", "-d"])
-        .arg(&root)
-        .arg(&img)
-        .arg("64M")
-        .status()
-        .unwrap();
-    assert!(st.success());
+    busybox_root_image(w, &agent, &img, 64);
     let nbd = w.join("nbd.sock");
     let _server = Child(Command::new("qemu-nbd").args(["-t", "-f", "raw", "-k"]).arg(&nbd).arg(&img).spawn().unwrap());
     let t = Instant::now();

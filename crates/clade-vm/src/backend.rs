@@ -1,0 +1,555 @@
+//! The `vm` backend behind clade-core's `Backend` trait.
+//!
+//! - **Cold start** boots the template's disk (a clade-nbd export of its manifest) with clade's initramfs; guest
+//!   RAM is a shared file on tmpfs. Only base builds boot cold.
+//! - **Mark of a cold sandbox** saves device state with `x-ignore-shared` (the RAM file *is* the RAM), snapshots
+//!   the disk, stores the RAM file as a memory manifest and renames it to `ram/<manifest>.ram`: that file is the
+//!   root every descendant maps. The sandbox then goes on as a clone of its own mark.
+//! - **Restore** maps the root RAM file `share=off` (rebuilt from the store when missing), writes the mark's own
+//!   pages into the private mapping, loads the device state, continues, and reconnects the agent. A fresh vmgenid
+//!   makes the guest kernel reseed its CRNG.
+//! - **Mark of a clone** pauses it, saves device state alone (`xen-save-devices-state`: no RAM streamed), reads
+//!   the pages that diverged from the root file (`/proc/PID/pagemap`), snapshots the disk, and continues: a pause
+//!   proportional to what changed. The pages are stored after the guest runs again, as a complete manifest
+//!   derived from the root's.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clade_agent::client::AgentClient;
+use clade_core::backend::{
+    check_compat, Backend, BackendError, BackendKind, Identity, MarkOptions, MarkState, Sandbox, Shape, TemplateImage,
+};
+use clade_core::CladeHome;
+use clade_store::{ImageKind, Lease, ManifestId, Store};
+
+use crate::accel::Accel;
+use crate::disks::{DiskExport, DiskHost};
+use crate::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
+
+/// Roles of a `vm` mark's manifests.
+pub mod role {
+    /// The RAM file every descendant maps (a memory manifest; its tmpfs copy is `ram/<id>.ram`).
+    pub const RAM_ROOT: &str = "ram_root";
+    /// The mark's complete guest RAM.
+    pub const RAM: &str = "ram";
+    /// Page indexes (u64 LE) where `ram` differs from `ram_root`.
+    pub const RAM_PAGES: &str = "ram_pages";
+    /// A migration stream without RAM (`x-ignore-shared`), from a mark of a cold sandbox.
+    pub const DEVSTATE: &str = "devstate";
+    /// Device state alone (`xen-save-devices-state`), from a mark of a clone.
+    pub const DEVSTATE_ONLY: &str = "devstate_only";
+    pub const DISK: &str = "disk";
+}
+
+/// How long a guest may take to answer its first hello.
+const COLD_TIMEOUT: Duration = Duration::from_secs(120);
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Inner {
+    home: CladeHome,
+    store: Store,
+    disks: DiskHost,
+    qemu: PathBuf,
+    qemu_version: String,
+    accel: Accel,
+    machine: MachineType,
+    kernel: PathBuf,
+    kernel_release: String,
+    initrd: PathBuf,
+    shm: PathBuf,
+}
+
+/// The `vm` backend of this host.
+#[derive(Clone)]
+pub struct VmBackend {
+    inner: Arc<Inner>,
+}
+
+fn failed(what: impl std::fmt::Display) -> BackendError {
+    BackendError::Failed(what.to_string())
+}
+
+impl VmBackend {
+    /// Open the backend: find QEMU and the guest kernel, take the accelerator from the probe (cached per boot),
+    /// and build the initramfs once. `shm` holds RAM files (default `/dev/shm/clade`).
+    pub fn open(home: &CladeHome, store: Store, shm: Option<PathBuf>) -> Result<Self, BackendError> {
+        let qemu = crate::qemu::qemu_binary().ok_or_else(|| failed("no qemu-system-x86_64: run ./x setup"))?;
+        let qemu_version =
+            crate::qemu::qemu_version(&qemu).ok_or_else(|| failed(format!("cannot run {}", qemu.display())))?;
+        let kdir = home.kernel_dir();
+        let kernel = kdir.join("vmlinux");
+        let kernel_release = std::fs::read_to_string(kdir.join("release"))
+            .map(|s| s.trim().to_string())
+            .map_err(|_| failed(format!("no guest kernel in {}: run ./x setup", kdir.display())))?;
+        let busybox = Path::new("/bin/busybox");
+        let cache = home.cache_dir();
+        let boot_id = clade_core::host::boot_id();
+        let choice = crate::accel::choose(
+            &crate::accel::ProbeInputs {
+                qemu: &qemu,
+                qemu_version: &qemu_version,
+                kernel: &kernel,
+                kernel_release: &kernel_release,
+                busybox,
+                cache_dir: &cache,
+                boot_id: &boot_id,
+            },
+            false,
+        )
+        .map_err(|e| failed(format!("accelerator probe: {e}")))?;
+        let machine = MachineType::Q35;
+        let initrd = crate::boot::cached_initramfs(&kdir, busybox, machine, &cache).map_err(failed)?;
+        let shm = shm.unwrap_or_else(|| PathBuf::from("/dev/shm/clade"));
+        for d in [shm.join("ram"), shm.join("run"), home.run_dir()] {
+            std::fs::create_dir_all(&d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
+        }
+        let disks = DiskHost::new(store.clone()).map_err(failed)?;
+        Ok(VmBackend {
+            inner: Arc::new(Inner {
+                home: home.clone(),
+                store,
+                disks,
+                qemu,
+                qemu_version,
+                accel: choice.chosen,
+                machine,
+                kernel,
+                kernel_release,
+                initrd,
+                shm,
+            }),
+        })
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.inner.accel
+    }
+
+    fn compat(&self, shape: &Shape) -> BTreeMap<String, String> {
+        let i = &self.inner;
+        let mut m = BTreeMap::new();
+        m.insert("qemu".into(), i.qemu_version.clone());
+        m.insert("machine".into(), format!("{:?}", i.machine).to_lowercase());
+        m.insert("accel".into(), i.accel.as_str().into());
+        m.insert("kernel".into(), i.kernel_release.clone());
+        m.insert("memory_mib".into(), shape.memory_mib.to_string());
+        m.insert("vcpus".into(), shape.vcpus.to_string());
+        m
+    }
+
+    fn spec(
+        &self,
+        shape: &Shape,
+        ram: RamBacking,
+        disk: &Path,
+        agent: &Path,
+        incoming: bool,
+        devstate_only: bool,
+    ) -> VmSpec {
+        let i = &self.inner;
+        VmSpec {
+            accel: i.accel,
+            machine: i.machine,
+            memory_mib: shape.memory_mib,
+            vcpus: shape.vcpus,
+            kernel: i.kernel.clone(),
+            initrd: Some(i.initrd.clone()),
+            append: format!(
+                "console=ttyS0 panic=-1 quiet {}=virtio:/dev/virtio-ports/{}",
+                clade_agent::CMDLINE_KEY,
+                clade_agent::VM_PORT_NAME
+            ),
+            ram,
+            disks: vec![NbdDisk { socket: disk.to_path_buf(), export: String::new(), read_only: false }],
+            agent_socket: Some(agent.to_path_buf()),
+            vmgenid: true,
+            incoming,
+            devstate_only,
+        }
+    }
+
+    fn root_ram_file(&self, root: &str) -> PathBuf {
+        self.inner.shm.join("ram").join(format!("{root}.ram"))
+    }
+
+    fn lease(&self, id: &str) -> Result<Lease, BackendError> {
+        let m: ManifestId = id.parse().map_err(|_| BackendError::Corrupt(format!("'{id}' is not a manifest id")))?;
+        self.inner.store.lease(m).map_err(|e| BackendError::Corrupt(e.to_string()))
+    }
+}
+
+fn manifest<'a>(mark: &'a MarkState, role: &str) -> Result<&'a str, BackendError> {
+    mark.manifests
+        .get(role)
+        .map(String::as_str)
+        .ok_or_else(|| BackendError::Corrupt(format!("vm mark has no '{role}'")))
+}
+
+fn mid(s: &str) -> Result<ManifestId, BackendError> {
+    s.parse().map_err(|_| BackendError::Corrupt(format!("'{s}' is not a manifest id")))
+}
+
+impl Backend for VmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vm
+    }
+
+    fn host_compat(&self) -> BTreeMap<String, String> {
+        // Shape keys are checked against the mark's own shape at restore; the host offers any.
+        self.compat(&Shape { memory_mib: 0, vcpus: 0, disk_gib: 0 })
+            .into_iter()
+            .filter(|(k, _)| k != "memory_mib" && k != "vcpus")
+            .collect()
+    }
+
+    fn cold_start(&self, image: &TemplateImage, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        let disk_manifest = image
+            .disk_manifest
+            .as_deref()
+            .ok_or_else(|| failed(format!("template {} has no vm disk image", image.name)))?;
+        let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
+        let disk = self.inner.disks.export(disk_manifest, &run.path.join("disk.sock")).map_err(failed)?;
+        let leases = vec![self.lease(disk_manifest)?];
+        let ram = self.inner.shm.join("run").join(format!("{}.ram", id.sandbox_id));
+        let agent_sock = run.path.join("agent.sock");
+        let spec = self.spec(
+            &image.shape,
+            RamBacking { path: ram.clone(), share: true },
+            disk.socket(),
+            &agent_sock,
+            false,
+            false,
+        );
+        let qemu_dir = run.path.join("qemu");
+        let vm = Vm::spawn(&self.inner.qemu, spec, &qemu_dir).map_err(failed)?;
+        let guard = RamGuard(Some(ram.clone()));
+        let (agent, _hello) = crate::agent_link::hello_until(&agent_sock, COLD_TIMEOUT)
+            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
+        std::mem::forget(guard);
+        Ok(Box::new(VmSandbox {
+            backend: self.clone(),
+            id: id.sandbox_id.clone(),
+            shape: image.shape.clone(),
+            vm: Some(vm),
+            disk,
+            agent,
+            agent_sock,
+            ram_file: ram,
+            root: None,
+            leases,
+            run,
+            generation: 0,
+        }))
+    }
+
+    fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        if mark.backend != BackendKind::Vm {
+            return Err(failed("not a vm mark"));
+        }
+        check_compat(&mark.compat, &self.compat(&mark.shape))?;
+        let store = &self.inner.store;
+        let root = manifest(mark, role::RAM_ROOT)?.to_string();
+        let disk_manifest = manifest(mark, role::DISK)?;
+        let mut leases = vec![self.lease(&root)?, self.lease(disk_manifest)?];
+        // The root RAM file, rebuilt from the store when this host does not have it.
+        let ram_file = self.root_ram_file(&root);
+        if !ram_file.exists() {
+            store.get_file(&mid(&root)?, &ram_file).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+        }
+        let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
+        let (state_role, devstate_only) = match mark.manifests.get(role::DEVSTATE_ONLY) {
+            Some(_) => (role::DEVSTATE_ONLY, true),
+            None => (role::DEVSTATE, false),
+        };
+        let state = run.path.join("devstate");
+        store.get_file(&mid(manifest(mark, state_role)?)?, &state).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+        let (pages, data) = match mark.manifests.get(role::RAM_PAGES) {
+            Some(p) => {
+                let ram = manifest(mark, role::RAM)?;
+                leases.push(self.lease(ram)?);
+                read_pages(store, p, ram)?
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        let disk = self.inner.disks.export(disk_manifest, &run.path.join("disk.sock")).map_err(failed)?;
+        let agent_sock = run.path.join("agent.sock");
+        let spec = self.spec(
+            &mark.shape,
+            RamBacking { path: ram_file.clone(), share: false },
+            disk.socket(),
+            &agent_sock,
+            true,
+            devstate_only,
+        );
+        let (vm, _stats) = if devstate_only {
+            crate::templating::restore_clone_mark(&self.inner.qemu, spec, &state, &pages, &data, &run.path.join("qemu"))
+        } else {
+            crate::templating::restore(&self.inner.qemu, spec, &state, &run.path.join("qemu"))
+        }
+        .map_err(failed)?;
+        let (agent, _hello) = crate::agent_link::hello_until(&agent_sock, RESTORE_TIMEOUT)
+            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
+        Ok(Box::new(VmSandbox {
+            backend: self.clone(),
+            id: id.sandbox_id.clone(),
+            shape: mark.shape.clone(),
+            vm: Some(vm),
+            disk,
+            agent,
+            agent_sock,
+            ram_file,
+            root: Some(root),
+            leases,
+            run,
+            generation: id.generation,
+        }))
+    }
+}
+
+/// The diverged page list and the pages' bytes of a clone's mark.
+fn read_pages(store: &Store, pages_id: &str, ram_id: &str) -> Result<(Vec<u64>, Vec<u8>), BackendError> {
+    let corrupt = |e: clade_store::StoreError| BackendError::Corrupt(e.to_string());
+    let list = store.image(&mid(pages_id)?).map_err(corrupt)?;
+    let mut raw = vec![0u8; list.size() as usize];
+    list.read_at(0, &mut raw).map_err(corrupt)?;
+    let pages: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    let ram = store.image(&mid(ram_id)?).map_err(corrupt)?;
+    let page = crate::ramdiff::PAGE as usize;
+    let mut data = vec![0u8; pages.len() * page];
+    let mut off = 0usize;
+    for (first, n) in crate::ramdiff::runs(&pages) {
+        let len = n as usize * page;
+        ram.read_at(first * crate::ramdiff::PAGE, &mut data[off..off + len]).map_err(corrupt)?;
+        off += len;
+    }
+    Ok((pages, data))
+}
+
+fn put_id(r: &clade_store::PutReport) -> Result<String, BackendError> {
+    r.id.map(|i| i.to_string()).ok_or_else(|| failed("store published no manifest"))
+}
+
+/// Bytes a put added to the store: new packed data plus the manifest.
+fn stored(r: &clade_store::PutReport) -> u64 {
+    r.bytes_stored + r.manifest_bytes
+}
+
+fn console_tail(vm: &Vm) -> String {
+    let c = vm.console();
+    let lines: Vec<&str> = c.lines().rev().take(8).collect();
+    format!("last console lines: {}", lines.into_iter().rev().collect::<Vec<_>>().join(" | "))
+}
+
+/// A sandbox's run dir under `$CLADE_HOME/run`; removed on drop.
+struct RunDir {
+    path: PathBuf,
+}
+
+impl RunDir {
+    fn create(home: &CladeHome, id: &str) -> Result<Self, BackendError> {
+        let path = home.run_dir().join(id);
+        if path.exists() {
+            return Err(failed(format!("sandbox {id} already has a run dir {}", path.display())));
+        }
+        std::fs::create_dir_all(&path).map_err(|e| failed(format!("create {}: {e}", path.display())))?;
+        Ok(RunDir { path })
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Removes a cold sandbox's private RAM file unless it became a mark's root.
+struct RamGuard(Option<PathBuf>);
+impl Drop for RamGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A running `vm` sandbox: its QEMU, its disk export, its agent connection and the store leases that keep what
+/// it runs from alive.
+pub struct VmSandbox {
+    backend: VmBackend,
+    id: String,
+    shape: Shape,
+    vm: Option<Vm>,
+    disk: DiskExport,
+    agent: AgentClient,
+    agent_sock: PathBuf,
+    /// The RAM file QEMU maps: private to a cold sandbox (shared mapping), else the root file (private mapping).
+    ram_file: PathBuf,
+    /// The root RAM manifest this sandbox's RAM is relative to; `None` for a cold sandbox.
+    root: Option<String>,
+    leases: Vec<Lease>,
+    run: RunDir,
+    generation: u64,
+}
+
+impl VmSandbox {
+    fn vm(&mut self) -> &mut Vm {
+        self.vm.as_mut().expect("a live sandbox has its QEMU")
+    }
+
+    pub fn qemu_pid(&self) -> Option<u32> {
+        self.vm.as_ref().map(|v| v.pid())
+    }
+
+    fn put_bytes(&self, data: &[u8], kind: ImageKind) -> Result<clade_store::PutReport, BackendError> {
+        self.backend.inner.store.put_bytes(data, kind).map_err(|e| failed(format!("store: {e}")))
+    }
+
+    /// Mark a cold sandbox: its RAM file becomes the root of the mark, and the sandbox continues as a clone.
+    fn mark_cold(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        let start = Instant::now();
+        let state_path = self.run.path.join("devstate.mark");
+        let saved = crate::templating::save_device_state(self.vm(), &state_path).map_err(failed)?;
+        let disk = self.disk.snapshot().map_err(failed)?;
+        let store = self.backend.inner.store.clone();
+        let ram = store.put_file(&self.ram_file, ImageKind::Mem).map_err(|e| failed(format!("store RAM: {e}")))?;
+        let dev = store.put_file(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
+        let root = put_id(&ram)?;
+        let root_file = self.backend.root_ram_file(&root);
+        // The guest is paused and about to be replaced: its RAM file becomes the mark's root (same tmpfs, so a
+        // rename), unless an identical root is there already.
+        self.vm = None;
+        if root_file.exists() {
+            let _ = std::fs::remove_file(&self.ram_file);
+        } else {
+            std::fs::rename(&self.ram_file, &root_file).map_err(|e| failed(format!("publish RAM file: {e}")))?;
+        }
+        let mut manifests = BTreeMap::new();
+        manifests.insert(role::RAM_ROOT.to_string(), root.clone());
+        manifests.insert(role::RAM.to_string(), root.clone());
+        manifests.insert(role::DEVSTATE.to_string(), put_id(&dev)?);
+        manifests.insert(role::DISK.to_string(), disk);
+        let mark = MarkState {
+            backend: BackendKind::Vm,
+            manifests,
+            compat: self.backend.compat(&self.shape),
+            shape: self.shape.clone(),
+            logical_bytes: ram.size + dev.size,
+            stored_bytes: stored(&ram) + stored(&dev),
+            pause: Duration::from_secs_f64(saved.pause_ms / 1e3),
+            clean: !opts.not_clean,
+        };
+        // Go on as a clone of the mark (same guest state; a new QEMU mapping the root privately).
+        let spec = self.backend.spec(
+            &self.shape,
+            RamBacking { path: root_file.clone(), share: false },
+            self.disk.socket(),
+            &self.agent_sock,
+            true,
+            false,
+        );
+        let (vm, _) =
+            crate::templating::restore(&self.backend.inner.qemu, spec, &state_path, &self.run.path.join("qemu"))
+                .map_err(failed)?;
+        self.vm = Some(vm);
+        self.ram_file = root_file;
+        self.root = Some(root.clone());
+        self.leases.push(self.backend.lease(&root)?);
+        let (agent, _) = crate::agent_link::hello_until(&self.agent_sock, RESTORE_TIMEOUT)
+            .map_err(|w| BackendError::NotReady { timeout: w, detail: "agent after mark".into() })?;
+        self.agent = agent;
+        let mut mark = mark;
+        mark.pause = start.elapsed();
+        Ok(mark)
+    }
+
+    /// Mark a clone: device state alone + its diverged pages; the pause is what changed, not the guest size.
+    fn mark_clone(&mut self, root: String, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        let state_path = self.run.path.join("devstate.mark");
+        let cm = crate::templating::save_clone_state(self.vm(), &state_path).map_err(failed)?;
+        let disk = self.disk.snapshot();
+        let cont = self.vm().qmp.execute("cont", serde_json::json!({}));
+        let pause = Duration::from_secs_f64(cm.stats.pause_ms / 1e3);
+        let disk = disk.map_err(failed)?;
+        cont.map_err(failed)?;
+        // Off the pause: store the pages as a complete manifest derived from the root, plus the page list.
+        let store = self.backend.inner.store.clone();
+        let size = self.shape.memory_mib as u64 * 1024 * 1024;
+        let mut b =
+            store.derive(Some(&mid(&root)?), size).map_err(|e| failed(format!("store: {e}")))?.kind(ImageKind::Mem);
+        let page = crate::ramdiff::PAGE as usize;
+        let mut off = 0usize;
+        for (first, n) in crate::ramdiff::runs(&cm.pages) {
+            let len = n as usize * page;
+            b.write(first * crate::ramdiff::PAGE, &cm.data[off..off + len])
+                .map_err(|e| failed(format!("store: {e}")))?;
+            off += len;
+        }
+        let ram = b.finish().map_err(|e| failed(format!("store: {e}")))?;
+        let list: Vec<u8> = cm.pages.iter().flat_map(|p| p.to_le_bytes()).collect();
+        let pages = self.put_bytes(&list, ImageKind::Other)?;
+        let dev = store.put_file(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
+        let mut manifests = BTreeMap::new();
+        manifests.insert(role::RAM_ROOT.to_string(), root);
+        manifests.insert(role::RAM.to_string(), put_id(&ram)?);
+        manifests.insert(role::RAM_PAGES.to_string(), put_id(&pages)?);
+        manifests.insert(role::DEVSTATE_ONLY.to_string(), put_id(&dev)?);
+        manifests.insert(role::DISK.to_string(), disk);
+        Ok(MarkState {
+            backend: BackendKind::Vm,
+            manifests,
+            compat: self.backend.compat(&self.shape),
+            shape: self.shape.clone(),
+            logical_bytes: size + dev.size,
+            stored_bytes: stored(&ram) + stored(&pages) + stored(&dev),
+            pause,
+            clean: !opts.not_clean,
+        })
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+}
+
+impl Sandbox for VmSandbox {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vm
+    }
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+    fn pids(&self) -> Vec<u32> {
+        self.qemu_pid().into_iter().collect()
+    }
+    fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        match self.root.clone() {
+            None => self.mark_cold(opts),
+            Some(root) => self.mark_clone(root, opts),
+        }
+    }
+    fn suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        let m = self.mark(opts)?;
+        self.kill()?;
+        Ok(m)
+    }
+    fn kill(self: Box<Self>) -> Result<(), BackendError> {
+        drop(self);
+        Ok(())
+    }
+}
+
+impl Drop for VmSandbox {
+    fn drop(&mut self) {
+        self.vm = None;
+        if self.root.is_none() {
+            let _ = std::fs::remove_file(&self.ram_file);
+        }
+        self.leases.clear();
+    }
+}
