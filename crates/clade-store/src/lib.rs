@@ -24,6 +24,7 @@ mod maint;
 mod manifest;
 mod pack;
 mod reader;
+mod statcache;
 mod store;
 mod tree;
 mod writer;
@@ -49,10 +50,24 @@ const PUT_CHUNK: usize = 8 << 20;
 
 impl Store {
     /// Store a file as an image of `kind`; returns the published manifest and what was new.
+    ///
+    /// Like git and restic, a file stored before whose path, device, inode, size, mtime and ctime are all
+    /// unchanged is not read again (its manifest is reused). A file written through a shared `mmap` on
+    /// tmpfs may not get a new mtime: store such files with [`Store::put_file_rehash`].
     pub fn put_file(&self, path: &Path, kind: ImageKind) -> Result<PutReport, StoreError> {
+        if let Some(r) = statcache::lookup(self, path, kind)? {
+            return Ok(r);
+        }
+        self.put_file_rehash(path, kind)
+    }
+
+    /// Store a file, always reading and hashing all of it.
+    pub fn put_file_rehash(&self, path: &Path, kind: ImageKind) -> Result<PutReport, StoreError> {
         use error::IoCtx;
+        let start = std::time::SystemTime::now();
         let mut f = std::fs::File::open(path).ctx("open", path)?;
-        let size = f.metadata().ctx("stat", path)?.len();
+        let md = f.metadata().ctx("stat", path)?;
+        let size = md.len();
         let mut b = self.derive(None, size)?.kind(kind);
         let mut buf = Vec::new();
         let mut off = 0u64;
@@ -65,7 +80,11 @@ impl Store {
             b.write(off, &buf[..n])?;
             off += n as u64;
         }
-        b.finish()
+        let r = b.finish()?;
+        if let Some(id) = &r.id {
+            statcache::record(self, path, kind, &md, start, id);
+        }
+        Ok(r)
     }
 
     /// Store bytes as an image of `kind`.

@@ -262,7 +262,7 @@ impl Store {
             let mut buf = vec![0u8; e.stored_len as usize];
             std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, e.offset)
                 .map_err(|er| StoreError::io("read pack", &ppath, er))?;
-            pack::decode_frame(&buf, &e, &|| ppath.display().to_string())?;
+            pack::decode_frame(buf.clone(), &e, &|| ppath.display().to_string())?;
             w.add(&buf, e.raw_len, e.codec, e.objects)?;
         }
         let (nid, npath, nframes) = w.finish(&self.inner.packs, &self.inner.tmp)?;

@@ -188,10 +188,22 @@ pub(crate) fn read_trailer(path: &Path) -> Result<Vec<u8>, StoreError> {
 /// Decode a frame's stored bytes and verify every block against its object id. Corruption is named
 /// (frame, object, location) and the bytes are never returned.
 pub(crate) fn decode_frame(
-    stored: &[u8],
+    mut stored: Vec<u8>,
     entry: &FrameEntry,
     location: &dyn Fn() -> String,
 ) -> Result<Vec<u8>, StoreError> {
+    let mut scratch = Vec::new();
+    decode_frame_in(&mut stored, &mut scratch, entry, location)?;
+    Ok(if entry.codec == Codec::Raw { stored } else { scratch })
+}
+
+/// As [`decode_frame`], reusing buffers: the plain bytes are `stored` (raw frames) or `scratch`.
+pub(crate) fn decode_frame_in<'a>(
+    stored: &'a mut Vec<u8>,
+    scratch: &'a mut Vec<u8>,
+    entry: &FrameEntry,
+    location: &dyn Fn() -> String,
+) -> Result<&'a [u8], StoreError> {
     let corrupt =
         |id: String, kind: &'static str, detail: String| StoreError::Corrupt { kind, id, location: location(), detail };
     if stored.len() != entry.stored_len as usize {
@@ -201,10 +213,16 @@ pub(crate) fn decode_frame(
             format!("{} bytes where {} were expected (truncated pack?)", stored.len(), entry.stored_len),
         ));
     }
-    let raw = match entry.codec {
-        Codec::Raw => stored.to_vec(),
-        Codec::Zstd => zstd::bulk::decompress(stored, entry.raw_len as usize)
-            .map_err(|e| corrupt(entry.id().to_hex(), "frame", format!("zstd: {e}")))?,
+    let raw: &[u8] = match entry.codec {
+        Codec::Raw => stored,
+        Codec::Zstd => {
+            scratch.clear();
+            scratch.reserve(entry.raw_len as usize);
+            zstd::bulk::Decompressor::new()
+                .and_then(|mut d| d.decompress_to_buffer(stored.as_slice(), scratch))
+                .map_err(|e| corrupt(entry.id().to_hex(), "frame", format!("zstd: {e}")))?;
+            scratch
+        }
     };
     if raw.len() != entry.raw_len as usize {
         return Err(corrupt(
@@ -213,7 +231,7 @@ pub(crate) fn decode_frame(
             format!("decoded {} bytes, expected {}", raw.len(), entry.raw_len),
         ));
     }
-    verify_blocks(&raw, &entry.objects).map_err(|(i, got)| {
+    verify_blocks(raw, &entry.objects).map_err(|(i, got)| {
         corrupt(entry.objects[i].to_hex(), "object", format!("block {i} of frame {} hashes to {got}", entry.id()))
     })?;
     Ok(raw)

@@ -150,9 +150,7 @@ impl Store {
                 }
             }
         }
-        runs.par_iter().try_for_each(|&(a, b)| {
-            let fi = m.extents[a].frame as usize;
-            let frame = self.frame(&m.frames[fi], uses[fi] > 1)?;
+        let write_run = |frame: &[u8], a: usize, b: usize| -> Result<(), StoreError> {
             for x in &m.extents[a..b] {
                 let s = x.frame_offset as usize;
                 let src = frame.get(s..s + x.len as usize).ok_or_else(|| StoreError::Corrupt {
@@ -164,7 +162,25 @@ impl Store {
                 f.write_all_at(src, x.offset).ctx("write", path)?;
             }
             Ok(())
-        })
+        };
+        runs.par_iter().try_for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(stored, scratch), &(a, b)| {
+                let fi = m.extents[a].frame as usize;
+                let fid = &m.frames[fi];
+                if let Some(fr) = self.cached_frame(fid) {
+                    return write_run(&fr, a, b);
+                }
+                if uses[fi] > 1 {
+                    let fr = self.frame(fid, true)?;
+                    return write_run(&fr, a, b);
+                }
+                let loc = self.frame_loc(fid)?;
+                let location = self.read_stored(&loc, stored)?;
+                let raw = crate::pack::decode_frame_in(stored, scratch, &loc.entry, &|| location.clone())?;
+                write_run(raw, a, b)
+            },
+        )
     }
 }
 

@@ -61,7 +61,7 @@ impl Default for StoreConfig {
 }
 
 pub(crate) struct FrameCache {
-    lru: LruCache<FrameId, Arc<[u8]>>,
+    lru: LruCache<FrameId, Arc<Vec<u8>>>,
     bytes: u64,
     limit: u64,
     pub hits: u64,
@@ -69,7 +69,7 @@ pub(crate) struct FrameCache {
 }
 
 impl FrameCache {
-    fn get(&mut self, id: &FrameId) -> Option<Arc<[u8]>> {
+    fn get(&mut self, id: &FrameId) -> Option<Arc<Vec<u8>>> {
         let r = self.lru.get(id).cloned();
         if r.is_some() {
             self.hits += 1;
@@ -78,7 +78,7 @@ impl FrameCache {
         }
         r
     }
-    fn insert(&mut self, id: FrameId, data: Arc<[u8]>) {
+    fn insert(&mut self, id: FrameId, data: Arc<Vec<u8>>) {
         if data.len() as u64 > self.limit {
             return;
         }
@@ -279,11 +279,18 @@ impl Store {
     }
 
     pub(crate) fn load_frame_at(&self, loc: &FrameLoc) -> Result<Vec<u8>, StoreError> {
+        let mut buf = Vec::new();
+        let location = self.read_stored(loc, &mut buf)?;
+        pack::decode_frame(buf, &loc.entry, &|| location.clone())
+    }
+
+    /// Read a frame's stored bytes into `buf` (local pack, else blob tier); returns where they came from.
+    pub(crate) fn read_stored(&self, loc: &FrameLoc, buf: &mut Vec<u8>) -> Result<String, StoreError> {
         let e: &FrameEntry = &loc.entry;
         let path = pack::pack_path(&self.inner.packs, &loc.pack);
-        let mut buf = vec![0u8; e.stored_len as usize];
         match std::fs::File::open(&path) {
             Ok(f) => {
+                buf.resize(e.stored_len as usize, 0);
                 let mut got = 0usize;
                 while got < buf.len() {
                     let n = f.read_at(&mut buf[got..], e.offset + got as u64).ctx("read pack", &path)?;
@@ -293,7 +300,7 @@ impl Store {
                     got += n;
                 }
                 buf.truncate(got);
-                pack::decode_frame(&buf, e, &|| path.display().to_string())
+                Ok(path.display().to_string())
             }
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
                 let Some(blob) = &self.inner.blob else {
@@ -304,19 +311,24 @@ impl Store {
                     });
                 };
                 let key = blob_key(&path, &self.inner.dir);
-                let data = blob.get_range(&key, e.offset..e.offset + e.stored_len as u64)?;
-                pack::decode_frame(&data, e, &|| format!("{}/{key}", blob.describe()))
+                *buf = blob.get_range(&key, e.offset..e.offset + e.stored_len as u64)?;
+                Ok(format!("{}/{key}", blob.describe()))
             }
             Err(err) => Err(StoreError::io("open pack", &path, err)),
         }
     }
 
+    /// The cached copy of a frame, if any.
+    pub(crate) fn cached_frame(&self, id: &FrameId) -> Option<Arc<Vec<u8>>> {
+        self.cache().get(id)
+    }
+
     /// A verified frame through the LRU cache. `keep` = insert into the cache on a miss.
-    pub(crate) fn frame(&self, id: &FrameId, keep: bool) -> Result<Arc<[u8]>, StoreError> {
+    pub(crate) fn frame(&self, id: &FrameId, keep: bool) -> Result<Arc<Vec<u8>>, StoreError> {
         if let Some(f) = self.cache().get(id) {
             return Ok(f);
         }
-        let data: Arc<[u8]> = self.load_frame(id)?.into();
+        let data: Arc<Vec<u8>> = Arc::new(self.load_frame(id)?);
         if keep {
             self.cache().insert(*id, data.clone());
         }

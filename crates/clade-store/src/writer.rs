@@ -44,6 +44,8 @@ pub struct PutReport {
     pub new_frames: u64,
     /// Packs published.
     pub packs: u64,
+    /// The file was unchanged since an earlier put (same path, inode, size, mtime, ctime): not read again.
+    pub unchanged_file: bool,
 }
 
 impl PutReport {
@@ -82,6 +84,8 @@ pub(crate) struct Session {
     cur_num: Option<u32>,
     closed: Vec<Closed>,
     pack: Option<PackWriter>,
+    /// Spent frame buffers, reused so a large put does not fault in fresh pages for every frame.
+    pool: Vec<Vec<u8>>,
     pub stats: PutReport,
 }
 
@@ -99,6 +103,7 @@ impl Session {
             cur_num: None,
             closed: Vec::new(),
             pack: None,
+            pool: Vec::new(),
             stats: PutReport::default(),
         })
     }
@@ -171,7 +176,8 @@ impl Session {
         self.frames[n as usize] = Some(fid);
         self.frame_num.insert(fid, n);
         let cap = self.store.inner.cfg.frame_blocks * BLOCK;
-        let raw = std::mem::replace(&mut self.cur, Vec::with_capacity(cap));
+        let next = self.pool.pop().unwrap_or_else(|| Vec::with_capacity(cap));
+        let raw = std::mem::replace(&mut self.cur, next);
         self.closed.push(Closed { raw, objects });
         self.stats.new_frames += 1;
         if self.closed.len() >= 2 * rayon::current_num_threads() {
@@ -200,7 +206,10 @@ impl Session {
             let bytes = z.as_deref().unwrap_or(&c.raw);
             self.stats.bytes_stored += bytes.len() as u64;
             let pack = self.pack.as_mut().ok_or_else(|| StoreError::Invalid("no pack".into()))?;
-            pack.add(bytes, c.raw.len() as u32, codec, c.objects)?;
+            pack.add(bytes, c.raw.len() as u32, codec, c.objects.clone())?;
+            let mut raw = c.raw;
+            raw.clear();
+            self.pool.push(raw);
             if pack.len() >= self.store.inner.cfg.pack_bytes {
                 self.finish_pack()?;
             }
