@@ -1,0 +1,94 @@
+//! gc: what is unreferenced goes, what is referenced or leased stays, writers in flight block it.
+
+mod common;
+
+use clade_store::{ImageKind, StoreError};
+use common::*;
+
+#[test]
+fn gc_frees_deleted_manifests_and_keeps_shared_data() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(&d.path().join("s"));
+    let shared = pages(30, 800);
+    let a = s.put_bytes(&shared, ImageKind::Mem).unwrap().id.unwrap();
+    let mut bdata = shared.clone();
+    bdata.extend_from_slice(&pages(31, 800));
+    let b = s.put_bytes(&bdata, ImageKind::Mem).unwrap().id.unwrap();
+    let before = s.stats().unwrap();
+
+    // Dry run deletes nothing.
+    s.delete_manifest(&b).unwrap();
+    let dry = s.gc(true).unwrap();
+    assert!(dry.dry_run && dry.bytes_freed > 0, "{dry:?}");
+    assert_eq!(s.stats().unwrap().pack_bytes, before.pack_bytes);
+
+    let r = s.gc(false).unwrap();
+    assert!(r.packs_deleted + r.packs_repacked > 0 && r.bytes_freed > 0, "{r:?}");
+    let after = s.stats().unwrap();
+    assert!(after.pack_bytes < before.pack_bytes, "{before:?} {after:?}");
+    assert_eq!(read_all(&s, &a), shared);
+    assert!(s.fsck().unwrap().ok);
+    assert!(s.manifest(&b).is_err());
+    // A second gc finds nothing more.
+    let r2 = s.gc(false).unwrap();
+    assert_eq!(r2.packs_deleted + r2.packs_repacked, 0, "{r2:?}");
+}
+
+#[test]
+fn leases_keep_deleted_manifests_alive_until_dropped() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(&d.path().join("s"));
+    let data = pages(32, 500);
+    let id = s.put_bytes(&data, ImageKind::Disk).unwrap().id.unwrap();
+    let lease = s.lease(id).unwrap();
+    s.delete_manifest(&id).unwrap();
+    let r = s.gc(false).unwrap();
+    assert_eq!(r.live_leases, 1);
+    assert_eq!(r.packs_deleted, 0, "{r:?}");
+    // Still readable through the lease (a restore in progress).
+    let fresh = open(&d.path().join("s"));
+    assert_eq!(read_all(&fresh, &id), data);
+    drop(lease);
+    let r = s.gc(false).unwrap();
+    assert!(r.packs_deleted > 0, "{r:?}");
+    assert!(open(&d.path().join("s")).manifest(&id).is_err());
+}
+
+#[test]
+fn stale_lease_of_a_dead_process_is_ignored() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(&d.path().join("s"));
+    let id = s.put_bytes(&pages(33, 50), ImageKind::Disk).unwrap().id.unwrap();
+    // A lease file nobody holds (its owner died).
+    std::fs::write(d.path().join("s/leases/dead.lease"), format!("manifest {id}\n")).unwrap();
+    s.delete_manifest(&id).unwrap();
+    let r = s.gc(false).unwrap();
+    assert_eq!((r.live_leases, r.stale_leases), (0, 1), "{r:?}");
+    assert!(r.packs_deleted > 0);
+}
+
+#[test]
+fn writer_in_flight_makes_gc_wait_then_refuse() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(&d.path().join("s"));
+    let mut b = s.derive(None, 1 << 20).unwrap();
+    b.write(0, &pages(34, 256)).unwrap();
+    let t = std::time::Instant::now();
+    let err = s.gc(false).unwrap_err();
+    assert!(matches!(err, StoreError::Busy(..)), "{err}");
+    assert!(t.elapsed().as_secs() >= 5);
+    let r = b.finish().unwrap();
+    s.gc(false).unwrap();
+    assert_eq!(read_all(&s, r.id.as_ref().unwrap()), pages(34, 256));
+}
+
+#[test]
+fn grace_period_protects_young_packs() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = clade_store::StoreConfig { gc_grace: std::time::Duration::from_secs(3600), ..cfg() };
+    let s = clade_store::Store::open(&d.path().join("s"), cfg).unwrap();
+    let id = s.put_bytes(&pages(35, 100), ImageKind::Mem).unwrap().id.unwrap();
+    s.delete_manifest(&id).unwrap();
+    let r = s.gc(false).unwrap();
+    assert_eq!(r.packs_deleted, 0, "{r:?}");
+}
