@@ -1,6 +1,209 @@
-//! The `ct` backend: namespace containers (PID/mount/net/IPC/UTS, overlayfs root) checkpointed and
-//! restored by a privately installed CRIU.
+//! The `ct` backend: namespace sandboxes (PID/mount/net/IPC/UTS, overlayfs root on a per-sandbox tmpfs, the
+//! agent as init, a memory cgroup each) checkpointed and restored by a privately installed CRIU.
+//!
+//! * [`CtBackend::cold_start_ct`] boots a template's rootfs ([`spawn`]).
+//! * [`CtSandbox`] marks (CRIU dump, leave running) and suspends (dump and release); the image directory and
+//!   the overlay upper go into the store as trees ([`sandbox`], [`dump`]).
+//! * [`CtBackend::restore_ct`] brings a mark up in fresh namespaces with a fresh upper ([`restore`]); fork is N
+//!   of those side by side. Restored tasks are KSM-mergeable so siblings share identical pages again.
+//! * [`audit::audit`] is seed 000's C3 sibling audit as a library function.
+//!
+//! Everything a sandbox holds on the host sits in one drop guard ([`resources::Resources`]): a restore that fails
+//! half-way leaves no process, mount or cgroup behind ([`FailPoint`] injects such failures in tests).
 
-#![forbid(unsafe_code)]
-
+pub mod audit;
 pub mod criu;
+pub mod dump;
+pub mod resources;
+pub mod restore;
+pub mod sandbox;
+pub mod spawn;
+pub mod testroot;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use clade_core::backend::{Backend, BackendError, BackendKind, Identity, MarkState, Sandbox, TemplateImage};
+use clade_core::CladeHome;
+
+pub use audit::{audit, audit_with_control, AuditReport};
+pub use sandbox::CtSandbox;
+
+/// How the backend runs.
+#[derive(Debug, Clone)]
+pub struct CtConfig {
+    /// CRIU binary or wrapper.
+    pub criu: PathBuf,
+    /// The `clade-agent` binary copied into every cold sandbox.
+    pub agent_bin: PathBuf,
+    /// Size of each sandbox's tmpfs (upper, work dir, dump staging).
+    pub rw_bytes: u64,
+    /// Make restored tasks KSM-mergeable (`PR_SET_MEMORY_MERGE`) and make sure ksmd runs.
+    pub ksm: bool,
+    /// How long a sandbox may take to answer its agent.
+    pub ready_timeout: Duration,
+}
+
+impl CtConfig {
+    /// CRIU from `$CLADE_CRIU` or `$CLADE_HOME/criu`; the agent from `$CLADE_AGENT_BIN`, else next to the
+    /// running executable (or its parent directory, as for test binaries in `target/debug/deps`).
+    pub fn from_home(home: &CladeHome) -> Result<CtConfig, BackendError> {
+        let agent_bin = find_agent().ok_or_else(|| BackendError::Resource {
+            resource: "clade-agent binary".into(),
+            detail: "set CLADE_AGENT_BIN or build it (cargo build -p clade-agent) next to this program".into(),
+        })?;
+        Ok(CtConfig {
+            criu: criu::criu_binary(home),
+            agent_bin,
+            rw_bytes: 2 << 30,
+            ksm: true,
+            ready_timeout: Duration::from_secs(10),
+        })
+    }
+}
+
+fn find_agent() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [dir.join("clade-agent"), dir.parent()?.join("clade-agent")].into_iter().find(|p| p.exists())
+}
+
+/// A step of a start or restore after which a test can make it fail, to prove nothing is left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailPoint {
+    /// The run dir and its tmpfs exist.
+    RunDir,
+    /// The upper and the images are in place.
+    Files,
+    /// The cgroup exists.
+    Cgroup,
+    /// The processes run (CRIU restored them / the init exec'd).
+    Processes,
+    /// The agent answered.
+    Agent,
+}
+
+impl FailPoint {
+    pub const ALL: [FailPoint; 5] =
+        [FailPoint::RunDir, FailPoint::Files, FailPoint::Cgroup, FailPoint::Processes, FailPoint::Agent];
+}
+
+/// The `ct` backend.
+pub struct CtBackend {
+    home: CladeHome,
+    store: clade_store::Store,
+    cfg: CtConfig,
+    criu_version: String,
+    fail_at: Mutex<Option<FailPoint>>,
+}
+
+impl CtBackend {
+    /// A backend over `store`, with CRIU checked up front (`criu check` must pass).
+    pub fn new(home: CladeHome, store: clade_store::Store, cfg: CtConfig) -> Result<CtBackend, BackendError> {
+        let criu_version = criu::criu_version(&cfg.criu).ok_or_else(|| BackendError::Resource {
+            resource: "criu".into(),
+            detail: format!("{} --version failed: run ./x setup (or set CLADE_CRIU)", cfg.criu.display()),
+        })?;
+        if cfg.ksm {
+            ksm_enable();
+        }
+        std::fs::create_dir_all(home.run_dir())
+            .map_err(|e| BackendError::Failed(format!("create {}: {e}", home.run_dir().display())))?;
+        Ok(CtBackend { home, store, cfg, criu_version, fail_at: Mutex::new(None) })
+    }
+
+    pub fn config(&self) -> &CtConfig {
+        &self.cfg
+    }
+
+    pub fn store(&self) -> &clade_store::Store {
+        &self.store
+    }
+
+    /// Test hook: make the next starts and restores fail right after `at` (None: never).
+    pub fn inject_failure(&self, at: Option<FailPoint>) {
+        *self.fail_at.lock().unwrap_or_else(|e| e.into_inner()) = at;
+    }
+
+    pub(crate) fn check_fail(&self, here: FailPoint) -> Result<(), BackendError> {
+        if *self.fail_at.lock().unwrap_or_else(|e| e.into_inner()) == Some(here) {
+            return Err(BackendError::Failed(format!("injected failure after {here:?}")));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn run_dir(&self, id: &Identity) -> Result<PathBuf, BackendError> {
+        let id = &id.sandbox_id;
+        if id.is_empty() || id.len() > 64 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            return Err(BackendError::Failed(format!(
+                "sandbox id {id:?}: use 1-64 letters, digits, '-' or '_'"
+            )));
+        }
+        Ok(self.home.run_dir().join(id))
+    }
+
+    /// Cold start, returning the concrete sandbox.
+    pub fn cold_start_ct(&self, image: &TemplateImage, id: &Identity) -> Result<CtSandbox, BackendError> {
+        sandbox::cold_start(self, image, id)
+    }
+
+    /// Restore, returning the concrete sandbox.
+    pub fn restore_ct(&self, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
+        restore::restore(self, mark, id)
+    }
+}
+
+impl Backend for CtBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Ct
+    }
+    fn host_compat(&self) -> BTreeMap<String, String> {
+        [("criu".to_string(), self.criu_version.clone()), ("arch".to_string(), std::env::consts::ARCH.to_string())]
+            .into()
+    }
+    fn cold_start(&self, image: &TemplateImage, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        Ok(Box::new(self.cold_start_ct(image, id)?))
+    }
+    fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        Ok(Box::new(self.restore_ct(mark, id)?))
+    }
+}
+
+/// Start ksmd if it is off, and let it scan fast enough to matter within seconds (the kernel default of 100
+/// pages per 20 ms merges 100 MiB in about 5 s).
+fn ksm_enable() {
+    let ksm = Path::new("/sys/kernel/mm/ksm");
+    if std::fs::read_to_string(ksm.join("run")).map(|s| s.trim() == "0").unwrap_or(false) {
+        let _ = std::fs::write(ksm.join("run"), "1");
+    }
+    let pages: u64 = std::fs::read_to_string(ksm.join("pages_to_scan")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+    if pages < 1000 {
+        let _ = std::fs::write(ksm.join("pages_to_scan"), "1000");
+    }
+}
+
+/// Connect to a sandbox's agent through `/proc/<pid>/root`, retrying until it answers `hello`.
+pub(crate) fn connect_agent(pid: u32, timeout: Duration) -> Result<clade_agent::AgentClient, BackendError> {
+    let path = format!("/proc/{pid}/root{}", clade_agent::CT_SOCKET);
+    let t0 = Instant::now();
+    let mut last = String::from("socket not there yet");
+    while t0.elapsed() < timeout {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            return Err(BackendError::Failed(format!("sandbox init {pid} died before its agent answered")));
+        }
+        match clade_agent::AgentClient::connect_unix(&path) {
+            Ok(c) => match c.hello() {
+                Ok(_) => return Ok(c),
+                Err(e) => last = e.to_string(),
+            },
+            Err(e) => last = e.to_string(),
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Err(BackendError::NotReady { timeout, detail: format!("agent at {path}: {last}") })
+}

@@ -1,0 +1,180 @@
+//! `criu dump` of a sandbox: the overlay upper is copied by CRIU's `post-dump` action script while the tasks
+//! are still frozen (the upper then matches the memory image exactly), and the pause is read back from CRIU's
+//! own `stats-dump` (frozen time), not guessed from the wall clock.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// One dump's inputs.
+pub struct DumpSpec<'a> {
+    pub criu: &'a Path,
+    pub pid: u32,
+    /// Empty image directory to create.
+    pub images: PathBuf,
+    /// The live upper, and where the frozen copy goes (must not exist).
+    pub upper: PathBuf,
+    pub upper_copy: PathBuf,
+    pub leave_running: bool,
+    pub log: PathBuf,
+}
+
+/// What a dump took.
+#[derive(Debug, Clone, Copy)]
+pub struct DumpTimes {
+    /// Tasks frozen (CRIU's frozen_time when it could be read, else the whole dump).
+    pub frozen: Duration,
+    pub wall: Duration,
+}
+
+pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
+    std::fs::create_dir_all(&spec.images).map_err(|e| format!("create {}: {e}", spec.images.display()))?;
+    let script = spec.images.with_extension("post-dump.sh");
+    let text = format!(
+        "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\nexec cp -a '{}' '{}'\n",
+        spec.upper.display(),
+        spec.upper_copy.display()
+    );
+    write_exec(&script, &text)?;
+    let mut cmd = Command::new(spec.criu);
+    cmd.arg("dump")
+        .arg("-t")
+        .arg(spec.pid.to_string())
+        .arg("-D")
+        .arg(&spec.images)
+        .arg("-o")
+        .arg(&spec.log)
+        .args(["--external", "mnt[]", "--network-lock", "skip", "--tcp-established", "--file-locks"])
+        .args(["--ghost-limit", "64M", "--action-script"])
+        .arg(&script);
+    if spec.leave_running {
+        cmd.arg("--leave-running");
+    }
+    let t0 = Instant::now();
+    let out = cmd.output().map_err(|e| format!("run {}: {e}", spec.criu.display()))?;
+    let wall = t0.elapsed();
+    let _ = std::fs::remove_file(&script);
+    if !out.status.success() {
+        return Err(format!("criu dump failed ({}): {}", out.status, log_tail(&spec.log)));
+    }
+    if !spec.upper_copy.exists() {
+        return Err("criu dump did not run the post-dump script (the upper was not copied)".into());
+    }
+    let frozen = frozen_time(&spec.images.join("stats-dump")).unwrap_or(wall);
+    Ok(DumpTimes { frozen, wall })
+}
+
+fn write_exec(path: &Path, text: &str) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))
+}
+
+/// The error lines of a CRIU log (or its last lines), for an error message a user can act on.
+pub fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let errs: Vec<&str> = text.lines().filter(|l| l.contains("Error") || l.contains("error")).collect();
+    let lines: Vec<&str> = if errs.is_empty() { text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect() } else { errs };
+    let joined = lines.iter().rev().take(6).rev().cloned().collect::<Vec<_>>().join(" | ");
+    format!("{joined} (full log: {})", log.display())
+}
+
+/// `stats-dump`: magic (u32), stats magic (u32), then one length-prefixed `stats_entry { dump_stats_entry dump =
+/// 1 }` whose field 2 is frozen_time in microseconds.
+fn frozen_time(path: &Path) -> Option<Duration> {
+    let b = std::fs::read(path).ok()?;
+    let len = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?) as usize;
+    let entry = b.get(12..12 + len)?;
+    let dump = field_bytes(entry, 1)?;
+    let us = field_varint(dump, 2)?;
+    Some(Duration::from_micros(us))
+}
+
+fn varint(b: &[u8], i: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*i)?;
+        *i += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// Walk a protobuf message: `f(field, wire type, value or length, start)` for each field.
+fn walk(b: &[u8], mut f: impl FnMut(u64, u64, u64, usize) -> bool) -> Option<()> {
+    let mut i = 0;
+    while i < b.len() {
+        let key = varint(b, &mut i)?;
+        let (field, wt) = (key >> 3, key & 7);
+        match wt {
+            0 => {
+                let v = varint(b, &mut i)?;
+                if f(field, 0, v, i) {
+                    return Some(());
+                }
+            }
+            2 => {
+                let l = varint(b, &mut i)? as usize;
+                if f(field, 2, l as u64, i) {
+                    return Some(());
+                }
+                i = i.checked_add(l)?;
+            }
+            5 => i += 4,
+            1 => i += 8,
+            _ => return None,
+        }
+    }
+    Some(())
+}
+
+fn field_varint(b: &[u8], want: u64) -> Option<u64> {
+    let mut out = None;
+    walk(b, |f, wt, v, _| {
+        if f == want && wt == 0 {
+            out = Some(v);
+            true
+        } else {
+            false
+        }
+    })?;
+    out
+}
+
+fn field_bytes(b: &[u8], want: u64) -> Option<&[u8]> {
+    let mut out = None;
+    walk(b, |f, wt, l, start| {
+        if f == want && wt == 2 {
+            out = Some((start, l as usize));
+            true
+        } else {
+            false
+        }
+    })?;
+    let (s, l) = out?;
+    b.get(s..s + l)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_frozen_time() {
+        // dump_stats_entry { freezing_time = 1: 10, frozen_time = 2: 150000 }
+        let dump = [0x08, 10, 0x10, 0xf0, 0x93, 0x09];
+        let mut entry = vec![0x0a, dump.len() as u8];
+        entry.extend_from_slice(&dump);
+        let mut file = vec![0u8; 8];
+        file.extend_from_slice(&(entry.len() as u32).to_le_bytes());
+        file.extend_from_slice(&entry);
+        let dir = std::env::temp_dir().join(format!("clade-ct-stats-{}", std::process::id()));
+        std::fs::write(&dir, &file).unwrap();
+        assert_eq!(super::frozen_time(&dir), Some(std::time::Duration::from_micros(150_000)));
+        std::fs::write(&dir, [1, 2, 3]).unwrap();
+        assert_eq!(super::frozen_time(&dir), None);
+        let _ = std::fs::remove_file(&dir);
+    }
+}

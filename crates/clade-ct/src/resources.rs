@@ -1,0 +1,171 @@
+//! Everything a sandbox holds on the host, in one drop guard: its processes (the init of its PID namespace),
+//! the tmpfs that carries its overlay upper, its memory cgroup and its run directory. A start or restore that
+//! fails half-way drops the guard and leaves nothing behind (seed 000 leaked veth links and cgroups this way and
+//! later restores failed with EEXIST); a running sandbox owns the same guard, so dropping it ends the sandbox.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+/// Root of clade's memory cgroups (cgroup v1 here; v2 hosts use the unified tree, see [`Cgroup::create`]).
+const CGROUP_V1: &str = "/sys/fs/cgroup/memory/clade";
+const CGROUP_V2: &str = "/sys/fs/cgroup/clade";
+
+/// A per-sandbox memory cgroup.
+#[derive(Debug)]
+pub struct Cgroup {
+    pub dir: PathBuf,
+    v2: bool,
+}
+
+impl Cgroup {
+    /// Create `clade/<id>` with `limit` bytes of memory (0: no limit).
+    pub fn create(id: &str, limit: u64) -> Result<Cgroup, String> {
+        let v2 = clade_core::host::cgroup_version() == Some("v2");
+        let parent = Path::new(if v2 { CGROUP_V2 } else { CGROUP_V1 });
+        std::fs::create_dir_all(parent).map_err(|e| format!("create {}: {e} (is the memory cgroup mounted?)", parent.display()))?;
+        let dir = parent.join(id);
+        std::fs::create_dir(&dir).map_err(|e| {
+            format!("create cgroup {}: {e} (a sandbox with this id exists or was not cleaned up)", dir.display())
+        })?;
+        let cg = Cgroup { dir, v2 };
+        if limit > 0 {
+            let file = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
+            std::fs::write(cg.dir.join(file), limit.to_string())
+                .map_err(|e| format!("set {file} of {}: {e}", cg.dir.display()))?;
+        }
+        Ok(cg)
+    }
+
+    /// The file a process writes its pid into to join.
+    pub fn procs_file(&self) -> PathBuf {
+        self.dir.join("cgroup.procs")
+    }
+
+    /// Host pids of every process in the cgroup.
+    pub fn pids(&self) -> Vec<u32> {
+        std::fs::read_to_string(self.procs_file())
+            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Bytes charged to the cgroup now.
+    pub fn memory_usage(&self) -> Option<u64> {
+        let file = if self.v2 { "memory.current" } else { "memory.usage_in_bytes" };
+        std::fs::read_to_string(self.dir.join(file)).ok()?.trim().parse().ok()
+    }
+
+    fn remove(&self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            for p in self.pids() {
+                let _ = kill(Pid::from_raw(p as i32), Signal::SIGKILL);
+            }
+            match std::fs::remove_dir(&self.dir) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(format!("remove cgroup {}: {e} (processes left: {:?})", self.dir.display(), self.pids()))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}
+
+/// The drop guard of one sandbox's host resources.
+#[derive(Debug)]
+pub struct Resources {
+    pub run_dir: PathBuf,
+    /// The tmpfs mounted at `run_dir/rw` (upper, work, dump staging).
+    pub rw_mounted: bool,
+    pub cgroup: Option<Cgroup>,
+    /// Host pid of the sandbox's init (our child, or adopted by us as subreaper).
+    pub init: Option<u32>,
+    released: bool,
+}
+
+impl Resources {
+    pub fn new(run_dir: PathBuf) -> Resources {
+        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, released: false }
+    }
+
+    pub fn rw(&self) -> PathBuf {
+        self.run_dir.join("rw")
+    }
+
+    /// Kill the processes, then take down the mount, the cgroup and the run directory. Returns every step
+    /// that failed (the rest still ran).
+    pub fn release(&mut self) -> Result<(), String> {
+        if self.released {
+            return Ok(());
+        }
+        self.released = true;
+        let mut errors = Vec::new();
+        if let Some(pid) = self.init.take() {
+            let pid = Pid::from_raw(pid as i32);
+            // Killing a PID namespace's init kills the whole namespace.
+            let _ = kill(pid, Signal::SIGKILL);
+            reap(pid, Duration::from_secs(5));
+        }
+        if let Some(cg) = &self.cgroup {
+            if let Err(e) = cg.remove() {
+                errors.push(e);
+            }
+        }
+        self.cgroup = None;
+        if self.rw_mounted {
+            let rw = self.rw();
+            if let Err(e) = nix::mount::umount2(&rw, nix::mount::MntFlags::MNT_DETACH) {
+                errors.push(format!("unmount {}: {e}", rw.display()));
+            }
+            self.rw_mounted = false;
+        }
+        if self.run_dir.exists() {
+            if let Err(e) = std::fs::remove_dir_all(&self.run_dir) {
+                errors.push(format!("remove {}: {e}", self.run_dir.display()));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+}
+
+impl Drop for Resources {
+    fn drop(&mut self) {
+        let _ = self.release();
+    }
+}
+
+/// Wait for a child (or adopted) process to end; gives up quietly after `timeout` (it was SIGKILLed).
+pub fn reap(pid: Pid, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => {}
+            Ok(_) | Err(_) => return,
+        }
+        if Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Mount a tmpfs of `size` bytes at `dir` (in the host's mount namespace, so the host can read the upper).
+pub fn mount_tmpfs(dir: &Path, size: u64) -> Result<(), String> {
+    use nix::mount::{mount, MsFlags};
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let data = format!("size={size},mode=0700");
+    mount(Some("tmpfs"), dir, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(data.as_str()))
+        .map_err(|e| format!("mount tmpfs on {}: {e}", dir.display()))?;
+    // Keep it out of other namespaces' propagation groups.
+    let _ = mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>);
+    Ok(())
+}

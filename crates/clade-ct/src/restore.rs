@@ -1,0 +1,148 @@
+//! Restore of a mark into fresh namespaces: verify the mark's trees before anything starts, lay out a fresh
+//! upper and the image directory on the new sandbox's tmpfs, then run `criu restore --root MERGED` from a child
+//! that has its own private mount namespace with the overlay mounted, has joined the new memory cgroup and is
+//! KSM-mergeable (`PR_SET_MEMORY_MERGE` survives fork and exec, so every restored task inherits it and
+//! identical pages across siblings merge again). `--restore-detached` leaves the restored init to the
+//! supervisor (subreaper). Established TCP connections come back closed (`--tcp-close`): two siblings cannot
+//! both own one connection.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use clade_core::backend::{check_compat, Backend, BackendError, Identity, MarkState};
+use clade_store::TreeId;
+use nix::mount::{mount, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+
+use crate::resources::{mount_tmpfs, Cgroup, Resources};
+use crate::sandbox::{limit_bytes, with_console, CtSandbox, ROLE_CRIU, ROLE_ROOTFS, ROLE_UPPER};
+use crate::{connect_agent, CtBackend, FailPoint};
+
+const PR_SET_MEMORY_MERGE: libc::c_int = 67;
+
+fn failed(e: String) -> BackendError {
+    BackendError::Failed(e)
+}
+
+fn tree_of(mark: &MarkState, role: &str) -> Result<TreeId, BackendError> {
+    let hex = mark
+        .manifests
+        .get(role)
+        .ok_or_else(|| BackendError::Corrupt(format!("mark has no '{role}' entry; it is not a ct mark")))?;
+    hex.parse().map_err(|_| BackendError::Corrupt(format!("mark's '{role}' tree id {hex:?} is not a tree id")))
+}
+
+pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
+    let t0 = Instant::now();
+    if mark.backend != clade_core::backend::BackendKind::Ct {
+        return Err(BackendError::Incompatible {
+            key: "backend".into(),
+            mark: mark.backend.as_str().into(),
+            host: "ct".into(),
+            hint: "restore it with the backend that took it".into(),
+        });
+    }
+    check_compat(&mark.compat, &b.host_compat())?;
+    let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
+    let lower = mark
+        .manifests
+        .get(ROLE_ROOTFS)
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
+    if !lower.is_dir() {
+        return Err(BackendError::Failed(format!(
+            "the mark's template rootfs {} is gone: rebuild the template",
+            lower.display()
+        )));
+    }
+    // Both trees are read (and hash-verified) before any process starts.
+    for t in [&img_id, &upper_id] {
+        b.store.tree(t).map_err(|e| BackendError::Corrupt(format!("tree {t}: {e}")))?;
+    }
+    let run_dir = b.run_dir(id)?;
+    std::fs::create_dir(&run_dir).map_err(|e| {
+        failed(format!("create {}: {e} (a sandbox with this id exists; kill it or pick another id)", run_dir.display()))
+    })?;
+    let mut res = Resources::new(run_dir.clone());
+    mount_tmpfs(&res.rw(), b.cfg.rw_bytes).map_err(failed)?;
+    res.rw_mounted = true;
+    b.check_fail(FailPoint::RunDir)?;
+    let (upper, work, img, root) = (res.rw().join("upper"), res.rw().join("work"), res.rw().join("img"), run_dir.join("root"));
+    b.store.get_dir(&upper_id, &upper).map_err(|e| failed(format!("lay out the upper: {e}")))?;
+    b.store.get_dir(&img_id, &img).map_err(|e| failed(format!("lay out the images: {e}")))?;
+    for d in [&work, &root] {
+        std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
+    }
+    b.check_fail(FailPoint::Files)?;
+    let cg = Cgroup::create(&id.sandbox_id, limit_bytes(&mark.shape)).map_err(failed)?;
+    let procs = cg.procs_file();
+    res.cgroup = Some(cg);
+    b.check_fail(FailPoint::Cgroup)?;
+    nix::sys::prctl::set_child_subreaper(true).map_err(|e| failed(format!("PR_SET_CHILD_SUBREAPER: {e}")))?;
+    let overlay = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+    let pidfile = run_dir.join("init.pid");
+    let log = run_dir.join("restore.log");
+    let mut cmd = Command::new(&b.cfg.criu);
+    cmd.arg("restore")
+        .arg("-D")
+        .arg(&img)
+        .arg("-W")
+        .arg(&run_dir)
+        .arg("-o")
+        .arg(&log)
+        .arg("--root")
+        .arg(&root)
+        .args(["--ext-mount-map", "auto", "--restore-detached", "--manage-cgroups=ignore"])
+        .args(["--tcp-close", "--file-locks", "--pidfile"])
+        .arg(&pidfile)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let ksm = b.cfg.ksm;
+    let root2 = root.clone();
+    // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
+    // an open+write of the cgroup file, prctl) on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm));
+    }
+    let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", b.cfg.criu.display())))?;
+    let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
+    res.init = pid;
+    if !out.success() || pid.is_none() {
+        return Err(failed(format!("criu restore failed ({out}): {}", crate::dump::log_tail(&log))));
+    }
+    b.check_fail(FailPoint::Processes)?;
+    let agent = connect_agent(pid.unwrap_or_default(), b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
+    b.check_fail(FailPoint::Agent)?;
+    let _ = std::fs::remove_dir_all(&img);
+    Ok(CtSandbox {
+        id: id.sandbox_id.clone(),
+        res,
+        agent,
+        criu: b.cfg.criu.clone(),
+        store: b.store.clone(),
+        lower,
+        shape: mark.shape.clone(),
+        compat: b.host_compat(),
+        ready_timeout: b.cfg.ready_timeout,
+        dumps: 0,
+        startup: t0.elapsed(),
+    })
+}
+
+fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool) -> std::io::Result<()> {
+    let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
+    std::fs::write(procs, std::process::id().to_string())?;
+    unshare(CloneFlags::CLONE_NEWNS).map_err(io)?;
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).map_err(io)?;
+    mount(Some("overlay"), root, Some("overlay"), MsFlags::empty(), Some(overlay)).map_err(io)?;
+    if ksm {
+        // SAFETY: prctl with integer arguments only; an old kernel answers EINVAL, which is fine (no KSM).
+        unsafe {
+            libc::prctl(PR_SET_MEMORY_MERGE, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong);
+        }
+    }
+    Ok(())
+}

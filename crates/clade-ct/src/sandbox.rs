@@ -1,0 +1,260 @@
+//! A running `ct` sandbox and its marks. Marking drops the host's agent connection first (CRIU cannot dump a
+//! unix socket whose peer is outside the sandbox), dumps with the upper copied while frozen, stores both
+//! directories as trees and reconnects.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clade_agent::AgentClient;
+use clade_core::backend::{BackendError, BackendKind, Identity, MarkOptions, MarkState, Sandbox, Shape, TemplateImage};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use crate::resources::{mount_tmpfs, Cgroup, Resources};
+use crate::{connect_agent, dump, CtBackend, FailPoint};
+
+/// Manifest roles of a ct mark: the CRIU image tree, the overlay upper tree, and the lower layer's path.
+pub const ROLE_CRIU: &str = "criu";
+pub const ROLE_UPPER: &str = "upper";
+pub const ROLE_ROOTFS: &str = "rootfs";
+
+/// A running `ct` sandbox. Dropping it ends it and removes everything it held on the host.
+pub struct CtSandbox {
+    pub(crate) id: String,
+    pub(crate) res: Resources,
+    pub(crate) agent: AgentClient,
+    pub(crate) criu: PathBuf,
+    pub(crate) store: clade_store::Store,
+    pub(crate) lower: PathBuf,
+    pub(crate) shape: Shape,
+    pub(crate) compat: BTreeMap<String, String>,
+    pub(crate) ready_timeout: Duration,
+    pub(crate) dumps: u32,
+    /// Time from the start call to the agent's first answer.
+    pub startup: Duration,
+}
+
+fn failed(e: String) -> BackendError {
+    BackendError::Failed(e)
+}
+
+pub(crate) fn limit_bytes(shape: &Shape) -> u64 {
+    u64::from(shape.memory_mib) << 20
+}
+
+/// Cold start of a template's rootfs.
+pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) -> Result<CtSandbox, BackendError> {
+    let t0 = Instant::now();
+    if !image.rootfs.join("bin").exists() && !image.rootfs.join("usr").exists() {
+        return Err(BackendError::Failed(format!(
+            "{} does not look like a root filesystem (no bin or usr): build the template first",
+            image.rootfs.display()
+        )));
+    }
+    let run_dir = b.run_dir(id)?;
+    std::fs::create_dir(&run_dir).map_err(|e| {
+        failed(format!("create {}: {e} (a sandbox with this id exists; kill it or pick another id)", run_dir.display()))
+    })?;
+    let mut res = Resources::new(run_dir.clone());
+    mount_tmpfs(&res.rw(), b.cfg.rw_bytes).map_err(failed)?;
+    res.rw_mounted = true;
+    b.check_fail(FailPoint::RunDir)?;
+    let (upper, work, root) = (res.rw().join("upper"), res.rw().join("work"), run_dir.join("root"));
+    for d in [&upper, &work, &root] {
+        std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
+    }
+    install_agent(&b.cfg.agent_bin, &upper)?;
+    b.check_fail(FailPoint::Files)?;
+    res.cgroup = Some(Cgroup::create(&id.sandbox_id, limit_bytes(&image.shape)).map_err(failed)?);
+    b.check_fail(FailPoint::Cgroup)?;
+    let spec = crate::spawn::InitSpec {
+        lower: image.rootfs.clone(),
+        upper,
+        work,
+        root,
+        hostname: id.hostname.clone(),
+        cgroup_procs: res.cgroup.as_ref().map(Cgroup::procs_file),
+    };
+    res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
+    b.check_fail(FailPoint::Processes)?;
+    let pid = res.init.unwrap_or_default();
+    let agent = connect_agent(pid, b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
+    b.check_fail(FailPoint::Agent)?;
+    Ok(CtSandbox {
+        id: id.sandbox_id.clone(),
+        res,
+        agent,
+        criu: b.cfg.criu.clone(),
+        store: b.store.clone(),
+        lower: image.rootfs.clone(),
+        shape: image.shape.clone(),
+        compat: clade_core::backend::Backend::host_compat(b),
+        ready_timeout: b.cfg.ready_timeout,
+        dumps: 0,
+        startup: t0.elapsed(),
+    })
+}
+
+/// Add the agent's console to an error (why the agent did not come up).
+pub(crate) fn with_console(e: BackendError, res: &Resources) -> BackendError {
+    let console = res.init.map(console_of).unwrap_or_default();
+    if console.is_empty() {
+        e
+    } else {
+        BackendError::Failed(format!("{e}; agent console: {console}"))
+    }
+}
+
+fn console_of(pid: u32) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/root{}", crate::spawn::CONSOLE_PATH)).unwrap_or_default();
+    text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// Copy the agent into the upper at `AGENT_PATH`, so CRIU never sees a bind mount from the host for it.
+fn install_agent(bin: &Path, upper: &Path) -> Result<(), BackendError> {
+    use std::os::unix::fs::PermissionsExt;
+    let dest = upper.join(crate::spawn::AGENT_PATH.trim_start_matches('/'));
+    if let Some(dir) = dest.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| failed(format!("create {}: {e}", dir.display())))?;
+    }
+    std::fs::copy(bin, &dest).map_err(|e| failed(format!("copy the agent {}: {e}", bin.display())))?;
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| failed(format!("chmod {}: {e}", dest.display())))
+}
+
+impl CtSandbox {
+    /// Host pid of the sandbox's init (PID 1 inside).
+    pub fn init_pid(&self) -> u32 {
+        self.res.init.unwrap_or_default()
+    }
+
+    /// The agent's console output (last lines).
+    pub fn console(&self) -> String {
+        console_of(self.init_pid())
+    }
+
+    /// Bytes charged to the sandbox's memory cgroup.
+    pub fn cgroup_memory(&self) -> Option<u64> {
+        self.res.cgroup.as_ref()?.memory_usage()
+    }
+
+    /// The live overlay upper on the host (read-only use: tests, audit).
+    pub fn upper_dir(&self) -> PathBuf {
+        self.res.rw().join("upper")
+    }
+
+    /// `Some(reason)` once the sandbox's init has ended (the supervisor is its parent and reaps it).
+    pub fn exited(&mut self) -> Option<String> {
+        let pid = self.res.init?;
+        match waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => None,
+            Ok(s) => {
+                self.res.init = None;
+                Some(format!("{s:?}"))
+            }
+            Err(e) => {
+                self.res.init = None;
+                Some(format!("not our child any more: {e}"))
+            }
+        }
+    }
+
+    /// Wait until every agent connection inside is gone: CRIU refuses a socket with a peer outside.
+    fn drop_agent(&mut self) {
+        self.agent = AgentClient::from_parts(std::io::empty(), std::io::sink());
+        let path = format!("/proc/{}/net/unix", self.init_pid());
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(2) {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let connected = text.lines().skip(1).any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() >= 8 && f[5] == "03" && f[7] == clade_agent::CT_SOCKET
+            });
+            if !connected {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn reconnect(&mut self) -> Result<(), BackendError> {
+        self.agent = connect_agent(self.init_pid(), self.ready_timeout)?;
+        Ok(())
+    }
+
+    fn dump_and_store(&mut self, opts: &MarkOptions, leave_running: bool) -> Result<MarkState, BackendError> {
+        self.dumps += 1;
+        let stage = self.res.rw().join(format!("dump-{}", self.dumps));
+        std::fs::create_dir_all(&stage).map_err(|e| failed(format!("create {}: {e}", stage.display())))?;
+        self.drop_agent();
+        let criu = self.criu.clone();
+        let spec = dump::DumpSpec {
+            criu: &criu,
+            pid: self.init_pid(),
+            images: stage.join("img"),
+            upper: self.upper_dir(),
+            upper_copy: stage.join("upper"),
+            leave_running,
+            log: self.res.run_dir.join(format!("dump-{}.log", self.dumps)),
+        };
+        let dumped = dump::dump(&spec);
+        if leave_running || dumped.is_err() {
+            // On failure CRIU resumes the tasks: the sandbox keeps running either way.
+            let _ = self.reconnect();
+        }
+        let times = dumped.map_err(|e| {
+            let _ = std::fs::remove_dir_all(&stage);
+            failed(format!("{e}; the sandbox keeps running"))
+        })?;
+        let stored = (|| {
+            let img = self.store.put_dir(&spec.images)?;
+            let upper = self.store.put_dir(&spec.upper_copy)?;
+            Ok::<_, clade_store::StoreError>((img, upper))
+        })();
+        let _ = std::fs::remove_dir_all(&stage);
+        let (img, upper) = stored.map_err(|e| failed(format!("store the mark: {e}")))?;
+        let manifests: BTreeMap<String, String> = [
+            (ROLE_CRIU.to_string(), img.id.to_hex()),
+            (ROLE_UPPER.to_string(), upper.id.to_hex()),
+            (ROLE_ROOTFS.to_string(), self.lower.display().to_string()),
+        ]
+        .into();
+        Ok(MarkState {
+            backend: BackendKind::Ct,
+            manifests,
+            compat: self.compat.clone(),
+            shape: self.shape.clone(),
+            logical_bytes: img.data.size + upper.data.size,
+            stored_bytes: img.data.bytes_stored + upper.data.bytes_stored + img.tree_bytes + upper.tree_bytes,
+            pause: times.frozen,
+            clean: !opts.not_clean,
+        })
+    }
+}
+
+impl Sandbox for CtSandbox {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Ct
+    }
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+    fn pids(&self) -> Vec<u32> {
+        self.res.cgroup.as_ref().map(Cgroup::pids).unwrap_or_default()
+    }
+    fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        self.dump_and_store(opts, true)
+    }
+    fn suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        let state = self.dump_and_store(opts, false)?;
+        self.res.release().map_err(failed)?;
+        Ok(state)
+    }
+    fn kill(mut self: Box<Self>) -> Result<(), BackendError> {
+        self.res.release().map_err(failed)
+    }
+}

@@ -1,0 +1,215 @@
+//! Cold start: a forked child unshares PID/mount/net/IPC/UTS namespaces and forks the sandbox's init, which
+//! makes its mounts private, mounts the overlay root (lower = template rootfs, upper and work on the sandbox's
+//! tmpfs), proc, a tmpfs /dev with the host's null, zero, full, random, urandom and tty bound in, /dev/shm and
+//! /run, sets the hostname, `pivot_root`s, detaches the old root, reopens stdio inside the new root, closes every
+//! inherited fd and **execs** the agent with a clean environment. Each step is there because CRIU needs it
+//! (DESIGN.md): without the exec it cannot look up the mount of the old binary; without `setsid` the session
+//! leader is outside the PID namespace; with stdio pointing outside it cannot look up fd 1's mount.
+//!
+//! The middle child exits at once, so the init is adopted by the supervisor (`PR_SET_CHILD_SUBREAPER`), which
+//! can then wait for it and notice it dying.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+use nix::unistd::{fork, ForkResult, Pid};
+
+/// Where the agent lives inside the sandbox (copied into the upper at cold start).
+pub const AGENT_PATH: &str = "/usr/lib/clade/clade-agent";
+/// The agent's console (stdout and stderr) inside the sandbox.
+pub const CONSOLE_PATH: &str = "/run/clade/console.log";
+
+const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+
+/// What the init child needs, prepared before the fork.
+pub struct InitSpec {
+    pub lower: PathBuf,
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    /// Mount point of the merged root (a directory in the run dir; mounted only inside the sandbox).
+    pub root: PathBuf,
+    pub hostname: String,
+    pub cgroup_procs: Option<PathBuf>,
+}
+
+/// Start the sandbox's init; returns its host pid once it has exec'd the agent.
+pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
+    nix::sys::prctl::set_child_subreaper(true).map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
+    let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let overlay = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        spec.lower.display(),
+        spec.upper.display(),
+        spec.work.display()
+    );
+    let argv: Vec<CString> = [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET)]
+        .iter()
+        .map(|s| CString::new(*s).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let env: Vec<CString> = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TERM=linux"]
+        .iter()
+        .map(|s| CString::new(*s).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    // SAFETY: the child only calls async-signal-safe system calls plus glibc's allocator (which glibc's fork
+    // makes safe to use in the child) and never returns into the caller's code: it execs or `_exit`s.
+    match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
+        ForkResult::Child => {
+            drop(err_r);
+            drop(pid_r);
+            let code = middle(spec, &overlay, &argv, &env, err_w, pid_w);
+            // SAFETY: `_exit` ends the forked child without running the parent's atexit handlers or destructors.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => {
+            drop(err_w);
+            drop(pid_w);
+            let _ = nix::sys::wait::waitpid(child, None);
+            let mut pid_buf = [0u8; 4];
+            let got = read_all(&pid_r, &mut pid_buf);
+            let mut msg = [0u8; 1024];
+            let n = read_all(&err_r, &mut msg);
+            if got != 4 {
+                let why = String::from_utf8_lossy(&msg[..n]).into_owned();
+                return Err(format!("sandbox init did not start: {}", if why.is_empty() { "no reason given" } else { &why }));
+            }
+            let pid = u32::from_ne_bytes(pid_buf);
+            if n > 0 {
+                crate::resources::reap(Pid::from_raw(pid as i32), std::time::Duration::from_secs(2));
+                return Err(format!("sandbox init failed: {}", String::from_utf8_lossy(&msg[..n])));
+            }
+            Ok(pid)
+        }
+    }
+}
+
+fn read_all(fd: &OwnedFd, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match nix::unistd::read(fd.as_raw_fd(), &mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => break,
+        }
+    }
+    n
+}
+
+/// The middle child: join the cgroup, unshare, fork the init, report its pid, exit.
+fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err_w: OwnedFd, pid_w: OwnedFd) -> i32 {
+    let fail = |msg: String| {
+        let _ = nix::unistd::write(&err_w, msg.as_bytes());
+        1
+    };
+    if let Some(procs) = &spec.cgroup_procs {
+        if let Err(e) = std::fs::write(procs, std::process::id().to_string()) {
+            return fail(format!("join cgroup {}: {e}", procs.display()));
+        }
+    }
+    let flags = CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC;
+    if let Err(e) = unshare(flags) {
+        return fail(format!("unshare: {e}"));
+    }
+    // SAFETY: as in `spawn_init`: the grandchild execs or `_exit`s.
+    match unsafe { fork() } {
+        Err(e) => fail(format!("fork init: {e}")),
+        Ok(ForkResult::Child) => {
+            drop(pid_w);
+            let e = init_stage(spec, overlay, argv, env, &err_w);
+            let _ = nix::unistd::write(&err_w, e.as_bytes());
+            // SAFETY: see above.
+            unsafe { libc::_exit(127) }
+        }
+        Ok(ForkResult::Parent { child }) => {
+            let _ = nix::unistd::write(&pid_w, &(child.as_raw() as u32).to_ne_bytes());
+            0
+        }
+    }
+}
+
+/// PID 1 of the new namespaces: returns only with the reason it could not exec.
+fn init_stage(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err_w: &OwnedFd) -> String {
+    match prepare_root(spec, overlay, err_w) {
+        Err(e) => e,
+        Ok(()) => match nix::unistd::execve(&argv[0], argv, env) {
+            Err(e) => format!("exec {AGENT_PATH}: {e} (does the rootfs have the agent's libraries?)"),
+            Ok(never) => match never {},
+        },
+    }
+}
+
+fn m(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
+    mount(src, target, fstype, flags, data).map_err(|e| format!("mount {} ({fstype:?}): {e}", target.display()))
+}
+
+fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), String> {
+    nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
+    nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
+    m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    let root = &spec.root;
+    m(Some("overlay"), root, Some("overlay"), MsFlags::empty(), Some(overlay))?;
+    let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    let dir = |p: &str| {
+        let d = root.join(p);
+        std::fs::create_dir_all(&d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        Ok::<PathBuf, String>(d)
+    };
+    m(Some("proc"), &dir("proc")?, Some("proc"), nosuid | MsFlags::MS_NOEXEC, None)?;
+    let dev = dir("dev")?;
+    m(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID, Some("mode=0755,size=65536"))?;
+    for d in DEVICES {
+        let target = dev.join(d);
+        std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
+        m(Some(&format!("/dev/{d}")), &target, None, MsFlags::MS_BIND, None)?;
+    }
+    for (link, to) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")] {
+        let _ = std::os::unix::fs::symlink(to, dev.join(link));
+    }
+    std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;
+    m(Some("tmpfs"), &dir("dev/shm")?, Some("tmpfs"), nosuid, Some("mode=1777"))?;
+    m(Some("tmpfs"), &dir("run")?, Some("tmpfs"), nosuid, Some("mode=0755"))?;
+    dir("run/clade")?;
+    nix::unistd::chdir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
+    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
+    nix::unistd::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
+    reopen_stdio()?;
+    close_inherited(err_w.as_raw_fd());
+    Ok(())
+}
+
+fn reopen_stdio() -> Result<(), String> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::Mode;
+    let null = open("/dev/null", OFlag::O_RDONLY, Mode::empty()).map_err(|e| format!("open /dev/null: {e}"))?;
+    let log = open(CONSOLE_PATH, OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_APPEND, Mode::from_bits_truncate(0o600))
+        .map_err(|e| format!("open {CONSOLE_PATH}: {e}"))?;
+    for (from, to) in [(null, 0), (log, 1), (log, 2)] {
+        nix::unistd::dup2(from, to).map_err(|e| format!("dup2: {e}"))?;
+    }
+    for fd in [null, log] {
+        if fd > 2 {
+            let _ = nix::unistd::close(fd);
+        }
+    }
+    Ok(())
+}
+
+fn close_inherited(keep: i32) {
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|rd| rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    for fd in fds {
+        if fd > 2 && fd != keep {
+            let _ = nix::unistd::close(fd);
+        }
+    }
+}
