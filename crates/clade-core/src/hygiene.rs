@@ -27,16 +27,17 @@ pub struct HygieneReport {
     pub took: Duration,
 }
 
-/// A fresh identity for a sibling: hostname from the sandbox id, random machine-id and entropy.
+/// The identity of a sandbox: hostname and machine-id follow from its id (so a retake or a resume of the same
+/// sandbox keeps them, and siblings, having distinct ids, differ); entropy is fresh every time.
 pub fn new_identity(sandbox_id: &str, generation: u64) -> Identity {
-    let mut machine = [0u8; 16];
     let mut entropy = vec![0u8; 64];
-    getrandom(&mut machine);
     getrandom(&mut entropy);
+    let digest = blake3::hash(sandbox_id.as_bytes());
+    let tail: String = sandbox_id.rsplit('-').next().unwrap_or(sandbox_id).chars().take(12).collect();
     Identity {
         sandbox_id: sandbox_id.to_string(),
-        hostname: format!("clade-{}", sandbox_id.chars().take(12).collect::<String>()),
-        machine_id: machine.iter().map(|b| format!("{b:02x}")).collect(),
+        hostname: format!("clade-{tail}"),
+        machine_id: digest.to_hex()[..32].to_string(),
         entropy,
         generation,
     }

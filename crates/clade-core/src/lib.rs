@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod engine;
 pub mod home;
 pub mod host;
 pub mod hygiene;

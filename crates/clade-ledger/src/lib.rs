@@ -33,6 +33,7 @@ pub use model::{
     Backend, Base, Branch, Lease, LeaseTarget, Mark, NewBranch, NewMark, NewOp, NewSandbox, OpRecord, RetentionPolicy,
     SandboxState, Template,
 };
+pub use model::Sandbox as SandboxRecord;
 pub use ops::OpQuery;
 pub use retention::KeepReason;
 pub use schema::SCHEMA_VERSION;

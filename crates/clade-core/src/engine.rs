@@ -1,0 +1,298 @@
+//! The operations both backends share, over the store and the ledger: resolving what a user names (a mark id, or
+//! a template's base on a backend), recording sandboxes, branches and marks, restoring with hygiene, building
+//! bases, and timing every operation into the ledger. A supervisor process or `clade demo` holds the running
+//! sandboxes; the engine holds no sandbox itself.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use clade_ledger::{Backend as LBackend, BranchId, Ledger, Mark, MarkId, NewBranch, NewMark, NewOp, NewSandbox};
+use clade_ledger::{RetentionPolicy, SandboxId, SandboxState, TemplateId};
+use clade_store::{Store, StoreConfig};
+
+use crate::backend::{Backend, BackendError, BackendKind, MarkOptions, MarkState, Sandbox, Shape, TemplateImage};
+use crate::hygiene::{self, HygieneReport};
+use crate::CladeHome;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("store: {0}")]
+    Store(#[from] clade_store::StoreError),
+    #[error("ledger: {0}")]
+    Ledger(#[from] clade_ledger::LedgerError),
+}
+
+impl EngineError {
+    /// The CLI's exit code: 3 not found, 4 conflict, 5 resource, 2 invalid, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            EngineError::NotFound(_) => 3,
+            EngineError::Conflict(_) => 4,
+            EngineError::Invalid(_) => 2,
+            EngineError::Backend(BackendError::Resource { .. }) => 5,
+            EngineError::Backend(BackendError::Incompatible { .. }) => 4,
+            EngineError::Ledger(e) => e.exit_code(),
+            _ => 1,
+        }
+    }
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+pub fn to_ledger(kind: BackendKind) -> LBackend {
+    match kind {
+        BackendKind::Vm => LBackend::Vm,
+        BackendKind::Ct => LBackend::Ct,
+    }
+}
+
+pub fn from_ledger(b: LBackend) -> BackendKind {
+    match b {
+        LBackend::Vm => BackendKind::Vm,
+        LBackend::Ct => BackendKind::Ct,
+    }
+}
+
+/// The store and the ledger of one `$CLADE_HOME`.
+pub struct Engine {
+    pub home: CladeHome,
+    pub store: Store,
+    ledger: Mutex<Ledger>,
+}
+
+/// A sandbox restored by [`Engine::restore_into`], with what it cost.
+pub struct Restored {
+    pub sandbox: Box<dyn Sandbox>,
+    pub hygiene: Option<HygieneReport>,
+    /// Backend restore to agent hello.
+    pub restore: Duration,
+    /// Restore plus hygiene: ready for the user.
+    pub total: Duration,
+}
+
+impl Engine {
+    /// Open (creating when missing) the store and ledger under `home`.
+    pub fn open(home: &CladeHome) -> Result<Engine> {
+        let store = Store::open(&home.store_dir(), StoreConfig::default())?;
+        let ledger = Ledger::open(home.ledger_path())?;
+        Ok(Engine { home: home.clone(), store, ledger: Mutex::new(ledger) })
+    }
+
+    pub fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What a user names where a mark is expected: a mark id, a mark label, or a template name whose base on
+    /// `backend` is meant.
+    pub fn resolve_mark(&self, spec: &str, backend: Option<BackendKind>) -> Result<Mark> {
+        let l = self.ledger();
+        if let Ok(m) = l.mark(&MarkId::new(spec)) {
+            return Ok(m);
+        }
+        if let Some(t) = l.template_by_name(spec)? {
+            let kind = backend.ok_or_else(|| {
+                EngineError::Invalid(format!("'{spec}' is a template: say which base with --backend vm|ct"))
+            })?;
+            return match l.base_for(&t.id, to_ledger(kind))? {
+                Some(b) => Ok(l.mark(&b.mark)?),
+                None => Err(EngineError::NotFound(format!(
+                    "template '{spec}' has no {} base yet: run `clade base build {spec} --backend {}`",
+                    kind.as_str(),
+                    kind.as_str()
+                ))),
+            };
+        }
+        for b in l.branches()? {
+            if let Some(m) = l.mark_by_label(&b.id, spec)? {
+                return Ok(m);
+            }
+        }
+        Err(EngineError::NotFound(format!(
+            "no mark, label or template named '{spec}' (see `clade marks`, `clade template ls`)"
+        )))
+    }
+
+    /// The backend-facing state of a recorded mark.
+    pub fn mark_state(&self, m: &Mark) -> Result<MarkState> {
+        let t = &m.timings;
+        let compat = serde_json::from_value(t["compat"].clone())
+            .map_err(|e| EngineError::Invalid(format!("mark {} has no compat record: {e}", m.id)))?;
+        let shape: Shape = serde_json::from_value(t["shape"].clone())
+            .map_err(|e| EngineError::Invalid(format!("mark {} has no shape record: {e}", m.id)))?;
+        Ok(MarkState {
+            backend: from_ledger(m.backend),
+            manifests: m.manifests.iter().map(|(k, v)| (k.clone(), v.as_str().to_string())).collect(),
+            compat,
+            shape,
+            logical_bytes: m.logical_bytes,
+            stored_bytes: m.stored_bytes,
+            pause: Duration::from_micros(t["pause_us"].as_u64().unwrap_or(0)),
+            clean: m.clean,
+        })
+    }
+
+    /// Record a mark a backend took, as the new head of `branch`.
+    pub fn record_mark(&self, branch: &BranchId, state: &MarkState, opts: &MarkOptions, keep: bool) -> Result<Mark> {
+        let mut n = NewMark::on(branch.clone(), to_ledger(state.backend));
+        n.label = opts.label.clone();
+        n.manifests =
+            state.manifests.iter().map(|(k, v)| (k.clone(), clade_ledger::ManifestId::new(v.clone()))).collect();
+        n.logical_bytes = state.logical_bytes;
+        n.stored_bytes = state.stored_bytes;
+        n.pause_ms = Some(state.pause.as_millis() as u64);
+        n.timings = serde_json::json!({
+            "compat": state.compat,
+            "shape": state.shape,
+            "pause_us": state.pause.as_micros() as u64,
+        });
+        n.pinned = keep;
+        n.clean = state.clean;
+        Ok(self.ledger().add_mark(&n)?)
+    }
+
+    /// A new sandbox record on a new branch forked at `origin` (every sandbox owns its branch).
+    pub fn new_sandbox(&self, kind: BackendKind, origin: Option<&Mark>) -> Result<clade_ledger::SandboxRecord> {
+        let l = self.ledger();
+        let branch = l.create_branch(&NewBranch {
+            id: None,
+            name: None,
+            parent_mark: origin.map(|m| m.id.clone()),
+            policy: RetentionPolicy::KEEP_ALL,
+        })?;
+        Ok(l.create_sandbox(&NewSandbox {
+            id: None,
+            backend: to_ledger(kind),
+            branch: branch.id,
+            origin_mark: origin.map(|m| m.id.clone()),
+            supervisor_pid: None,
+            host: None,
+        })?)
+    }
+
+    /// Restore `mark` as sandbox `sbx` (generation `generation`), apply hygiene when the mark is clean, and
+    /// record the operation.
+    pub fn restore_into(
+        &self,
+        backend: &dyn Backend,
+        sbx: &SandboxId,
+        mark: &Mark,
+        generation: u64,
+    ) -> Result<Restored> {
+        let state = self.mark_state(mark)?;
+        let id = hygiene::new_identity(sbx.as_str(), generation);
+        let start = Instant::now();
+        let result = backend.restore(&state, &id);
+        let restore = start.elapsed();
+        let sandbox = match result {
+            Ok(s) => s,
+            Err(e) => {
+                self.op("restore", Some(sbx), Some(&mark.id), restore, Some(&e.to_string()), serde_json::json!({}));
+                return Err(e.into());
+            }
+        };
+        let hygiene = if state.clean { Some(hygiene::apply(sandbox.agent(), &id, true)?) } else { None };
+        let total = start.elapsed();
+        self.op(
+            "restore",
+            Some(sbx),
+            Some(&mark.id),
+            total,
+            None,
+            serde_json::json!({"restore_ms": restore.as_secs_f64() * 1e3, "hygiene": hygiene}),
+        );
+        {
+            let l = self.ledger();
+            l.set_sandbox_origin(sbx, Some(&mark.id))?;
+            l.set_sandbox_state(sbx, SandboxState::Running, None)?;
+        }
+        Ok(Restored { sandbox, hygiene, restore, total })
+    }
+
+    /// Mark a running sandbox onto its branch.
+    pub fn mark_sandbox(
+        &self,
+        sandbox: &mut dyn Sandbox,
+        sbx: &SandboxId,
+        opts: &MarkOptions,
+        keep: bool,
+    ) -> Result<Mark> {
+        let start = Instant::now();
+        let branch = self.ledger().sandbox(sbx)?.branch;
+        let state = sandbox.mark(opts)?;
+        let m = self.record_mark(&branch, &state, opts, keep)?;
+        self.op(
+            "mark",
+            Some(sbx),
+            Some(&m.id),
+            start.elapsed(),
+            None,
+            serde_json::json!({"pause_ms": state.pause.as_secs_f64() * 1e3, "stored_bytes": state.stored_bytes}),
+        );
+        Ok(m)
+    }
+
+    /// Boot `image` cold once, mark it, end it, and record the mark as the template's base on `backend`.
+    /// `provision` runs inside the booted sandbox before the mark (the template's provision step).
+    pub fn build_base(
+        &self,
+        backend: &dyn Backend,
+        template: &TemplateId,
+        image: &TemplateImage,
+        provision: &dyn Fn(&dyn Sandbox) -> Result<()>,
+    ) -> Result<(Mark, Duration)> {
+        let start = Instant::now();
+        let rec = self.new_sandbox(backend.kind(), None)?;
+        let id = hygiene::new_identity(rec.id.as_str(), 0);
+        let mut sandbox = match backend.cold_start(image, &id) {
+            Ok(s) => s,
+            Err(e) => {
+                self.ledger().set_sandbox_state(&rec.id, SandboxState::Failed, Some(&e.to_string()))?;
+                return Err(e.into());
+            }
+        };
+        let boot = start.elapsed();
+        provision(sandbox.as_ref())?;
+        let state = sandbox.mark(&MarkOptions { label: Some(format!("base:{}", image.name)), not_clean: false })?;
+        let mark = self.record_mark(&rec.branch, &state, &MarkOptions { label: None, not_clean: false }, true)?;
+        sandbox.kill()?;
+        {
+            let l = self.ledger();
+            l.put_base(template, to_ledger(backend.kind()), &mark.id)?;
+            l.set_sandbox_state(&rec.id, SandboxState::Dead, None)?;
+        }
+        self.op(
+            "base_build",
+            Some(&rec.id),
+            Some(&mark.id),
+            start.elapsed(),
+            None,
+            serde_json::json!({"boot_ms": boot.as_secs_f64() * 1e3}),
+        );
+        Ok((mark, boot))
+    }
+
+    /// Record one operation's timing (failures to record are not the operation's failure).
+    pub fn op(
+        &self,
+        op: &str,
+        sbx: Option<&SandboxId>,
+        mark: Option<&MarkId>,
+        took: Duration,
+        error: Option<&str>,
+        details: serde_json::Value,
+    ) {
+        let mut n = NewOp::ok(op, took.as_millis() as u64).details(details);
+        n.sandbox = sbx.cloned();
+        n.mark = mark.cloned();
+        n.error = error.map(String::from);
+        let _ = self.ledger().record_op(&n);
+    }
+}
