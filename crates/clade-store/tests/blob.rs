@@ -1,0 +1,152 @@
+//! The blob tier: a second host (a fresh local tier) reads what the first wrote, through object_store's
+//! LocalFileSystem and through S3 against a real moto server on loopback.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clade_store::{BlobConfig, ImageKind, Store, StoreConfig, StoreError};
+use common::*;
+
+fn with_blob(dir: &std::path::Path, blob: BlobConfig) -> Store {
+    Store::open(dir, StoreConfig { blob: Some(blob), cache_bytes: 8 << 20, ..cfg() }).unwrap()
+}
+
+fn exercise(blob: BlobConfig, root: &std::path::Path) {
+    let a = with_blob(&root.join("host-a"), blob.clone());
+    let data = pages(40, 1500);
+    let r = a.put_bytes(&data, ImageKind::Mem).unwrap();
+    let id = r.id.unwrap();
+    let src = root.join("tree-src");
+    std::fs::create_dir_all(src.join("d")).unwrap();
+    std::fs::write(src.join("d/core-1.img"), pages(41, 20)).unwrap();
+    let t = a.put_dir(&src).unwrap();
+
+    // Host B: empty local tier, same blob tier.
+    let b = with_blob(&root.join("host-b"), blob);
+    assert_eq!(read_all(&b, &id), data);
+    let out = root.join("b.out");
+    b.get_file(&id, &out).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), data);
+    b.get_dir(&t.id, &root.join("tree-dest")).unwrap();
+    assert_eq!(std::fs::read(root.join("tree-dest/d/core-1.img")).unwrap(), pages(41, 20));
+    // Dedup against what is in the blob tier: B putting the same data writes nothing new.
+    let r2 = b.put_bytes(&data, ImageKind::Mem).unwrap();
+    assert_eq!(r2.id, Some(id));
+    let f = b.fsck().unwrap();
+    assert!(f.ok, "{f:?}");
+
+    // Without the blob tier, host B's local tier alone does not have it.
+    let local_only = open(&root.join("host-c"));
+    assert!(matches!(local_only.manifest(&id), Err(StoreError::NotFound { .. })));
+}
+
+#[test]
+fn blob_tier_local_filesystem() {
+    let d = tempfile::tempdir().unwrap();
+    let blob = BlobConfig::Local { root: d.path().join("blob") };
+    exercise(blob.clone(), d.path());
+
+    // A corrupted pack in the blob tier is detected on read and never returned.
+    let s = with_blob(&d.path().join("host-d"), blob);
+    let mut packs = Vec::new();
+    let mut stack = vec![d.path().join("blob/packs")];
+    while let Some(p) = stack.pop() {
+        for e in std::fs::read_dir(&p).unwrap().flatten() {
+            if e.path().is_dir() {
+                stack.push(e.path());
+            } else if e.path().extension().is_some_and(|x| x == "pack") {
+                packs.push(e.path());
+            }
+        }
+    }
+    for p in &packs {
+        let mut b = std::fs::read(p).unwrap();
+        b[20] ^= 0xff;
+        std::fs::write(p, b).unwrap();
+    }
+    let ids = open(&d.path().join("host-a")).manifests().unwrap();
+    let err = ids
+        .iter()
+        .find_map(|id| {
+            let r = s.image(id).ok()?;
+            let mut buf = vec![0u8; r.size() as usize];
+            r.read_at(0, &mut buf).err()
+        })
+        .expect("a corrupted blob pack was read without error");
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+}
+
+struct Moto(Child);
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn http(port: u16, req: &str) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(req.as_bytes())?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    Ok(out)
+}
+
+#[test]
+fn blob_tier_s3_against_moto() {
+    let moto = "/var/lib/clade/py/bin/moto_server";
+    if !std::path::Path::new(moto).exists() {
+        eprintln!("skipping: {moto} is not installed (run ./x setup)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _server = Moto(
+        Command::new(moto)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let start = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(30), "moto_server did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let resp = http(
+        port,
+        &format!(
+            "PUT /clade-test HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        ),
+    )
+    .unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "create bucket: {resp}");
+    let d = tempfile::tempdir().unwrap();
+    let blob = BlobConfig::S3 {
+        bucket: "clade-test".into(),
+        endpoint: Some(format!("http://127.0.0.1:{port}")),
+        region: "us-east-1".into(),
+        access_key_id: "test".into(),
+        secret_access_key: "test".into(),
+        allow_http: true,
+    };
+    exercise(blob, d.path());
+    // The objects really are in the bucket.
+    let list = http(port, &format!("GET /clade-test?list-type=2&prefix=manifests HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n")).unwrap();
+    assert!(list.contains("<Key>manifests/"), "{list}");
+}
+
+#[test]
+fn sync_api_refuses_to_block_inside_an_async_runtime() {
+    let d = tempfile::tempdir().unwrap();
+    let s = with_blob(&d.path().join("s"), BlobConfig::Local { root: d.path().join("blob") });
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let err = rt.block_on(async { s.put_bytes(&pages(42, 10), ImageKind::Mem) }).unwrap_err();
+    assert!(err.to_string().contains("spawn_blocking"), "{err}");
+}
