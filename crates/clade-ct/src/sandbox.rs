@@ -160,19 +160,32 @@ impl CtSandbox {
         }
     }
 
-    /// Wait until every agent connection inside is gone: CRIU refuses a socket with a peer outside.
-    fn drop_agent(&mut self) {
+    /// Drop the host's agent connection and wait until every connection inside is gone: CRIU cannot dump a
+    /// unix socket whose peer is outside the sandbox. A process started through `exec` that still runs keeps
+    /// its connection open in the agent; such a mark is refused with that reason.
+    fn drop_agent(&mut self) -> Result<(), BackendError> {
         self.agent = AgentClient::from_parts(std::io::empty(), std::io::sink());
         let path = format!("/proc/{}/net/unix", self.init_pid());
         let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(2) {
+        loop {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let connected = text.lines().skip(1).any(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                f.len() >= 8 && f[5] == "03" && f[7] == clade_agent::CT_SOCKET
-            });
-            if !connected {
-                return;
+            let open = text
+                .lines()
+                .skip(1)
+                .filter(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    f.len() >= 8 && f[5] == "03" && f[7] == clade_agent::CT_SOCKET
+                })
+                .count();
+            if open == 0 {
+                return Ok(());
+            }
+            if t0.elapsed() > Duration::from_secs(1) {
+                return Err(failed(format!(
+                    "{open} agent connection(s) stay open inside the sandbox: a process started through exec is \
+                     still running and holds one; start long-lived processes detached (setsid CMD >/dev/null 2>&1 &) \
+                     or as a service, then mark again (the sandbox keeps running)"
+                )));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -187,7 +200,11 @@ impl CtSandbox {
         self.dumps += 1;
         let stage = self.res.rw().join(format!("dump-{}", self.dumps));
         std::fs::create_dir_all(&stage).map_err(|e| failed(format!("create {}: {e}", stage.display())))?;
-        self.drop_agent();
+        if let Err(e) = self.drop_agent() {
+            let _ = self.reconnect();
+            let _ = std::fs::remove_dir_all(&stage);
+            return Err(e);
+        }
         let criu = self.criu.clone();
         let spec = dump::DumpSpec {
             criu: &criu,

@@ -17,7 +17,7 @@ struct Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.home);
+        if std::env::var_os("CT_KEEP").is_none() { let _ = std::fs::remove_dir_all(&self.home); }
     }
 }
 
@@ -74,4 +74,44 @@ fn privileged_guest_cold_start_and_exec() {
     assert!(run_dir.exists());
     Box::new(sb).kill().expect("kill");
     assert!(!run_dir.exists());
+}
+
+fn fork(e: &Env, mark: &clade_core::backend::MarkState, name: &str) -> (CtSandbox, Identity) {
+    let ident = id(name);
+    let sb = e.backend.restore_ct(mark, &ident).expect("restore");
+    let r = clade_core::hygiene::apply(sb.agent(), &ident, mark.clean).expect("hygiene");
+    assert!(r.hostname_set && r.machine_id_set, "{r:?}");
+    (sb, ident)
+}
+
+#[test]
+fn privileged_guest_mark_and_fork_two_siblings() {
+    let Some(e) = env("fork") else { return };
+    let mut base = e.backend.cold_start_ct(&e.image, &id("base")).expect("cold start");
+    sh(&base, "echo before-mark > /root/note; mkdir -p /tmp/x; echo tmpfs > /tmp/x/t");
+    // A long-lived process with state in memory survives the restore.
+    sh(&base, "setsid sleep 1000 </dev/null >/dev/null 2>&1 &");
+    let mark = base.mark(&MarkOptions::default()).expect("mark");
+    assert!(mark.pause < Duration::from_secs(2), "{:?}", mark.pause);
+    assert!(mark.stored_bytes > 0 && mark.logical_bytes >= mark.stored_bytes / 2, "{mark:?}");
+    // The marked sandbox keeps running and answers.
+    assert_eq!(sh(&base, "cat /root/note"), "before-mark");
+    let (a, ia) = fork(&e, &mark, "sib-a");
+    let (b, ib) = fork(&e, &mark, "sib-b");
+    for (sb, ident) in [(&a, &ia), (&b, &ib)] {
+        assert_eq!(sh(sb, "hostname"), ident.hostname);
+        assert_eq!(sh(sb, "cat /etc/machine-id"), ident.machine_id);
+        assert_eq!(sh(sb, "cat /root/note"), "before-mark");
+        assert_eq!(sh(sb, "cat /tmp/x/t"), "tmpfs");
+        assert!(sh(sb, "ps -o comm").contains("sleep"), "the sleeper was restored");
+    }
+    sh(&a, "echo only-a > /root/a-file");
+    assert_eq!(sh(&b, "test -e /root/a-file && echo yes || echo no"), "no");
+    assert_eq!(sh(&base, "test -e /root/a-file && echo yes || echo no"), "no");
+    let audit = clade_ct::audit(&a.pids(), &b.pids());
+    assert_eq!(audit.shared_writable(), 0, "{audit:?}");
+    assert!(audit.processes.0 >= 2 && audit.processes.1 >= 2, "{audit:?}");
+    for sb in [a, b, base] {
+        Box::new(sb).kill().expect("kill");
+    }
 }
