@@ -115,16 +115,18 @@ fn collect(pids: &[u32]) -> Side {
     s
 }
 
-/// `/proc/locks` entries held by `pids`, as `dev:ino` keys.
-fn locks_of(text: &str, pids: &BTreeSet<u32>) -> BTreeSet<String> {
+/// `/proc/locks` entries held by `pids` or on a file they have open (flock locks name the pid that took them,
+/// which may have exited), as `lock:MAJ:MIN:INO` keys.
+fn locks_of(text: &str, pids: &BTreeSet<u32>, inodes: &BTreeSet<(u64, u64)>) -> BTreeSet<String> {
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             let pid: u32 = f.get(4)?.parse().ok()?;
-            pids.contains(&pid).then(|| {
-                let parts: Vec<&str> = f.get(5)?.rsplitn(2, ':').collect();
-                Some(format!("lock:{}:{}", parts.get(1)?, parts.first()?))
-            })?
+            let mut parts = f.get(5)?.split(':');
+            let (maj, min, ino) = (parts.next()?, parts.next()?, parts.next()?);
+            let dev = libc::makedev(u32::from_str_radix(maj, 16).ok()?, u32::from_str_radix(min, 16).ok()?);
+            let ino: u64 = ino.parse().ok()?;
+            (pids.contains(&pid) || inodes.contains(&(dev, ino))).then(|| format!("lock:{maj}:{min}:{ino}"))
         })
         .collect()
 }
@@ -137,7 +139,7 @@ fn inter<T: Ord + Clone>(a: &BTreeSet<T>, b: &BTreeSet<T>) -> Vec<T> {
 pub fn audit(a: &[u32], b: &[u32]) -> AuditReport {
     let (sa, sb) = (collect(a), collect(b));
     let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
-    let (la, lb) = (locks_of(&locks, &sa.pids), locks_of(&locks, &sb.pids));
+    let (la, lb) = (locks_of(&locks, &sa.pids, &sa.inodes), locks_of(&locks, &sb.pids, &sb.inodes));
     let wa: BTreeSet<(u64, u64)> = sa.writable.keys().copied().collect();
     let wb: BTreeSet<(u64, u64)> = sb.writable.keys().copied().collect();
     // A file one side writes and the other merely has open is shared too.
@@ -180,8 +182,11 @@ mod tests {
     fn parses_locks() {
         let text = "1: POSIX  ADVISORY  WRITE 42 00:1f:1234 0 EOF\n2: FLOCK  ADVISORY  WRITE 7 08:02:99 0 EOF\n";
         let pids = [42u32].into_iter().collect();
-        let l = super::locks_of(text, &pids);
+        let l = super::locks_of(text, &pids, &Default::default());
         assert_eq!(l.into_iter().collect::<Vec<_>>(), vec!["lock:00:1f:1234".to_string()]);
+        let by_inode = [(libc::makedev(8, 2), 99u64)].into_iter().collect();
+        let l = super::locks_of(text, &Default::default(), &by_inode);
+        assert_eq!(l.into_iter().collect::<Vec<_>>(), vec!["lock:08:02:99".to_string()]);
     }
 
     #[test]

@@ -123,6 +123,12 @@ fn install_agent(bin: &Path, upper: &Path) -> Result<(), BackendError> {
         .map_err(|e| failed(format!("chmod {}: {e}", dest.display())))
 }
 
+impl std::fmt::Debug for CtSandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CtSandbox").field("id", &self.id).field("init", &self.res.init).finish_non_exhaustive()
+    }
+}
+
 impl CtSandbox {
     /// Host pid of the sandbox's init (PID 1 inside).
     pub fn init_pid(&self) -> u32 {
@@ -165,18 +171,9 @@ impl CtSandbox {
     /// its connection open in the agent; such a mark is refused with that reason.
     fn drop_agent(&mut self) -> Result<(), BackendError> {
         self.agent = AgentClient::from_parts(std::io::empty(), std::io::sink());
-        let path = format!("/proc/{}/net/unix", self.init_pid());
         let t0 = Instant::now();
         loop {
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let open = text
-                .lines()
-                .skip(1)
-                .filter(|l| {
-                    let f: Vec<&str> = l.split_whitespace().collect();
-                    f.len() >= 8 && f[5] == "03" && f[7] == clade_agent::CT_SOCKET
-                })
-                .count();
+            let open = self.foreign_sockets();
             if open == 0 {
                 return Ok(());
             }
@@ -189,6 +186,27 @@ impl CtSandbox {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// Unix sockets held inside the sandbox that live in the host's network namespace: the agent's accepted
+    /// connections (the kernel creates an accepted socket in the connecting side's namespace).
+    fn foreign_sockets(&self) -> usize {
+        let inodes = |text: String| -> std::collections::HashSet<String> {
+            text.lines().skip(1).filter_map(|l| l.split_whitespace().nth(6).map(str::to_string)).collect()
+        };
+        let host = inodes(std::fs::read_to_string("/proc/self/net/unix").unwrap_or_default());
+        let mut n = 0;
+        for pid in Sandbox::pids(self) {
+            let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+            for e in rd.flatten() {
+                let Ok(t) = std::fs::read_link(e.path()) else { continue };
+                let t = t.to_string_lossy();
+                if let Some(ino) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    n += usize::from(host.contains(ino));
+                }
+            }
+        }
+        n
     }
 
     fn reconnect(&mut self) -> Result<(), BackendError> {

@@ -115,3 +115,133 @@ fn privileged_guest_mark_and_fork_two_siblings() {
         Box::new(sb).kill().expect("kill");
     }
 }
+
+#[test]
+fn privileged_guest_suspend_restore_and_refusals() {
+    let Some(e) = env("susp") else { return };
+    let sb = e.backend.cold_start_ct(&e.image, &id("susp")).expect("cold start");
+    sh(&sb, "echo kept > /root/state");
+    // A process started through exec that still runs holds an agent connection: the mark is refused with the
+    // reason, and the sandbox keeps running.
+    let mut sb = sb;
+    let busy = sb.agent().exec(ExecSpec::new(["/bin/sleep", "30"])).expect("exec");
+    let err = sb.mark(&MarkOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("stay open") && err.contains("keeps running"), "{err}");
+    assert_eq!(sh(&sb, "cat /root/state"), "kept");
+    busy.signal(9).expect("kill the busy process");
+    drop(busy);
+    std::thread::sleep(Duration::from_millis(100));
+    let run_dir = e.home.join("run").join(sb.id());
+    let mark = Box::new(sb).suspend(&MarkOptions { label: None, not_clean: true }).expect("suspend");
+    assert!(!mark.clean);
+    assert!(!run_dir.exists(), "suspend released the run dir");
+    let ident = id("resumed");
+    let r = e.backend.restore_ct(&mark, &ident).expect("resume");
+    assert_eq!(sh(&r, "cat /root/state"), "kept");
+    // Not clean: hygiene keeps the hostname.
+    let rep = clade_core::hygiene::apply(r.agent(), &ident, mark.clean).expect("hygiene");
+    assert!(!rep.hostname_set);
+    Box::new(r).kill().expect("kill");
+    // A mark from another CRIU, or whose trees are not in the store, is refused before anything starts.
+    let mut other = mark.clone();
+    other.compat.insert("criu".into(), "0.1".into());
+    let err = e.backend.restore_ct(&other, &id("bad1")).unwrap_err().to_string();
+    assert!(err.contains("criu=0.1"), "{err}");
+    let mut broken = mark.clone();
+    broken.manifests.insert("criu".into(), "00".repeat(32));
+    let err = e.backend.restore_ct(&broken, &id("bad2")).unwrap_err();
+    assert!(matches!(err, clade_core::backend::BackendError::Corrupt(_)), "{err}");
+    assert_eq!(std::fs::read_dir(e.home.join("run")).unwrap().count(), 0, "nothing started");
+}
+
+fn leftovers(e: &Env, ident: &Identity) -> Vec<String> {
+    let mut out = Vec::new();
+    let run_dir = e.home.join("run").join(&ident.sandbox_id);
+    if run_dir.exists() {
+        out.push(format!("run dir {}", run_dir.display()));
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    if mounts.contains(&ident.sandbox_id) {
+        out.push("a mount".into());
+    }
+    for cg in ["/sys/fs/cgroup/memory/clade", "/sys/fs/cgroup/clade"] {
+        if std::path::Path::new(cg).join(&ident.sandbox_id).exists() {
+            out.push(format!("cgroup under {cg}"));
+        }
+    }
+    // Processes whose root is inside this sandbox's run dir.
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(root) = std::fs::read_link(p.path().join("cwd")) {
+            if root.to_string_lossy().contains(&ident.sandbox_id) {
+                out.push(format!("process {:?}", p.file_name()));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn privileged_guest_failure_at_each_step_leaves_nothing() {
+    let Some(e) = env("fail") else { return };
+    let mut base = e.backend.cold_start_ct(&e.image, &id("fbase")).expect("cold start");
+    let mark = base.mark(&MarkOptions::default()).expect("mark");
+    let before = count_procs();
+    for at in FailPoint::ALL {
+        e.backend.inject_failure(Some(at));
+        for cold in [true, false] {
+            let ident = id(&format!("f{at:?}{cold}").to_lowercase());
+            let res = if cold {
+                e.backend.cold_start_ct(&e.image, &ident).map(|_| ())
+            } else {
+                e.backend.restore_ct(&mark, &ident).map(|_| ())
+            };
+            let err = res.unwrap_err().to_string();
+            assert!(err.contains("injected"), "{at:?} cold={cold}: {err}");
+            let left = leftovers(&e, &ident);
+            assert!(left.is_empty(), "{at:?} cold={cold} left {left:?}");
+        }
+    }
+    e.backend.inject_failure(None);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(count_procs() <= before, "processes leaked: {} -> {}", before, count_procs());
+    // And a restore still works afterwards (no EEXIST from leftovers).
+    let ok = e.backend.restore_ct(&mark, &id("fafter")).expect("restore after failures");
+    Box::new(ok).kill().unwrap();
+    Box::new(base).kill().unwrap();
+}
+
+/// Our children (the sandboxes' inits are adopted by us): a leaked one shows here, even as a zombie.
+fn count_procs() -> usize {
+    let me = std::process::id().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let after = stat.rsplit_once(") ").map(|x| x.1).unwrap_or("");
+            after.split_whitespace().nth(1) == Some(me.as_str())
+        })
+        .count()
+}
+
+#[test]
+fn privileged_guest_audit_against_cold_control() {
+    let Some(e) = env("audit") else { return };
+    let mut base = e.backend.cold_start_ct(&e.image, &id("abase")).expect("cold");
+    sh(&base, "setsid python3 -c 'import fcntl,time; f=open(\"/tmp/held\",\"w\"); fcntl.lockf(f, fcntl.LOCK_EX); time.sleep(1000)' </dev/null >/dev/null 2>&1 &");
+    std::thread::sleep(Duration::from_millis(400));
+    let mark = base.mark(&MarkOptions::default()).expect("mark");
+    let (a, _) = fork(&e, &mark, "aa");
+    let (b, _) = fork(&e, &mark, "ab");
+    let c1 = e.backend.cold_start_ct(&e.image, &id("ac1")).expect("cold");
+    let c2 = e.backend.cold_start_ct(&e.image, &id("ac2")).expect("cold");
+    let r = clade_ct::audit_with_control(&a.pids(), &b.pids(), &c1.pids(), &c2.pids());
+    assert_eq!(r.pass_rule_2a, Some(true), "{r:?}");
+    assert!(r.processes.0 >= 2 && !r.shared_char_devices.is_empty(), "{r:?}");
+    // The audit does see sharing where there is some: a sandbox against itself shares everything.
+    let same = clade_ct::audit(&a.pids(), &a.pids());
+    assert!(same.shared_namespaces.len() == 5 && !same.shared_writable_files.is_empty() && !same.shared_locks.is_empty(), "{same:?}");
+    for sb in [a, b, c1, c2, base] {
+        Box::new(sb).kill().unwrap();
+    }
+}
