@@ -144,6 +144,10 @@ impl AgentClient {
 
     /// Wraps a connected unix stream; dropping the last clone shuts it down.
     pub fn from_unix(s: UnixStream) -> Result<AgentClient> {
+        // Deeper socket buffers let bulk file data overlap with the agent's disk writes (best effort:
+        // the kernel caps them at net.core.wmem_max / rmem_max).
+        let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::SndBuf, &(4 << 20));
+        let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::RcvBuf, &(4 << 20));
         let r = s.try_clone()?;
         let w = s.try_clone()?;
         Ok(AgentClient::build(r, w, Some(s)))
@@ -470,7 +474,11 @@ impl AgentClient {
             let g = self.clock_read()?.realtime_ns;
             let h1 = host_now_ns();
             let err = g - (h0 + (h1 - h0) / 2 + offset_ns);
-            if best.map_or(true, |(_, rtt)| h1 - h0 < rtt) {
+            let better = match best {
+                None => true,
+                Some((_, rtt)) => h1 - h0 < rtt,
+            };
+            if better {
                 best = Some((err, h1 - h0));
             }
         }

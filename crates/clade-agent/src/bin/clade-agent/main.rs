@@ -75,35 +75,32 @@ struct Opts {
     mounts: bool,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts]\n       \
-         clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]\n       \
-         clade-agent version"
-    );
-    std::process::exit(2)
-}
+const USAGE: &str = "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts]
+       clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]
+       clade-agent version";
 
-fn parse_args() -> Opts {
-    let mut args = std::env::args().skip(1);
-    let mode = args.next().unwrap_or_else(|| usage());
+fn parse_args() -> Result<Opts, String> {
+    let pid1 = std::process::id() == 1;
+    let mut args = std::env::args().skip(1).peekable();
+    // As the kernel's `init=`, the agent gets no mode (and maybe stray kernel arguments): it is init.
+    let mode = match args.peek().map(String::as_str) {
+        Some("init" | "serve" | "version" | "--version") => args.next().unwrap_or_default(),
+        _ if pid1 => "init".to_string(),
+        other => return Err(format!("unknown mode {other:?}")),
+    };
     let mut o = Opts { mode, listen: None, sysroot: PathBuf::from("/"), mounts: true };
     while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--listen" => {
-                let v = args.next().unwrap_or_else(|| usage());
-                o.listen = Some(Listen::parse(&v).unwrap_or_else(|e| {
-                    eprintln!("{e}");
-                    usage()
-                }));
-            }
-            "--port" => o.listen = Some(Listen::Virtio(args.next().unwrap_or_else(|| usage()).into())),
-            "--sysroot" => o.sysroot = args.next().unwrap_or_else(|| usage()).into(),
+            "--listen" => o.listen = Some(Listen::parse(&value()?)?),
+            "--port" => o.listen = Some(Listen::Virtio(value()?.into())),
+            "--sysroot" => o.sysroot = value()?.into(),
             "--no-mounts" => o.mounts = false,
-            _ => usage(),
+            _ if pid1 => log(&format!("ignoring argument {a:?}")),
+            _ => return Err(format!("unknown argument {a:?}")),
         }
     }
-    o
+    Ok(o)
 }
 
 fn main() {
@@ -112,7 +109,18 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let o = parse_args();
+    let o = match parse_args() {
+        Ok(o) => o,
+        // PID 1 must not exit over a bad argument: it serves with the defaults instead.
+        Err(e) if std::process::id() == 1 => {
+            log(&format!("{e}; starting init with the defaults"));
+            Opts { mode: "init".into(), listen: None, sysroot: PathBuf::from("/"), mounts: true }
+        }
+        Err(e) => {
+            eprintln!("clade-agent: {e}\n{USAGE}");
+            std::process::exit(2)
+        }
+    };
     let role = match o.mode.as_str() {
         "init" => "init",
         "serve" => "serve",
@@ -120,7 +128,7 @@ fn main() {
             println!("clade-agent {} (wire version {})", env!("CARGO_PKG_VERSION"), clade_agent::WIRE_VERSION);
             return;
         }
-        _ => usage(),
+        _ => unreachable_mode(),
     };
     let agent = Arc::new(Agent {
         role,
@@ -133,8 +141,8 @@ fn main() {
     });
     let a = agent.clone();
     if std::thread::Builder::new().name("reaper".into()).spawn(move || a.reaper.run()).is_err() {
-        log("cannot start the reaper thread");
-        std::process::exit(1);
+        // Serve anyway (a PID 1 must not exit); process exits will not be reported.
+        log("cannot start the reaper thread: child exits will not be reported");
     }
     let listen = if role == "init" {
         if std::process::id() != 1 {
@@ -158,7 +166,13 @@ fn main() {
         let _ = std::thread::Builder::new().name("services".into()).spawn(move || init::start_services(&a));
         listen
     } else {
-        o.listen.clone().unwrap_or_else(|| usage())
+        match o.listen.clone() {
+            Some(l) => l,
+            None => {
+                eprintln!("clade-agent: serve needs --listen or --port\n{USAGE}");
+                std::process::exit(2)
+            }
+        }
     };
     log(&format!("{role}: serving on {listen:?}"));
     // Never return: as PID 1 an exit would end the sandbox. Errors are logged and retried.
@@ -172,6 +186,11 @@ fn main() {
         }
         std::thread::sleep(Duration::from_secs(1));
     }
+}
+
+fn unreachable_mode() -> ! {
+    eprintln!("{USAGE}");
+    std::process::exit(2)
 }
 
 fn serve_unix(agent: &Arc<Agent>, path: &Path) -> io::Result<()> {
@@ -191,6 +210,8 @@ fn serve_unix(agent: &Arc<Agent>, path: &Path) -> io::Result<()> {
                 continue;
             }
         };
+        let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::SndBuf, &(4 << 20));
+        let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::RcvBuf, &(4 << 20));
         let a = agent.clone();
         let spawned = std::thread::Builder::new().name("conn".into()).spawn(move || {
             let Ok(r) = s.try_clone() else { return };
