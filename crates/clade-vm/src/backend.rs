@@ -175,6 +175,21 @@ impl VmBackend {
         self.inner.shm.join("ram").join(format!("{root}.ram"))
     }
 
+    /// Rebuild a root RAM file from the store. Siblings restored at once may race here: each writes its own
+    /// temp file and links it into place without replacing (a file other QEMUs already map must never be
+    /// swapped under them), so the first one wins and the others use it.
+    fn materialize_root(&self, root: &str, dest: &Path) -> Result<(), BackendError> {
+        let tmp = dest.with_extension(format!("fetch{}", std::process::id()));
+        self.inner.store.get_file(&mid(root)?, &tmp).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+        let linked = std::fs::hard_link(&tmp, dest);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(failed(format!("publish RAM file {}: {e}", dest.display()))),
+        }
+    }
+
     fn lease(&self, id: &str) -> Result<Lease, BackendError> {
         let m: ManifestId = id.parse().map_err(|_| BackendError::Corrupt(format!("'{id}' is not a manifest id")))?;
         self.inner.store.lease(m).map_err(|e| BackendError::Corrupt(e.to_string()))
@@ -257,7 +272,7 @@ impl Backend for VmBackend {
         // The root RAM file, rebuilt from the store when this host does not have it.
         let ram_file = self.root_ram_file(&root);
         if !ram_file.exists() {
-            store.get_file(&mid(&root)?, &ram_file).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+            self.materialize_root(&root, &ram_file)?;
         }
         let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
         let (state_role, devstate_only) = match mark.manifests.get(role::DEVSTATE_ONLY) {

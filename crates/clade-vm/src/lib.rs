@@ -14,3 +14,4 @@ pub mod qemu;
 pub mod qmp;
 pub mod ramdiff;
 pub mod templating;
+pub mod testkit;

@@ -3,7 +3,9 @@
 
 #![forbid(unsafe_code)]
 
+mod backends;
 mod cmd;
+mod supervisor;
 
 use clap::{Parser, Subcommand};
 
@@ -28,8 +30,31 @@ enum Command {
     /// Templates: build a root filesystem and disk image from a spec; list; remove.
     #[command(subcommand)]
     Template(cmd::template::Command),
+    /// Start one sandbox from a mark, or from a template's base (`--backend vm|ct`).
+    Run(cmd::sandbox::RunArgs),
+    /// Start N sibling sandboxes from one mark (or a template's base).
+    Fork(cmd::sandbox::ForkArgs),
+    /// Run a command in a sandbox; exits with its status.
+    Exec(cmd::sandbox::ExecArgs),
+    /// Checkpoint a running sandbox (it keeps running).
+    Mark(cmd::sandbox::MarkArgs),
+    /// Take a sandbox back to an earlier mark of its branch.
+    Retake(cmd::sandbox::RetakeArgs),
+    /// Mark a sandbox and release its CPU and memory.
+    Suspend(cmd::sandbox::SbxArgs),
+    /// Bring a suspended sandbox back from its last mark.
+    Resume(cmd::sandbox::SbxArgs),
+    /// End a sandbox.
+    Kill(cmd::sandbox::SbxArgs),
+    /// List sandboxes (a sandbox whose supervisor died is reported as lost).
+    Ls(cmd::sandbox::ListArgs),
+    /// List marks (all, or one sandbox's branch).
+    Marks(cmd::sandbox::MarksArgs),
     /// Run clade's main job on the embedded defaults.
     Demo(cmd::demo::Args),
+    /// The per-sandbox supervisor (started by run, fork and resume).
+    #[command(hide = true)]
+    Supervise(cmd::supervise::Args),
 }
 
 fn main() {
@@ -39,7 +64,18 @@ fn main() {
         Command::Store(c) => cmd::store::run(c),
         Command::Nbd(c) => cmd::nbd::run(c),
         Command::Template(c) => cmd::template::run(c),
+        Command::Run(a) => cmd::sandbox::run(a),
+        Command::Fork(a) => cmd::sandbox::fork(a),
+        Command::Exec(a) => cmd::sandbox::exec(a),
+        Command::Mark(a) => cmd::sandbox::mark(a),
+        Command::Retake(a) => cmd::sandbox::retake(a),
+        Command::Suspend(a) => cmd::sandbox::suspend(a),
+        Command::Resume(a) => cmd::sandbox::resume(a),
+        Command::Kill(a) => cmd::sandbox::kill(a),
+        Command::Ls(a) => cmd::sandbox::ls(a),
+        Command::Marks(a) => cmd::sandbox::marks(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Supervise(a) => cmd::supervise::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

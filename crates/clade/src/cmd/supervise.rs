@@ -1,0 +1,25 @@
+//! `clade supervise` (hidden): the per-sandbox supervisor process that `run`, `fork`, `resume` and `retake`
+//! start detached. See `supervisor/`.
+
+use clade_core::engine::{from_ledger, Engine};
+use clade_core::CladeHome;
+use clade_ledger::{MarkId, SandboxId};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    pub sandbox: String,
+    #[arg(long)]
+    pub mark: String,
+    #[arg(long, default_value_t = 1)]
+    pub generation: u64,
+}
+
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let engine = Engine::open(&home)?;
+    let mark = engine.ledger().mark(&MarkId::new(a.mark.clone()))?;
+    let backend = crate::backends::open(&engine, from_ledger(mark.backend))?;
+    crate::supervisor::server::run(engine, backend, SandboxId::new(a.sandbox), mark.id, a.generation)?;
+    Ok(0)
+}

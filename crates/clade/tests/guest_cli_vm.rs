@@ -1,0 +1,134 @@
+//! The CLI on the `vm` backend, end to end with real guests and real supervisors: a base built once, then
+//! `clade fork --count 3`, `exec` (distinct hostnames, exit codes passed through), `mark`, `retake`, `suspend`,
+//! `resume`, a supervisor killed with SIGKILL reported as lost and cleaned up by `kill`, and nothing left behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use clade_core::backend::{Backend, Shape, TemplateImage};
+use clade_core::engine::Engine;
+use clade_core::CladeHome;
+use clade_ledger::TemplateId;
+use clade_store::ImageKind;
+
+fn real_home() -> PathBuf {
+    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
+}
+
+fn clade(home: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_clade")).args(args).env("CLADE_HOME", home).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(home: &Path, args: &[&str]) -> String {
+    let (code, out, err) = clade(home, args);
+    assert_eq!(code, 0, "clade {args:?} failed: {err}{out}");
+    out
+}
+
+/// A CLADE_HOME of its own that borrows the kernel and the accelerator probe of the real one.
+fn test_home() -> tempfile::TempDir {
+    let t = tempfile::Builder::new().prefix("clade-cli-vm").tempdir_in("/var/tmp").unwrap();
+    std::os::unix::fs::symlink(real_home().join("kernel"), t.path().join("kernel")).unwrap();
+    std::fs::create_dir_all(t.path().join("cache")).unwrap();
+    let _ = std::fs::copy(real_home().join("cache/accel.json"), t.path().join("cache/accel.json"));
+    t
+}
+
+#[test]
+fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
+    let Some(agent) = clade_vm::testkit::agent_binary() else {
+        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+        return;
+    };
+    if clade_vm::qemu::qemu_binary().is_none() || !real_home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return;
+    }
+    let t = test_home();
+    let h = t.path();
+    // The base, built through the engine as `clade base build` does.
+    {
+        let home = CladeHome::at(h);
+        let engine = Engine::open(&home).unwrap();
+        let img = h.join("root.img");
+        let root = clade_vm::testkit::busybox_root_image(h, &agent, &img, 64).unwrap();
+        let disk = engine.store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
+        let tid = TemplateId::new("tmpl-busybox");
+        engine.ledger().put_template(&tid, "busybox", &serde_json::json!({})).unwrap();
+        let backend = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None).unwrap();
+        let image = TemplateImage {
+            name: "busybox".into(),
+            hash: "test".into(),
+            rootfs: root,
+            disk_manifest: Some(disk),
+            shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
+            egress: false,
+        };
+        let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
+        eprintln!("base {} built, cold boot {boot:?}", mark.id);
+    }
+
+    // Naming a template without a backend is a usage error.
+    let (code, _, err) = clade(h, &["fork", "busybox", "--count", "2"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, _) = clade(h, &["fork", "no-such-template", "--backend", "vm"]);
+    assert_eq!(code, 3);
+
+    let out = ok(h, &["fork", "busybox", "--backend", "vm", "--count", "3", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    eprintln!("fork 3: {} ms", v["total_ms"]);
+    let ids: Vec<String> =
+        v["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids.len(), 3);
+    let names: Vec<String> = ids.iter().map(|i| ok(h, &["exec", i, "--", "hostname"]).trim().to_string()).collect();
+    assert!(names[0] != names[1] && names[1] != names[2] && names[0] != names[2], "{names:?}");
+    let (code, _, _) = clade(h, &["exec", &ids[0], "--", "sh", "-c", "exit 7"]);
+    assert_eq!(code, 7, "exec passes the exit status through");
+
+    // mark, change, retake: the change is gone.
+    ok(h, &["exec", &ids[0], "--", "sh", "-c", "echo x > /root/f"]);
+    let m: serde_json::Value = serde_json::from_str(&ok(h, &["mark", &ids[0], "--label", "first", "--json"])).unwrap();
+    let mark_id = m["id"].as_str().unwrap().to_string();
+    ok(h, &["exec", &ids[0], "--", "sh", "-c", "echo y > /root/f"]);
+    assert_eq!(ok(h, &["exec", &ids[0], "--", "cat", "/root/f"]).trim(), "y");
+    let r: serde_json::Value = serde_json::from_str(&ok(h, &["retake", &ids[0], "--to", &mark_id, "--json"])).unwrap();
+    eprintln!("retake: {} ms", r["retake_ms"]);
+    assert_eq!(ok(h, &["exec", &ids[0], "--", "cat", "/root/f"]).trim(), "x");
+    assert_eq!(ok(h, &["exec", &ids[0], "--", "hostname"]).trim(), names[0], "retake keeps the sandbox's identity");
+
+    // suspend and resume.
+    ok(h, &["exec", &ids[1], "--", "sh", "-c", "echo kept > /root/s"]);
+    ok(h, &["suspend", &ids[1]]);
+    let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
+    let state = |ls: &serde_json::Value, id: &str| {
+        ls.as_array().unwrap().iter().find(|r| r["id"] == id).map(|r| r["state"].as_str().unwrap().to_string())
+    };
+    assert_eq!(state(&ls, &ids[1]).as_deref(), Some("suspended"));
+    ok(h, &["resume", &ids[1]]);
+    assert_eq!(ok(h, &["exec", &ids[1], "--", "cat", "/root/s"]).trim(), "kept");
+
+    // A supervisor killed outright: reported lost, and `kill` cleans up what it left.
+    let info = Command::new("pgrep").args(["-f", &format!("supervise --sandbox {}", ids[2])]).output().unwrap();
+    let pid: i32 = String::from_utf8_lossy(&info.stdout).trim().lines().next().unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
+    assert!(state(&ls, &ids[2]).unwrap().starts_with("lost"), "{ls}");
+
+    for i in &ids {
+        ok(h, &["kill", i]);
+    }
+    let (code, _, _) = clade(h, &["exec", &ids[0], "--", "true"]);
+    assert_eq!(code, 3, "exec on a killed sandbox is not found");
+    std::thread::sleep(Duration::from_millis(300));
+    let ps = Command::new("pgrep").args(["-f", &h.display().to_string()]).output().unwrap();
+    assert!(String::from_utf8_lossy(&ps.stdout).trim().is_empty(), "processes left behind");
+    let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
+    assert!(ls.as_array().unwrap().is_empty(), "{ls}");
+}
