@@ -6,8 +6,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The agent under test: `CLADE_AGENT_BIN` (e.g. the static musl release-small build) or this build's.
 pub fn agent_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_clade-agent"))
+    std::env::var_os("CLADE_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_clade-agent")))
 }
 
 pub fn tempdir(tag: &str) -> PathBuf {
