@@ -9,11 +9,19 @@ use std::path::Path;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::UnixListener;
+use tokio::net::{UnixListener, UnixStream};
 
 use crate::export::Export;
 use crate::handshake::{negotiate, HandshakeError};
 use crate::transmission::serve;
+
+fn log_handshake(e: HandshakeError) {
+    match e {
+        HandshakeError::Aborted => {}
+        HandshakeError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+        e => tracing::warn!("handshake failed: {e}"),
+    }
+}
 
 /// Named exports; the empty name resolves to the default export.
 #[derive(Default)]
@@ -78,14 +86,22 @@ impl Server {
     {
         let neg = match negotiate(&mut io, &self.exports).await {
             Ok(n) => n,
-            Err(HandshakeError::Aborted) => return,
-            Err(HandshakeError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return,
-            Err(e) => {
-                tracing::warn!("handshake failed: {e}");
-                return;
-            }
+            Err(e) => return log_handshake(e),
         };
-        if let Err(e) = serve(io, neg).await {
+        let (r, w) = tokio::io::split(io);
+        if let Err(e) = serve(r, w, neg).await {
+            tracing::warn!("connection ended: {e}");
+        }
+    }
+
+    /// Like [`Server::handle`] for a unix socket, with lock-free owned halves.
+    pub async fn handle_unix(self: Arc<Self>, mut io: UnixStream) {
+        let neg = match negotiate(&mut io, &self.exports).await {
+            Ok(n) => n,
+            Err(e) => return log_handshake(e),
+        };
+        let (r, w) = io.into_split();
+        if let Err(e) = serve(r, w, neg).await {
             tracing::warn!("connection ended: {e}");
         }
     }
@@ -94,7 +110,7 @@ impl Server {
     pub async fn serve_unix(self: Arc<Self>, listener: UnixListener) -> std::io::Result<()> {
         loop {
             let (stream, _) = listener.accept().await?;
-            tokio::spawn(self.clone().handle(stream));
+            tokio::spawn(self.clone().handle_unix(stream));
         }
     }
 

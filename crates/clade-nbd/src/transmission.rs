@@ -8,13 +8,14 @@
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::export::{Export, ExportError};
 use crate::handshake::Negotiated;
 use crate::proto::*;
 
-/// Budget of bytes in flight per connection, in 4 KiB permits (64 MiB).
+/// Budget of bytes in flight per connection (requests running and replies not yet written), in
+/// 4 KiB permits (64 MiB).
 const BUDGET_PERMITS: u32 = 16 * 1024;
 
 /// Why a connection's transmission phase ended abnormally.
@@ -120,12 +121,17 @@ fn handle(export: &Export, mode: Mode, req: Request, payload: Vec<u8>) -> Vec<u8
     }
 }
 
-async fn writer<W: AsyncWrite + Unpin>(w: W, mut rx: mpsc::Receiver<Vec<u8>>) -> std::io::Result<()> {
+/// A reply frame and the share of the connection's budget it holds until it is written.
+type Reply = (Vec<u8>, Option<OwnedSemaphorePermit>);
+
+async fn writer<W: AsyncWrite + Unpin>(w: W, mut rx: mpsc::UnboundedReceiver<Reply>) -> std::io::Result<()> {
     let mut w = BufWriter::with_capacity(256 << 10, w);
-    while let Some(frame) = rx.recv().await {
+    while let Some((frame, permit)) = rx.recv().await {
         w.write_all(&frame).await?;
-        while let Ok(more) = rx.try_recv() {
+        drop(permit);
+        while let Ok((more, permit)) = rx.try_recv() {
             w.write_all(&more).await?;
+            drop(permit);
         }
         w.flush().await?;
     }
@@ -133,16 +139,18 @@ async fn writer<W: AsyncWrite + Unpin>(w: W, mut rx: mpsc::Receiver<Vec<u8>>) ->
     Ok(())
 }
 
-/// Serves requests on `io` until the client disconnects or breaks the framing.
-pub async fn serve<S>(io: S, neg: Negotiated) -> Result<(), TransmissionError>
+/// Serves requests read from `r`, replying on `w`, until the client disconnects or breaks the
+/// framing. Pass owned halves of a socket (`UnixStream::into_split`) where you can: they need no
+/// lock between reader and writer, unlike `tokio::io::split`.
+pub async fn serve<R, W>(r: R, w: W, neg: Negotiated) -> Result<(), TransmissionError>
 where
-    S: AsyncRead + AsyncWrite + Send + 'static,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
 {
     let mode = Mode { structured: neg.structured, base_allocation: neg.base_allocation };
     let export = neg.export;
-    let (r, w) = tokio::io::split(io);
     let mut r = BufReader::with_capacity(256 << 10, r);
-    let (tx, rx) = mpsc::channel::<Vec<u8>>(256);
+    let (tx, rx) = mpsc::unbounded_channel::<Reply>();
     let writer = tokio::spawn(writer(w, rx));
     let budget = Arc::new(Semaphore::new(BUDGET_PERMITS as usize));
     let mut header = [0u8; REQUEST_LEN];
@@ -180,7 +188,7 @@ where
                 }
             }
             tracing::debug!(cookie = req.cookie, ?req.cmd, "refused: {msg}");
-            if tx.send(error_reply(mode, req.cookie, errno, msg)).await.is_err() {
+            if tx.send((error_reply(mode, req.cookie, errno, msg), None)).is_err() {
                 break Ok(());
             }
             continue;
@@ -200,17 +208,11 @@ where
         }
         let export = export.clone();
         let tx = tx.clone();
-        tokio::spawn(async move {
-            let frame = match tokio::task::spawn_blocking(move || handle(&export, mode, req, payload)).await {
-                Ok(frame) => frame,
-                Err(e) => {
-                    tracing::error!(cookie = req.cookie, "request task failed: {e}");
-                    error_reply(mode, req.cookie, EIO, "internal error")
-                }
-            };
-            drop(permit);
-            // The writer only goes away when the connection is gone; the reply has nowhere to go.
-            let _ = tx.send(frame).await;
+        // The request runs on the blocking pool (the base may read from disk) and hands its reply
+        // straight to the writer; a send error means the connection is gone and so is the reply.
+        tokio::task::spawn_blocking(move || {
+            let frame = handle(&export, mode, req, payload);
+            let _ = tx.send((frame, Some(permit)));
         });
     };
     drop(tx);
