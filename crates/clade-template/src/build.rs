@@ -57,8 +57,11 @@ pub struct DiskRecord {
     pub image: Option<PathBuf>,
     pub apparent_bytes: u64,
     pub allocated_bytes: u64,
-    /// Non-zero bytes the store was given, and what it appended to its packs for them.
+    /// Non-zero bytes of the image (zero blocks cost nothing in the store).
     pub nonzero_bytes: u64,
+    /// Of those, bytes the store did not hold yet (duplicate blocks are stored once).
+    pub new_bytes: u64,
+    /// What the store appended to its packs for the new blocks (compressed).
     pub stored_bytes: u64,
 }
 
@@ -307,6 +310,7 @@ impl Builder {
                     "debootstrap",
                     format!("{} {suite} {}", if cached { "cached" } else { "built" }, cache.display()),
                 );
+                debian::check_packages(&cache, &spec.packages, suite)?;
                 rootfs::copy_tree("debootstrap: copy", &cache, &root)?;
                 steps.note("copy", "pristine debootstrap copied");
             }
@@ -379,13 +383,15 @@ impl Builder {
             apparent_bytes: size.apparent_bytes,
             allocated_bytes: size.allocated_bytes,
             nonzero_bytes: 0,
+            new_bytes: 0,
             stored_bytes: 0,
         };
         if self.store {
             let store = self.open_store()?;
-            let put = store.put_file(&img, clade_store::ImageKind::Disk)?;
+            let put = image::put_sparse(&store, &img)?;
             rec.manifest = put.id.map(|m| m.to_hex());
             rec.nonzero_bytes = put.bytes_new + put.bytes_dedup;
+            rec.new_bytes = put.bytes_new;
             rec.stored_bytes = put.bytes_stored;
             steps.note(
                 "store",

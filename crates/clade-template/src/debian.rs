@@ -92,7 +92,7 @@ pub fn install_packages(root: &Path, packages: &[String], suite: &str) -> Result
     )
     .ctx("write", &policy)?;
     set_mode(&policy, 0o755)?;
-    let result = (|| {
+    let result: Result<()> = (|| {
         let _m = ChrootMounts::mount(root)?;
         if !root
             .join("var/lib/apt/lists")
@@ -101,14 +101,7 @@ pub fn install_packages(root: &Path, packages: &[String], suite: &str) -> Result
         {
             run("packages: apt-get update", &mut chroot_cmd(root, &["apt-get", "update", "-q"]))?;
         }
-        for p in packages {
-            let name = p.split(['=', '/']).next().unwrap_or(p);
-            let out = chroot_cmd(root, &["apt-cache", "show", "--no-all-versions", name]).output();
-            let known = out.as_ref().is_ok_and(|o| o.status.success() && !o.stdout.is_empty());
-            if !known {
-                return Err(TemplateError::PackageNotFound { package: p.clone(), suite: suite.into() });
-            }
-        }
+        check_packages(root, packages, suite)?;
         let mut args = vec!["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Use-Pty=0"];
         args.extend(packages.iter().map(String::as_str));
         run("packages: apt-get install", &mut chroot_cmd(root, &args))?;
@@ -118,6 +111,34 @@ pub fn install_packages(root: &Path, packages: &[String], suite: &str) -> Result
     let _ = std::fs::remove_file(&policy);
     result?;
     clean_apt(root)
+}
+
+/// Fails with [`TemplateError::PackageNotFound`] naming the first of `packages` that apt in `root` does
+/// not know. Read-only (apt's binary caches are not written), and needs no mounts, so it also runs
+/// against the pristine debootstrap before anything is copied.
+pub fn check_packages(root: &Path, packages: &[String], suite: &str) -> Result<()> {
+    for p in packages {
+        let name = p.split(['=', '/']).next().unwrap_or(p);
+        let out = chroot_cmd(
+            root,
+            &[
+                "apt-cache",
+                "-o",
+                "Dir::Cache::pkgcache=",
+                "-o",
+                "Dir::Cache::srcpkgcache=",
+                "show",
+                "--no-all-versions",
+                name,
+            ],
+        )
+        .output();
+        let known = out.as_ref().is_ok_and(|o| o.status.success() && !o.stdout.is_empty());
+        if !known {
+            return Err(TemplateError::PackageNotFound { package: p.clone(), suite: suite.into() });
+        }
+    }
+    Ok(())
 }
 
 /// Removes apt's downloaded lists and archives (they are for building, not for sandboxes).

@@ -50,6 +50,40 @@ pub fn make_ext4(rootfs: &Path, image: &Path, disk_gib: u32) -> Result<ImageSize
     Ok(ImageSize { apparent_bytes: m.len(), allocated_bytes: m.blocks() * 512 })
 }
 
+/// Puts a sparse image into the store reading only its data extents (`SEEK_DATA`/`SEEK_HOLE`): holes are
+/// zeros and cost nothing, and reading gigabytes of them would dominate the build.
+pub fn put_sparse(store: &clade_store::Store, image: &Path) -> Result<clade_store::PutReport> {
+    use nix::unistd::{lseek, Whence};
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::fd::AsRawFd;
+
+    const BLOCK: u64 = clade_store::BLOCK as u64;
+    let mut f = std::fs::File::open(image).ctx("open", image)?;
+    let size = f.metadata().ctx("stat", image)?.len();
+    let mut b = store.derive(None, size)?.kind(clade_store::ImageKind::Disk);
+    let mut buf = vec![0u8; 8 << 20];
+    let mut off = 0u64;
+    while off < size {
+        let data = match lseek(f.as_raw_fd(), off as i64, Whence::SeekData) {
+            Ok(d) => d as u64,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(std::io::Error::from(e)).ctx("seek data in", image),
+        };
+        let hole = lseek(f.as_raw_fd(), data as i64, Whence::SeekHole).map(|h| h as u64).unwrap_or(size);
+        let (start, end) = (data / BLOCK * BLOCK, hole.div_ceil(BLOCK).saturating_mul(BLOCK).min(size));
+        f.seek(SeekFrom::Start(start)).ctx("seek", image)?;
+        let mut pos = start;
+        while pos < end {
+            let want = ((end - pos) as usize).min(buf.len());
+            f.read_exact(&mut buf[..want]).ctx("read", image)?;
+            b.write(pos, &buf[..want])?;
+            pos += want as u64;
+        }
+        off = end.max(off + BLOCK);
+    }
+    Ok(b.finish()?)
+}
+
 /// Checks an image with `e2fsck -fn` (read-only); used by tests and `--verify`.
 pub fn fsck(image: &Path) -> Result<()> {
     let e2fsck = which("e2fsck").ok_or_else(|| TemplateError::Host("e2fsck is not installed".into()))?;
@@ -77,6 +111,13 @@ mod tests {
         assert_eq!(s.apparent_bytes, 1 << 30);
         assert!(s.allocated_bytes < 40 << 20, "sparse: {} bytes allocated", s.allocated_bytes);
         fsck(&img).unwrap();
+        // Only the data extents are read, and the stored image reads back byte for byte.
+        let store = clade_store::Store::open(&d.path().join("store"), clade_store::StoreConfig::default()).unwrap();
+        let put = put_sparse(&store, &img).unwrap();
+        assert_eq!(put.size, 1 << 30);
+        assert!(put.bytes_new + put.bytes_dedup <= s.allocated_bytes);
+        let full = store.put_file(&img, clade_store::ImageKind::Disk).unwrap();
+        assert_eq!(full.id, put.id, "same manifest as reading every byte");
         let out = Command::new(which("debugfs").unwrap()).arg("-R").arg("cat /etc/hello").arg(&img).output().unwrap();
         assert_eq!(out.stdout.len(), 300_000);
         let e = make_ext4(&d.path().join("missing"), &d.path().join("x.ext4"), 1).unwrap_err();
