@@ -87,8 +87,9 @@ fn collect(pids: &[u32]) -> Side {
                     let rdev = md.rdev();
                     s.chars.insert(format!("chr:{}:{}:{t}", libc::major(rdev), libc::minor(rdev)));
                 } else if md.is_file() {
-                    let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy()))
-                        .unwrap_or_default();
+                    let info =
+                        std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy()))
+                            .unwrap_or_default();
                     let flags = info
                         .lines()
                         .find_map(|l| l.strip_prefix("flags:"))

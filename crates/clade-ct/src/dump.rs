@@ -75,7 +75,8 @@ fn write_exec(path: &Path, text: &str) -> Result<(), String> {
 pub fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let errs: Vec<&str> = text.lines().filter(|l| l.contains("Error") || l.contains("error")).collect();
-    let lines: Vec<&str> = if errs.is_empty() { text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect() } else { errs };
+    let lines: Vec<&str> =
+        if errs.is_empty() { text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect() } else { errs };
     let joined = lines.iter().rev().take(6).rev().cloned().collect::<Vec<_>>().join(" | ");
     format!("{joined} (full log: {})", log.display())
 }

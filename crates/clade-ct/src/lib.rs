@@ -140,9 +140,7 @@ impl CtBackend {
     pub(crate) fn run_dir(&self, id: &Identity) -> Result<PathBuf, BackendError> {
         let id = &id.sandbox_id;
         if id.is_empty() || id.len() > 64 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            return Err(BackendError::Failed(format!(
-                "sandbox id {id:?}: use 1-64 letters, digits, '-' or '_'"
-            )));
+            return Err(BackendError::Failed(format!("sandbox id {id:?}: use 1-64 letters, digits, '-' or '_'")));
         }
         Ok(self.home.run_dir().join(id))
     }
@@ -181,7 +179,8 @@ fn ksm_enable() {
     if std::fs::read_to_string(ksm.join("run")).map(|s| s.trim() == "0").unwrap_or(false) {
         let _ = std::fs::write(ksm.join("run"), "1");
     }
-    let pages: u64 = std::fs::read_to_string(ksm.join("pages_to_scan")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+    let pages: u64 =
+        std::fs::read_to_string(ksm.join("pages_to_scan")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
     if pages < 1000 {
         let _ = std::fs::write(ksm.join("pages_to_scan"), "1000");
     }

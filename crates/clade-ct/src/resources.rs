@@ -26,7 +26,8 @@ impl Cgroup {
     pub fn create(id: &str, limit: u64) -> Result<Cgroup, String> {
         let v2 = clade_core::host::cgroup_version() == Some("v2");
         let parent = Path::new(if v2 { CGROUP_V2 } else { CGROUP_V1 });
-        std::fs::create_dir_all(parent).map_err(|e| format!("create {}: {e} (is the memory cgroup mounted?)", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| format!("create {}: {e} (is the memory cgroup mounted?)", parent.display()))?;
         let dir = parent.join(id);
         std::fs::create_dir(&dir).map_err(|e| {
             format!("create cgroup {}: {e} (a sandbox with this id exists or was not cleaned up)", dir.display())
@@ -68,7 +69,11 @@ impl Cgroup {
                 Ok(()) => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
                 Err(e) if Instant::now() > deadline => {
-                    return Err(format!("remove cgroup {}: {e} (processes left: {:?})", self.dir.display(), self.pids()))
+                    return Err(format!(
+                        "remove cgroup {}: {e} (processes left: {:?})",
+                        self.dir.display(),
+                        self.pids()
+                    ))
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }

@@ -69,7 +69,8 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     mount_tmpfs(&res.rw(), b.cfg.rw_bytes).map_err(failed)?;
     res.rw_mounted = true;
     b.check_fail(FailPoint::RunDir)?;
-    let (upper, work, img, root) = (res.rw().join("upper"), res.rw().join("work"), res.rw().join("img"), run_dir.join("root"));
+    let (upper, work, img, root) =
+        (res.rw().join("upper"), res.rw().join("work"), res.rw().join("img"), run_dir.join("root"));
     b.store.get_dir(&upper_id, &upper).map_err(|e| failed(format!("lay out the upper: {e}")))?;
     b.store.get_dir(&img_id, &img).map_err(|e| failed(format!("lay out the images: {e}")))?;
     for d in [&work, &root] {
@@ -141,7 +142,13 @@ fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool) -> std::io::
     if ksm {
         // SAFETY: prctl with integer arguments only; an old kernel answers EINVAL, which is fine (no KSM).
         unsafe {
-            libc::prctl(PR_SET_MEMORY_MERGE, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong);
+            libc::prctl(
+                PR_SET_MEMORY_MERGE,
+                1 as libc::c_ulong,
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+            );
         }
     }
     Ok(())

@@ -40,20 +40,17 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     nix::sys::prctl::set_child_subreaper(true).map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
     let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    let overlay = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        spec.lower.display(),
-        spec.upper.display(),
-        spec.work.display()
-    );
+    let overlay =
+        format!("lowerdir={},upperdir={},workdir={}", spec.lower.display(), spec.upper.display(), spec.work.display());
     let argv: Vec<CString> = [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET)]
         .iter()
         .map(|s| CString::new(*s).map_err(|e| e.to_string()))
         .collect::<Result<_, _>>()?;
-    let env: Vec<CString> = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TERM=linux"]
-        .iter()
-        .map(|s| CString::new(*s).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
+    let env: Vec<CString> =
+        ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TERM=linux"]
+            .iter()
+            .map(|s| CString::new(*s).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
     // SAFETY: the child only calls async-signal-safe system calls plus glibc's allocator (which glibc's fork
     // makes safe to use in the child) and never returns into the caller's code: it execs or `_exit`s.
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -74,7 +71,10 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
             let n = read_all(&err_r, &mut msg);
             if got != 4 {
                 let why = String::from_utf8_lossy(&msg[..n]).into_owned();
-                return Err(format!("sandbox init did not start: {}", if why.is_empty() { "no reason given" } else { &why }));
+                return Err(format!(
+                    "sandbox init did not start: {}",
+                    if why.is_empty() { "no reason given" } else { &why }
+                ));
             }
             let pid = u32::from_ne_bytes(pid_buf);
             if n > 0 {
@@ -170,7 +170,13 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
         m(Some(&format!("/dev/{d}")), &target, None, MsFlags::MS_BIND, None)?;
     }
-    for (link, to) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")] {
+    for (link, to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
     std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;

@@ -50,7 +50,10 @@ fn build(root: &Path, agent_bin: &Path) -> Result<(), String> {
     for d in ["bin", "sbin", "usr/bin", "usr/lib", "etc", "proc", "dev", "run", "tmp", "root", "sys", "var/tmp"] {
         std::fs::create_dir_all(root.join(d)).map_err(|e| format!("create {d}: {e}"))?;
     }
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"].into_iter().find(|p| Path::new(p).exists()).ok_or("busybox-static is not installed: run ./x setup")?;
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .ok_or("busybox-static is not installed: run ./x setup")?;
     run(Command::new("cp").arg(busybox).arg(root.join("bin/busybox")))?;
     let list = run(Command::new(busybox).arg("--list"))?;
     for applet in list.lines().map(str::trim).filter(|a| !a.is_empty() && *a != "busybox") {
@@ -63,7 +66,16 @@ fn build(root: &Path, agent_bin: &Path) -> Result<(), String> {
         copy_libs(root, py)?;
         let stdlib = root.join("usr/lib/python3.11");
         run(Command::new("cp").args(["-a", "/usr/lib/python3.11"]).arg(&stdlib))?;
-        for junk in ["test", "idlelib", "tkinter", "ensurepip", "lib2to3", "site-packages", "dist-packages", "config-3.11-x86_64-linux-gnu"] {
+        for junk in [
+            "test",
+            "idlelib",
+            "tkinter",
+            "ensurepip",
+            "lib2to3",
+            "site-packages",
+            "dist-packages",
+            "config-3.11-x86_64-linux-gnu",
+        ] {
             let _ = std::fs::remove_dir_all(stdlib.join(junk));
         }
     }

@@ -17,7 +17,9 @@ struct Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        if std::env::var_os("CT_KEEP").is_none() { let _ = std::fs::remove_dir_all(&self.home); }
+        if std::env::var_os("CT_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.home);
+        }
     }
 }
 
@@ -240,7 +242,10 @@ fn privileged_guest_audit_against_cold_control() {
     assert!(r.processes.0 >= 2 && !r.shared_char_devices.is_empty(), "{r:?}");
     // The audit does see sharing where there is some: a sandbox against itself shares everything.
     let same = clade_ct::audit(&a.pids(), &a.pids());
-    assert!(same.shared_namespaces.len() == 5 && !same.shared_writable_files.is_empty() && !same.shared_locks.is_empty(), "{same:?}");
+    assert!(
+        same.shared_namespaces.len() == 5 && !same.shared_writable_files.is_empty() && !same.shared_locks.is_empty(),
+        "{same:?}"
+    );
     for sb in [a, b, c1, c2, base] {
         Box::new(sb).kill().unwrap();
     }
