@@ -17,6 +17,7 @@ mod blob;
 mod codec;
 mod error;
 mod fsutil;
+mod hash;
 mod ids;
 mod index;
 mod lease;
@@ -69,17 +70,41 @@ impl Store {
         let md = f.metadata().ctx("stat", path)?;
         let size = md.len();
         let mut b = self.derive(None, size)?.kind(kind);
-        let mut buf = Vec::new();
-        let mut off = 0u64;
-        while off < size {
-            let n = tree::read_full(&mut f, &mut buf, PUT_CHUNK).ctx("read", path)?;
-            if n == 0 {
-                return Err(StoreError::Invalid(format!("{} shrank while being stored; retry", path.display())));
+        // A reader thread fills the next buffer while this one is hashed and stored.
+        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(1);
+        let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        std::thread::scope(|scope| -> Result<(), StoreError> {
+            scope.spawn(move || {
+                let mut left = size;
+                while left > 0 {
+                    let mut buf = empty_rx.try_recv().unwrap_or_default();
+                    let want = (left as usize).min(PUT_CHUNK);
+                    let r = tree::read_full(&mut f, &mut buf, want).map(|n| {
+                        buf.truncate(n);
+                        buf
+                    });
+                    let stop = !matches!(&r, Ok(b) if !b.is_empty());
+                    left -= r.as_ref().map(|b| b.len() as u64).unwrap_or(0);
+                    if full_tx.send(r).is_err() || stop {
+                        break;
+                    }
+                }
+            });
+            let mut off = 0u64;
+            while off < size {
+                let buf = match full_rx.recv() {
+                    Ok(r) => r.ctx("read", path)?,
+                    Err(_) => Vec::new(),
+                };
+                if buf.is_empty() {
+                    return Err(StoreError::Invalid(format!("{} shrank while being stored; retry", path.display())));
+                }
+                b.write(off, &buf)?;
+                off += buf.len() as u64;
+                let _ = empty_tx.send(buf);
             }
-            let n = n.min((size - off) as usize);
-            b.write(off, &buf[..n])?;
-            off += n as u64;
-        }
+            Ok(())
+        })?;
         let r = b.finish()?;
         if let Some(id) = &r.id {
             statcache::record(self, path, kind, &md, start, id);

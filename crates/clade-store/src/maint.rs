@@ -17,6 +17,9 @@ use crate::pack::{self, PackWriter};
 use crate::store::{load_idx_file, Store};
 use crate::{fsutil, StoreError};
 
+/// A frame of a pack: id, stored bytes, live.
+type FrameUse = (FrameId, u64, bool);
+
 /// What gc did (or, with `dry_run`, would do).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GcReport {
@@ -162,9 +165,9 @@ impl Store {
         rep.live_frames = live.len() as u64;
 
         // Sweep packs.
-        let packs: Vec<(PackId, Vec<(FrameId, u64, bool)>)> = {
+        let packs: Vec<(PackId, Vec<FrameUse>)> = {
             let idx = self.read_index();
-            let mut by_pack: std::collections::HashMap<PackId, Vec<(FrameId, u64, bool)>> = Default::default();
+            let mut by_pack: std::collections::HashMap<PackId, Vec<FrameUse>> = Default::default();
             for (fid, loc) in idx.frames.iter() {
                 by_pack.entry(loc.pack).or_default().push((*fid, loc.entry.stored_len as u64, live.contains(fid)));
             }

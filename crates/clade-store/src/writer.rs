@@ -82,10 +82,8 @@ pub(crate) struct Session {
     cur: Vec<u8>,
     cur_ids: Vec<ObjectId>,
     cur_num: Option<u32>,
-    closed: Vec<Closed>,
-    pack: Option<PackWriter>,
-    /// Spent frame buffers, reused so a large put does not fault in fresh pages for every frame.
-    pool: Vec<Vec<u8>>,
+    /// The pack writer thread, started at the first new frame.
+    writer: Option<PackThread>,
     pub stats: PutReport,
 }
 
@@ -101,9 +99,7 @@ impl Session {
             cur: Vec::with_capacity(store.inner.cfg.frame_blocks * BLOCK),
             cur_ids: Vec::new(),
             cur_num: None,
-            closed: Vec::new(),
-            pack: None,
-            pool: Vec::new(),
+            writer: None,
             stats: PutReport::default(),
         })
     }
@@ -176,67 +172,26 @@ impl Session {
         self.frames[n as usize] = Some(fid);
         self.frame_num.insert(fid, n);
         let cap = self.store.inner.cfg.frame_blocks * BLOCK;
-        let next = self.pool.pop().unwrap_or_else(|| Vec::with_capacity(cap));
+        if self.writer.is_none() {
+            self.writer = Some(PackThread::start(&self.store));
+        }
+        let w = self.writer.as_mut().ok_or_else(|| StoreError::Invalid("no pack writer".into()))?;
+        let next = w.pool.try_recv().unwrap_or_else(|_| Vec::with_capacity(cap));
         let raw = std::mem::replace(&mut self.cur, next);
-        self.closed.push(Closed { raw, objects });
         self.stats.new_frames += 1;
-        if self.closed.len() >= 2 * rayon::current_num_threads() {
-            self.write_closed()?;
-        }
-        Ok(())
-    }
-
-    fn write_closed(&mut self) -> Result<(), StoreError> {
-        let level = self.store.inner.cfg.compression_level;
-        let closed = std::mem::take(&mut self.closed);
-        let stored: Vec<(Codec, Option<Vec<u8>>)> = closed
-            .par_iter()
-            .map(|c| match level {
-                Some(l) => match zstd::bulk::compress(&c.raw, l) {
-                    Ok(z) if z.len() < c.raw.len() => (Codec::Zstd, Some(z)),
-                    _ => (Codec::Raw, None),
-                },
-                None => (Codec::Raw, None),
-            })
-            .collect();
-        for (c, (codec, z)) in closed.into_iter().zip(stored) {
-            if self.pack.is_none() {
-                self.pack = Some(PackWriter::create(&self.store.inner.tmp)?);
-            }
-            let bytes = z.as_deref().unwrap_or(&c.raw);
-            self.stats.bytes_stored += bytes.len() as u64;
-            let pack = self.pack.as_mut().ok_or_else(|| StoreError::Invalid("no pack".into()))?;
-            pack.add(bytes, c.raw.len() as u32, codec, c.objects.clone())?;
-            let mut raw = c.raw;
-            raw.clear();
-            self.pool.push(raw);
-            if pack.len() >= self.store.inner.cfg.pack_bytes {
-                self.finish_pack()?;
-            }
-        }
-        Ok(())
-    }
-
-    fn finish_pack(&mut self) -> Result<(), StoreError> {
-        let Some(pack) = self.pack.take() else { return Ok(()) };
-        if pack.is_empty() {
-            pack.abandon();
-            return Ok(());
-        }
-        let inner = &self.store.inner;
-        let (id, path, frames) = pack.finish(&inner.packs, &inner.tmp)?;
-        self.store.blob_upload(&path)?;
-        self.store.blob_upload(&crate::pack::idx_path(&inner.packs, &id))?;
-        self.store.write_index().add_pack(id, frames);
-        self.stats.packs += 1;
-        Ok(())
+        w.send(Msg::Frame(Closed { raw, objects }))
     }
 
     /// Make every block written so far durable (and uploaded).
     pub fn flush(&mut self) -> Result<(), StoreError> {
         self.close_frame()?;
-        self.write_closed()?;
-        self.finish_pack()
+        let Some(w) = self.writer.as_mut() else { return Ok(()) };
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        w.send(Msg::Flush(tx))?;
+        let (stored, packs) = rx.recv().map_err(|_| w.failure())??;
+        self.stats.bytes_stored += stored;
+        self.stats.packs += packs;
+        Ok(())
     }
 
     fn frame_id(&self, n: u32) -> Result<FrameId, StoreError> {
@@ -260,12 +215,144 @@ impl Session {
     }
 }
 
-impl Drop for Session {
-    fn drop(&mut self) {
-        if let Some(p) = self.pack.take() {
-            p.abandon();
+enum Msg {
+    Frame(Closed),
+    /// Publish the open pack; reply with (bytes stored, packs published) since the last flush.
+    Flush(std::sync::mpsc::SyncSender<Result<(u64, u64), StoreError>>),
+}
+
+/// A thread that compresses closed frames and appends them to packs, publishing full packs, so hashing
+/// and pack I/O overlap. Frame buffers go back to the session through `pool`.
+struct PackThread {
+    tx: Option<std::sync::mpsc::SyncSender<Msg>>,
+    pool: std::sync::mpsc::Receiver<Vec<u8>>,
+    handle: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
+}
+
+impl PackThread {
+    fn start(store: &Store) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Msg>(2 * rayon::current_num_threads());
+        let (pool_tx, pool) = std::sync::mpsc::channel();
+        let store = store.clone();
+        let handle = std::thread::Builder::new()
+            .name("clade-store-pack".into())
+            .spawn(move || pack_loop(&store, rx, pool_tx))
+            .ok();
+        PackThread { tx: Some(tx), pool, handle }
+    }
+
+    fn send(&mut self, m: Msg) -> Result<(), StoreError> {
+        match &self.tx {
+            Some(tx) if tx.send(m).is_ok() => Ok(()),
+            _ => Err(self.failure()),
         }
     }
+
+    /// The writer thread's error (it stopped).
+    fn failure(&mut self) -> StoreError {
+        self.tx = None;
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(Err(e))) => e,
+            Some(Err(_)) => StoreError::Invalid("the pack writer thread panicked".into()),
+            _ => StoreError::Invalid("the pack writer thread stopped".into()),
+        }
+    }
+}
+
+impl Drop for PackThread {
+    fn drop(&mut self) {
+        self.tx = None; // the thread abandons its open pack and exits
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn pack_loop(
+    store: &Store,
+    rx: std::sync::mpsc::Receiver<Msg>,
+    pool: std::sync::mpsc::Sender<Vec<u8>>,
+) -> Result<(), StoreError> {
+    let inner = &store.inner;
+    let mut pack: Option<PackWriter> = None;
+    let (mut stored_total, mut packs) = (0u64, 0u64);
+    let res = (|| {
+        let mut batch: Vec<Closed> = Vec::new();
+        while let Ok(first) = rx.recv() {
+            let mut flush = None;
+            match first {
+                Msg::Frame(c) => batch.push(c),
+                Msg::Flush(r) => flush = Some(r),
+            }
+            // Take whatever else is queued, up to one frame per core, to compress in parallel.
+            while flush.is_none() && batch.len() < rayon::current_num_threads() {
+                match rx.try_recv() {
+                    Ok(Msg::Frame(c)) => batch.push(c),
+                    Ok(Msg::Flush(r)) => flush = Some(r),
+                    Err(_) => break,
+                }
+            }
+            let stored: Vec<(Codec, Option<Vec<u8>>)> = batch
+                .par_iter()
+                .map(|c| match inner.cfg.compression_level {
+                    Some(l) => match zstd::bulk::compress(&c.raw, l) {
+                        Ok(z) if z.len() < c.raw.len() => (Codec::Zstd, Some(z)),
+                        _ => (Codec::Raw, None),
+                    },
+                    None => (Codec::Raw, None),
+                })
+                .collect();
+            for (c, (codec, z)) in batch.drain(..).zip(stored) {
+                if pack.is_none() {
+                    pack = Some(PackWriter::create(&inner.tmp)?);
+                }
+                let p = pack.as_mut().ok_or_else(|| StoreError::Invalid("no pack".into()))?;
+                let bytes = z.as_deref().unwrap_or(&c.raw);
+                stored_total += bytes.len() as u64;
+                p.add(bytes, c.raw.len() as u32, codec, c.objects)?;
+                let mut raw = c.raw;
+                raw.clear();
+                let _ = pool.send(raw);
+                if p.len() >= inner.cfg.pack_bytes {
+                    publish_pack(store, pack.take())?;
+                    packs += 1;
+                }
+            }
+            if let Some(reply) = flush {
+                let r = publish_pack(store, pack.take()).map(|published| {
+                    packs += published as u64;
+                    let out = (stored_total, packs);
+                    (stored_total, packs) = (0, 0);
+                    out
+                });
+                let failed = r.is_err();
+                let _ = reply.send(r);
+                if failed {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Some(p) = pack.take() {
+        p.abandon();
+    }
+    res
+}
+
+/// Publish a pack (fsync, rename, index, blob upload), then let its frames into the shared index.
+fn publish_pack(store: &Store, pack: Option<PackWriter>) -> Result<bool, StoreError> {
+    let Some(pack) = pack else { return Ok(false) };
+    if pack.is_empty() {
+        pack.abandon();
+        return Ok(false);
+    }
+    let inner = &store.inner;
+    let (id, path, frames) = pack.finish(&inner.packs, &inner.tmp)?;
+    store.blob_upload(&path)?;
+    store.blob_upload(&crate::pack::idx_path(&inner.packs, &id))?;
+    store.write_index().add_pack(id, frames);
+    Ok(true)
 }
 
 /// One image being described: a base (maybe) plus blocks written over it.

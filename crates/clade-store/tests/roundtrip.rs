@@ -167,14 +167,14 @@ fn trees_round_trip_files_modes_symlinks_and_special_files() {
     std::os::unix::fs::symlink("a/small.img", src.join("link")).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &src.join("fifo"),
+        src.join("fifo"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o600),
         0,
     )
     .unwrap();
     let xattr_ok =
-        rustix::fs::lsetxattr(&src.join("a"), "user.clade", b"opaque", rustix::fs::XattrFlags::empty()).is_ok();
+        rustix::fs::lsetxattr(src.join("a"), "user.clade", b"opaque", rustix::fs::XattrFlags::empty()).is_ok();
 
     let r = s.put_dir(&src).unwrap();
     assert_eq!((r.files, r.dirs, r.others), (3, 2, 2));
@@ -185,14 +185,14 @@ fn trees_round_trip_files_modes_symlinks_and_special_files() {
     assert_eq!(std::fs::read(dest.join("empty")).unwrap(), b"");
     assert_eq!(std::fs::metadata(dest.join("a/small.img")).unwrap().mode() & 0o7777, 0o640);
     assert_eq!(std::fs::read_link(dest.join("link")).unwrap(), std::path::Path::new("a/small.img"));
-    assert!(std::fs::symlink_metadata(dest.join("fifo")).unwrap().file_type().is_file() == false);
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&std::fs::symlink_metadata(dest.join("fifo")).unwrap().file_type()));
     assert_eq!(
         std::fs::metadata(dest.join("a/b/pages-1.img")).unwrap().mtime(),
         std::fs::metadata(src.join("a/b/pages-1.img")).unwrap().mtime()
     );
     if xattr_ok {
         let mut v = [0u8; 16];
-        let n = rustix::fs::lgetxattr(&dest.join("a"), "user.clade", &mut v).unwrap();
+        let n = rustix::fs::lgetxattr(dest.join("a"), "user.clade", &mut v).unwrap();
         assert_eq!(&v[..n], b"opaque");
     }
     // Restoring over an existing path is refused.
