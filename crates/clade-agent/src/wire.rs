@@ -247,11 +247,36 @@ pub enum ReadOutcome {
 /// Reads one frame from a blocking stream. Bad frames are skipped whole (their claimed length is read
 /// and discarded, never buffered) and returned as [`ReadOutcome::Bad`]; only I/O errors end the stream.
 pub fn read_frame(r: &mut impl Read) -> io::Result<ReadOutcome> {
+    let mut body = Vec::new();
+    Ok(match read_frame_into(r, &mut body)? {
+        BufOutcome::Frame(header, n) => {
+            body.truncate(n);
+            ReadOutcome::Frame(Frame { header, body })
+        }
+        BufOutcome::Bad(e) => ReadOutcome::Bad(e),
+        BufOutcome::Eof => ReadOutcome::Eof,
+    })
+}
+
+/// What [`read_frame_into`] got.
+#[derive(Debug)]
+pub enum BufOutcome {
+    /// A good frame whose body is the first `n` bytes of the buffer.
+    Frame(Header, usize),
+    /// A bad frame, already skipped.
+    Bad(WireError),
+    /// The peer closed the stream between frames.
+    Eof,
+}
+
+/// [`read_frame`] into a buffer the caller reuses, so a stream of 1 MiB data frames costs no allocation
+/// (and no page faults on fresh mappings) per frame.
+pub fn read_frame_into(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<BufOutcome> {
     let mut lenb = [0u8; 4];
     let mut got = 0;
     while got < 4 {
         match r.read(&mut lenb[got..]) {
-            Ok(0) if got == 0 => return Ok(ReadOutcome::Eof),
+            Ok(0) if got == 0 => return Ok(BufOutcome::Eof),
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -261,7 +286,7 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<ReadOutcome> {
     let len = u32::from_le_bytes(lenb);
     if (len as usize) < HEADER_LEN {
         skip(r, len as u64)?;
-        return Ok(ReadOutcome::Bad(WireError::TooShort { len }));
+        return Ok(BufOutcome::Bad(WireError::TooShort { len }));
     }
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h)?;
@@ -269,12 +294,14 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<ReadOutcome> {
     match parse_header(len, &h) {
         Err(e) => {
             skip(r, body_len as u64)?;
-            Ok(ReadOutcome::Bad(e))
+            Ok(BufOutcome::Bad(e))
         }
         Ok(header) => {
-            let mut body = vec![0u8; body_len];
-            r.read_exact(&mut body)?;
-            Ok(ReadOutcome::Frame(Frame { header, body }))
+            if buf.len() < body_len {
+                buf.resize(body_len, 0);
+            }
+            r.read_exact(&mut buf[..body_len])?;
+            Ok(BufOutcome::Frame(header, body_len))
         }
     }
 }

@@ -143,6 +143,9 @@ fn files() {
     assert!(matches!(agent_err(c.remove(&format!("{d}/a"), false)), AgentError::Os { .. }));
     c.remove(&format!("{d}/a"), true).unwrap();
     assert!(matches!(agent_err(c.stat(&format!("{d}/a"))), AgentError::NotFound { .. }));
+    // a /proc file (st_size 0) still reads to its end
+    let status = c.read_file_vec("/proc/self/status").unwrap();
+    assert!(String::from_utf8_lossy(&status).contains("VmRSS"), "{}", String::from_utf8_lossy(&status));
     // an empty file, and replacing is atomic (no temp file left)
     c.write_file_bytes(&f, b"", None).unwrap();
     assert_eq!(c.read_file_vec(&f).unwrap(), b"");

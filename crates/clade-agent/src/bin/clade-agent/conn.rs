@@ -6,21 +6,72 @@
 //! request, never a dead PID 1.
 
 use crate::{fsops, netreset, procs, ready, sys, Agent};
-use clade_agent::wire::{self, Chan, Frame, Kind, ReadOutcome, WireError};
+use clade_agent::wire::{self, BufOutcome, Chan, Header, Kind, WireError};
 use clade_agent::{AgentError, Event, Reply, Request, Response, WIRE_VERSION};
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The writing half of a connection, shared by every thread that answers on it.
 pub struct Conn {
     w: Mutex<Box<dyn Write + Send>>,
+    /// The same stream as an fd for `sendfile` (file reads skip a copy through user space).
+    fd: Option<OwnedFd>,
+    sendfile_ok: AtomicBool,
 }
 
 impl Conn {
-    pub fn new(w: Box<dyn Write + Send>) -> Conn {
-        Conn { w: Mutex::new(w) }
+    pub fn new(w: Box<dyn Write + Send>, fd: Option<OwnedFd>) -> Conn {
+        Conn { w: Mutex::new(w), fd, sendfile_ok: AtomicBool::new(true) }
+    }
+
+    /// Sends `n` bytes of `f` from `off` as one `Data` frame on [`Chan::File`]: `sendfile` where the
+    /// stream takes it, else pread + write through `buf`. Returns the file bytes sent; if the file
+    /// ended early the frame is padded with zeros (to keep the stream in step) and the count says so.
+    pub fn file_chunk(&self, id: u32, f: &File, off: u64, n: usize, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut w = self.w.lock().unwrap_or_else(|p| p.into_inner());
+        w.write_all(&wire::encode_header(Kind::Data, Chan::File, 0, id, n))?;
+        let mut sent = 0usize;
+        if let (Some(fd), true) = (&self.fd, self.sendfile_ok.load(Ordering::Relaxed)) {
+            while sent < n {
+                let mut o = (off + sent as u64) as libc::off_t;
+                match nix::sys::sendfile::sendfile(fd, f, Some(&mut o), n - sent) {
+                    Ok(0) => break,
+                    Ok(k) => sent += k,
+                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
+                    Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS) if sent == 0 => {
+                        self.sendfile_ok.store(false, Ordering::Relaxed);
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        let mut real = sent;
+        while sent < n {
+            let want = (n - sent).min(buf.len());
+            let k = match f.read_at(&mut buf[..want], off + sent as u64) {
+                Ok(k) => k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if k == 0 {
+                buf[..want].fill(0);
+                w.write_all(&buf[..want])?;
+                sent += want;
+                continue;
+            }
+            w.write_all(&buf[..k])?;
+            sent += k;
+            real += k;
+        }
+        w.flush()?;
+        Ok(real)
     }
 
     /// Writes already-encoded frame bytes. Errors are dropped: the host went away, and the agent carries
@@ -84,14 +135,20 @@ fn guarded(f: impl FnOnce() -> Response) -> Response {
 }
 
 /// Serves one connection until the host closes it.
-pub fn serve(agent: &Arc<Agent>, mut r: impl Read, w: Box<dyn Write + Send>) {
-    let conn = Arc::new(Conn::new(w));
+pub fn serve(agent: &Arc<Agent>, mut r: impl Read, w: Box<dyn Write + Send>, fd: Option<OwnedFd>) {
+    let conn = Arc::new(Conn::new(w, fd));
     let mut writes: HashMap<u32, fsops::PendingWrite> = HashMap::new();
+    let mut buf = Vec::new();
     loop {
-        match wire::read_frame(&mut r) {
-            Ok(ReadOutcome::Frame(f)) => handle(agent, &conn, &mut writes, f),
-            Ok(ReadOutcome::Bad(e)) => conn.reply(e.id(), &Err(wire_error(&e))),
-            Ok(ReadOutcome::Eof) => break,
+        match wire::read_frame_into(&mut r, &mut buf) {
+            Ok(BufOutcome::Frame(h, n)) => {
+                handle(agent, &conn, &mut writes, h, &buf[..n]);
+                if buf.len() > 2 * wire::DATA_CHUNK {
+                    buf = Vec::new(); // an odd big frame does not pin its buffer (idle RSS)
+                }
+            }
+            Ok(BufOutcome::Bad(e)) => conn.reply(e.id(), &Err(wire_error(&e))),
+            Ok(BufOutcome::Eof) => break,
             Err(e) => {
                 crate::log(&format!("connection ended: {e}"));
                 break;
@@ -103,17 +160,23 @@ pub fn serve(agent: &Arc<Agent>, mut r: impl Read, w: Box<dyn Write + Send>) {
     }
 }
 
-fn handle(agent: &Arc<Agent>, conn: &Arc<Conn>, writes: &mut HashMap<u32, fsops::PendingWrite>, f: Frame) {
-    let id = f.header.id;
-    match (f.header.kind, f.header.chan) {
-        (Kind::Request, _) => match parse_request(&f.body) {
+fn handle(
+    agent: &Arc<Agent>,
+    conn: &Arc<Conn>,
+    writes: &mut HashMap<u32, fsops::PendingWrite>,
+    h: Header,
+    body: &[u8],
+) {
+    let id = h.id;
+    match (h.kind, h.chan) {
+        (Kind::Request, _) => match parse_request(body) {
             Ok(req) => dispatch(agent, conn, writes, id, req),
             Err(e) => conn.reply(id, &Err(e)),
         },
         (Kind::Data, Chan::File) => {
-            let end = f.header.flags & wire::FLAG_END != 0;
+            let end = h.flags & wire::FLAG_END != 0;
             let Some(w) = writes.get_mut(&id) else { return };
-            if let Err(e) = w.write(&f.body) {
+            if let Err(e) = w.write(body) {
                 if let Some(w) = writes.remove(&id) {
                     w.abandon();
                 }
@@ -125,8 +188,8 @@ fn handle(agent: &Arc<Agent>, conn: &Arc<Conn>, writes: &mut HashMap<u32, fsops:
             }
         }
         (Kind::Data, Chan::Stdin) => {
-            let end = f.header.flags & wire::FLAG_END != 0;
-            agent.procs.write_stdin(id, &f.body, end);
+            let end = h.flags & wire::FLAG_END != 0;
+            agent.procs.write_stdin(id, body, end);
         }
         _ => conn.reply(
             id,

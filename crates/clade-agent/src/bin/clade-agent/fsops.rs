@@ -5,7 +5,7 @@ use crate::conn::Conn;
 use clade_agent::wire::{encode_header, Chan, Kind, DATA_CHUNK};
 use clade_agent::{AgentError, DirEntry, FileStat, FileType, Reply, Response};
 use std::fs::{self, File, OpenOptions};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -78,8 +78,22 @@ pub fn read_file(conn: &Conn, id: u32, path: &str) -> Response {
     if !m.is_file() {
         return Err(AgentError::BadPath { path: path.into(), reason: "not a regular file".into() });
     }
-    let mut buf = vec![0u8; 12 + DATA_CHUNK];
+    // The size known now goes by sendfile in whole chunks; anything the file grew by since goes by
+    // plain reads after, so /proc files (size 0) and growing logs still read to their end.
     let mut total = 0u64;
+    let mut chunk = vec![0u8; 64 * 1024];
+    while total < m.len() {
+        let n = (m.len() - total).min(DATA_CHUNK as u64) as usize;
+        let real = conn.file_chunk(id, &f, total, n, &mut chunk).map_err(|e| AgentError::os("sending the file", &e))?;
+        total += real as u64;
+        if real < n {
+            return Err(AgentError::Failed {
+                detail: format!("{path} shrank while being read: the last chunk is padded, discard the data"),
+            });
+        }
+    }
+    f.seek(SeekFrom::Start(total)).map_err(|e| io_err("seeking", &p, &e))?;
+    let mut buf = vec![0u8; 12 + 64 * 1024];
     loop {
         let n = match f.read(&mut buf[12..]) {
             Ok(0) => break,

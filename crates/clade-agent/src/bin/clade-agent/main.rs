@@ -214,8 +214,8 @@ fn serve_unix(agent: &Arc<Agent>, path: &Path) -> io::Result<()> {
         let _ = nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::RcvBuf, &(4 << 20));
         let a = agent.clone();
         let spawned = std::thread::Builder::new().name("conn".into()).spawn(move || {
-            let Ok(r) = s.try_clone() else { return };
-            conn::serve(&a, r, Box::new(s));
+            let (Ok(r), Ok(fd)) = (s.try_clone(), s.try_clone()) else { return };
+            conn::serve(&a, r, Box::new(s), Some(fd.into()));
         });
         if let Err(e) = spawned {
             log(&format!("no thread for a connection: {e}"));
@@ -243,6 +243,7 @@ impl Read for RetryRead {
 fn serve_virtio(agent: &Arc<Agent>, path: &Path) -> io::Result<()> {
     let f = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOCTTY).open(path)?;
     let w = f.try_clone()?;
-    conn::serve(agent, RetryRead(f), Box::new(w));
+    let fd = f.try_clone()?;
+    conn::serve(agent, RetryRead(f), Box::new(w), Some(fd.into()));
     Ok(())
 }
