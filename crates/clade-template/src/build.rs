@@ -48,7 +48,8 @@ pub struct TemplateRecord {
 }
 
 /// The ext4 image of the rootfs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DiskRecord {
     pub disk_gib: u32,
     /// The store manifest (64 hex digits).
@@ -196,7 +197,8 @@ impl Builder {
         let record_path = dir.join("template.json");
 
         let mut rootfs_cached = true;
-        let mut record = match read_record(&record_path)? {
+        // An unreadable record (an older builder's) is rebuilt from the rootfs, which is what counts.
+        let mut record = match read_record(&record_path).ok().flatten() {
             Some(r) if rootfs.is_dir() => {
                 steps.note("rootfs", format!("cached {}", rootfs.display()));
                 r

@@ -8,7 +8,8 @@ use crate::chroot::mounts_under;
 use crate::error::{Result, TemplateError};
 use crate::templates_dir;
 
-/// Every built template in `home`, oldest first.
+/// Every built template in `home`, oldest first. A directory whose record cannot be read is skipped
+/// (the next `build` of its spec rewrites it).
 pub fn list(home: &clade_core::CladeHome) -> Result<Vec<TemplateRecord>> {
     let dir = templates_dir(home);
     let mut out = Vec::new();
@@ -18,7 +19,7 @@ pub fn list(home: &clade_core::CladeHome) -> Result<Vec<TemplateRecord>> {
         if name.len() != 64 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
             continue;
         }
-        if let Some(r) = read_record(&e.path().join("template.json"))? {
+        if let Ok(Some(r)) = read_record(&e.path().join("template.json")) {
             out.push(r);
         }
     }
