@@ -39,6 +39,14 @@ fn hello_and_exec_streams() {
     spec.cwd = Some("/tmp".into());
     spec.clear_env = true;
     assert_eq!(c.run(spec).unwrap().stdout, b"bar /tmp /root\n");
+    // a user name from /etc/passwd sets uid, gid and HOME
+    let mut spec = sh("echo $(id -u) $(id -g) $HOME");
+    spec.user = Some("nobody".into());
+    let out = c.run(spec).unwrap();
+    assert_eq!(out.stdout, b"65534 65534 /nonexistent\n", "{out:?}");
+    let mut spec = sh("id -u");
+    spec.user = Some("no-such-user-x".into());
+    assert!(matches!(agent_err(c.run(spec)), AgentError::BadRequest { .. }));
     // big output arrives whole and before the exit
     let out = c.run(sh("head -c 3000000 /dev/zero")).unwrap();
     assert_eq!(out.stdout.len(), 3_000_000);
