@@ -30,6 +30,9 @@ enum Command {
     /// Templates: build a root filesystem and disk image from a spec; list; remove.
     #[command(subcommand)]
     Template(cmd::template::Command),
+    /// Bases: a template booted once, provisioned and marked.
+    #[command(subcommand)]
+    Base(cmd::base::Command),
     /// Start one sandbox from a mark, or from a template's base (`--backend vm|ct`).
     Run(cmd::sandbox::RunArgs),
     /// Start N sibling sandboxes from one mark (or a template's base).
@@ -64,6 +67,7 @@ fn main() {
         Command::Store(c) => cmd::store::run(c),
         Command::Nbd(c) => cmd::nbd::run(c),
         Command::Template(c) => cmd::template::run(c),
+        Command::Base(c) => cmd::base::run(c),
         Command::Run(a) => cmd::sandbox::run(a),
         Command::Fork(a) => cmd::sandbox::fork(a),
         Command::Exec(a) => cmd::sandbox::exec(a),

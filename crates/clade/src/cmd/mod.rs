@@ -1,5 +1,6 @@
 //! One module per subcommand group. Each exposes `run(args) -> anyhow::Result<i32>` (the process exit code).
 
+pub mod base;
 pub mod demo;
 pub mod doctor;
 pub mod nbd;
@@ -22,4 +23,13 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
         }
     }
     1
+}
+
+/// The clade-agent binary installed into templates: `$CLADE_AGENT_BIN`, else `clade-agent` next to this binary.
+pub fn agent_binary() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
+        return Some(p.into());
+    }
+    let p = std::env::current_exe().ok()?.parent()?.join("clade-agent");
+    p.is_file().then_some(p)
 }

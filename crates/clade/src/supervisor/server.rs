@@ -53,7 +53,9 @@ pub fn run(
         let _ = engine.ledger().set_sandbox_state(&id, SandboxState::Failed, Some(&e.to_string()));
         write_ready(&ready, &Ready { ok: false, sandbox: id.to_string(), error: Some(e.to_string()), ..empty(&id) });
     };
-    let m = match engine.ledger().mark(&mark) {
+    // Bind the ledger's answer first: a guard held through the match would deadlock `fail`.
+    let found = engine.ledger().mark(&mark);
+    let m = match found {
         Ok(m) => m,
         Err(e) => {
             fail(&engine, &e);
@@ -238,7 +240,8 @@ fn dispatch(sup: &mut Supervisor, req: Request) -> (Response, Option<End>) {
         Request::Suspend => {
             let sbx = sup.sandbox.take().expect("checked above");
             let start = Instant::now();
-            let branch = match sup.engine.ledger().sandbox(&sup.id) {
+            let rec = sup.engine.ledger().sandbox(&sup.id);
+            let branch = match rec {
                 Ok(r) => r.branch,
                 Err(e) => return (Response::err(1, e.to_string()), None),
             };
@@ -273,11 +276,13 @@ fn retake(sup: &mut Supervisor, mark: &str) -> Response {
         Ok(m) => m,
         Err(e) => return engine_err(e),
     };
-    let branch = match sup.engine.ledger().sandbox(&sup.id) {
+    let rec = sup.engine.ledger().sandbox(&sup.id);
+    let branch = match rec {
         Ok(r) => r.branch,
         Err(e) => return Response::err(1, e.to_string()),
     };
-    if let Err(e) = sup.engine.ledger().set_head(&branch, &target.id) {
+    let moved = sup.engine.ledger().set_head(&branch, &target.id);
+    if let Err(e) = moved {
         return Response::err(4, format!("cannot retake to {}: {e}", target.id));
     }
     if let Some(old) = sup.sandbox.take() {
