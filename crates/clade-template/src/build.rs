@@ -312,9 +312,22 @@ impl Builder {
                     "debootstrap",
                     format!("{} {suite} {}", if cached { "cached" } else { "built" }, cache.display()),
                 );
-                debian::check_packages(&cache, &spec.packages, suite)?;
-                rootfs::copy_tree("debootstrap: copy", &cache, &root)?;
-                steps.note("copy", "pristine debootstrap copied");
+                let (stage, cached) = if spec.packages.is_empty() {
+                    (cache, true)
+                } else {
+                    debian::ensure_stage(&self.debootstrap_root, &tmp, &cache, &spec.packages, suite)?
+                };
+                steps.note(
+                    "packages",
+                    format!(
+                        "{} [{}] {}",
+                        if cached { "cached" } else { "installed" },
+                        spec.packages.join(" "),
+                        stage.display()
+                    ),
+                );
+                rootfs::link_tree("rootfs: link the stage", &stage, &root)?;
+                steps.note("copy", "stage hard-linked");
             }
             Source::Dir { path } => {
                 rootfs::copy_tree("from dir", path, &root)?;
@@ -329,14 +342,11 @@ impl Builder {
                 steps.note("source", format!("{n} layers of {} applied", path.display()));
             }
         }
-        if !spec.packages.is_empty() {
-            let suite = match &spec.source {
-                Source::Debian { suite, .. } => suite.as_str(),
-                _ => "the source's apt sources",
-            };
-            debian::install_packages(&root, &spec.packages, suite)?;
+        if !spec.packages.is_empty() && !matches!(spec.source, Source::Debian { .. }) {
+            debian::install_packages(&root, &spec.packages, "the source's apt sources")?;
             steps.note("packages", spec.packages.join(" "));
         } else {
+            // Unlinks only: safe on a hard-linked stage.
             debian::clean_apt(&root)?;
         }
         rootfs::install_files(&root, &spec.files)?;
@@ -348,9 +358,12 @@ impl Builder {
         }
         rootfs::install_services(&root, &spec.services)?;
         let meta = serde_json::json!({ "name": spec.name, "hash": hash, "ready": spec.ready, "identity": identity });
-        let meta_path = root.join("etc/clade/template.json");
-        std::fs::create_dir_all(root.join("etc/clade")).ctx("create", root.join("etc/clade"))?;
-        std::fs::write(&meta_path, serde_json::to_vec_pretty(&meta).unwrap_or_default()).ctx("write", &meta_path)?;
+        rootfs::write_file(
+            &root,
+            "/etc/clade/template.json",
+            &serde_json::to_string_pretty(&meta).unwrap_or_default(),
+            0o644,
+        )?;
         steps.note(
             "files",
             format!(

@@ -1,6 +1,8 @@
 //! Debian root filesystems. A pristine `debootstrap --variant=minbase` of each (suite, variant, mirror) is
 //! made once and kept (`$CLADE_HOME/templates/debootstrap-<hash>`, with its apt lists), because it is the
-//! slow, network-bound step (~40 s); each template then starts from a copy and only installs its packages.
+//! slow, network-bound step (~40 s). A *package stage* (`packages-<hash>`: a copy of it with a sorted
+//! package set installed) is kept the same way, and a template's rootfs is a hard-linked copy of its stage
+//! plus its own files, so changing files, services or the agent repeats neither debootstrap nor apt.
 //! Packages go in through `chroot ... apt-get install --no-install-recommends` with a `policy-rc.d` that
 //! keeps services from starting in the builder, and apt's caches are cleaned afterwards.
 
@@ -67,6 +69,50 @@ pub fn ensure_debootstrap(templates: &Path, tmp: &Path, suite: &str, mirror: &st
     match std::fs::rename(&root, &dir) {
         Ok(()) => {}
         // Another build finished first: theirs is as good as ours.
+        Err(_) if dir.join("etc/debian_version").is_file() => {}
+        Err(e) => return Err(e).ctx("rename into", &dir),
+    }
+    scratch.done();
+    Ok((dir, false))
+}
+
+/// The cache directory of a package stage: the pristine debootstrap plus `packages` installed.
+pub fn stage_dir(templates: &Path, debootstrap: &Path, packages: &[String]) -> PathBuf {
+    let mut key = format!(
+        "{}\0{}",
+        crate::identity::BUILDER_VERSION,
+        debootstrap.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
+    );
+    for p in packages {
+        key.push('\0');
+        key.push_str(p);
+    }
+    let h = blake3::hash(key.as_bytes()).to_hex();
+    templates.join(format!("packages-{}", &h[..16]))
+}
+
+/// Makes sure the package stage of (`debootstrap`, `packages`) exists: a copy of the pristine
+/// debootstrap with the packages installed and apt cleaned, never written afterwards. Templates that
+/// differ only in files, services, provision script or agent share it (hard-linked), so changing those
+/// repeats neither debootstrap nor apt. Returns its path and whether it was cached.
+pub fn ensure_stage(
+    templates: &Path,
+    tmp: &Path,
+    debootstrap: &Path,
+    packages: &[String],
+    suite: &str,
+) -> Result<(PathBuf, bool)> {
+    let dir = stage_dir(templates, debootstrap, packages);
+    if dir.join("etc/debian_version").is_file() {
+        return Ok((dir, true));
+    }
+    check_packages(debootstrap, packages, suite)?;
+    let scratch = Scratch::new(tmp, "packages-")?;
+    let root = scratch.path().join("root");
+    crate::rootfs::copy_tree("packages: copy the debootstrap", debootstrap, &root)?;
+    install_packages(&root, packages, suite)?;
+    match std::fs::rename(&root, &dir) {
+        Ok(()) => {}
         Err(_) if dir.join("etc/debian_version").is_file() => {}
         Err(e) => return Err(e).ctx("rename into", &dir),
     }

@@ -1,6 +1,10 @@
 //! Filling a root filesystem: copying the source, the spec's files, the agent, the provision script and
 //! the service scripts the agent runs at boot.
 //!
+//! A Debian rootfs starts as a hard-linked copy of its cached package stage (see `debian`), so nothing
+//! here ever writes into an existing file: every destination is unlinked first and written fresh, which
+//! leaves the stage's inode untouched.
+//!
 //! Services: the agent (PID 1) runs every executable in `/etc/clade/services.d/` in name order, each to
 //! completion, and a service script is expected to start its daemon and return once it is ready. The
 //! builder writes one POSIX `sh` script per service, `NN-<name>` in spec order: it starts the command under
@@ -34,6 +38,15 @@ pub fn copy_tree(step: &str, src: &Path, dst: &Path) -> Result<()> {
     run(step, &mut c).map(|_| ())
 }
 
+/// A copy of `src` at `dst` whose files are hard links to `src`'s (`cp -al`): directories are new, file
+/// contents shared. Only for sources that are never written again.
+pub fn link_tree(step: &str, src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst).ctx("create", dst)?;
+    let mut c = Command::new("cp");
+    c.arg("-a").arg("-l").arg("-T").arg(src).arg(dst);
+    run(step, &mut c).map(|_| ())
+}
+
 /// The host path of `dest` (absolute, inside the sandbox) under `root`, creating its parents.
 fn place(root: &Path, dest: &str) -> Result<PathBuf> {
     let rel = Path::new(dest.trim_start_matches('/'));
@@ -47,10 +60,7 @@ fn place(root: &Path, dest: &str) -> Result<PathBuf> {
 
 /// Installs one regular file (following a symlinked source), owned by root, with `mode`.
 fn install_file(src: &Path, root: &Path, dest: &str, mode: u32) -> Result<()> {
-    let p = place(root, dest)?;
-    if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir() || m.file_type().is_symlink()) {
-        let _ = std::fs::remove_file(&p);
-    }
+    let p = fresh(root, dest)?;
     std::fs::copy(src, &p).ctx("copy to", &p)?;
     set_mode(&p, mode)?;
     if is_root() {
@@ -59,8 +69,21 @@ fn install_file(src: &Path, root: &Path, dest: &str, mode: u32) -> Result<()> {
     Ok(())
 }
 
-fn write_file(root: &Path, dest: &str, text: &str, mode: u32) -> Result<()> {
+/// `place`, then unlinks whatever non-directory is there (never write through a hard link into the stage).
+fn fresh(root: &Path, dest: &str) -> Result<PathBuf> {
     let p = place(root, dest)?;
+    match std::fs::symlink_metadata(&p) {
+        Ok(m) if m.is_dir() => {
+            Err(TemplateError::Host(format!("{dest} is a directory in the root filesystem; cannot put a file there")))
+        }
+        Ok(_) => std::fs::remove_file(&p).ctx("unlink", &p).map(|_| p),
+        Err(_) => Ok(p),
+    }
+}
+
+/// Writes a new file at `dest` in `root`.
+pub fn write_file(root: &Path, dest: &str, text: &str, mode: u32) -> Result<()> {
+    let p = fresh(root, dest)?;
     std::fs::write(&p, text).ctx("write", &p)?;
     set_mode(&p, mode)
 }
@@ -73,7 +96,7 @@ pub fn install_files(root: &Path, files: &[FileEntry]) -> Result<()> {
         if md.is_dir() {
             let p = place(root, &f.dest)?;
             let mut c = Command::new("cp");
-            c.args(["-R", "-P", "--preserve=mode,timestamps,links", "-T"]).arg(&f.src).arg(&p);
+            c.args(["-R", "-P", "--preserve=mode,timestamps,links", "--remove-destination", "-T"]).arg(&f.src).arg(&p);
             run(&format!("files: {}", f.dest), &mut c)?;
         } else {
             install_file(&f.src, root, &f.dest, md.mode() & 0o7777)?;

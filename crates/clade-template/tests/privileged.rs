@@ -115,6 +115,29 @@ fn privileged_minimal_builds_then_comes_from_cache_without_network() {
     assert_eq!(second.0.record.hash, r.hash);
     assert_eq!(tree_hash(root, true).unwrap(), before, "the rootfs (ct lower layer) was not written");
 
+    // A variant with other files and the same packages: the package stage is reused (no apt, no network),
+    // its rootfs is a hard-linked copy, and neither the stage nor the first rootfs changes.
+    let host_templates = templates_dir(&CladeHome::from_env());
+    let deboot =
+        clade_template::debian::debootstrap_dir(&host_templates, "bookworm", clade_template::spec::DEFAULT_MIRROR);
+    let stage = clade_template::debian::stage_dir(&host_templates, &deboot, &spec.packages);
+    let stage_before = tree_hash(&stage, true).unwrap();
+    let page = home.root().join("variant.html");
+    std::fs::write(&page, "<title>variant</title>").unwrap();
+    let mut variant = spec.clone();
+    variant.name = "minimal-variant".into();
+    variant.files[0].src = page;
+    let t = Instant::now();
+    let v = builder(&home, &agent).build(&variant, Backends::CT).unwrap();
+    let variant_s = t.elapsed().as_secs_f64();
+    eprintln!("variant (same packages, other files): {variant_s:.2} s");
+    assert!(v.steps.iter().any(|s| s.step == "packages" && s.detail.starts_with("cached")), "{:?}", v.steps);
+    assert_eq!(std::fs::read_to_string(v.record.rootfs.join("srv/www/index.html")).unwrap(), "<title>variant</title>");
+    assert_eq!(tree_hash(&stage, true).unwrap(), stage_before, "the package stage was not written");
+    assert_eq!(tree_hash(root, true).unwrap(), before, "the first template's rootfs was not written");
+    clade_template::remove(&home, "minimal-variant").unwrap();
+    assert_eq!(tree_hash(&stage, true).unwrap(), stage_before, "removing a template leaves its stage alone");
+
     // ls and rm.
     let all = clade_template::list(&home).unwrap();
     assert_eq!(all.len(), 1);
