@@ -23,7 +23,8 @@ pub enum RunError {
 /// Logs to stderr at `RUST_LOG` (default `info`). Safe to call twice.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }
 
 /// Serves `server` on the unix socket `socket` and its control socket `<socket>.ctl` until SIGINT

@@ -8,7 +8,8 @@
 //!   1 GiB and an 8 GiB disk, then `Export::snapshot()` timed on each.
 //!
 //! Usage: `nbd-bench [--size-mib 1024] [--reps 3] [--rand-count 100000] [--snapshot-mib 256]
-//! [--only read|snapshot] [--dir DIR]`.
+//! [--only read|snapshot] [--dir DIR] [--quick]` (`--quick`: 256 MiB image, one rep, 20k random
+//! reads, 64 MiB dirty; flags after it override it).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -40,6 +41,9 @@ fn parse() -> Result<Opts, String> {
             "--snapshot-mib" => o.snapshot_mib = val()?.parse().map_err(|e| format!("--snapshot-mib: {e}"))?,
             "--dir" => o.dir = Some(PathBuf::from(val()?)),
             "--only" => o.only = val()?,
+            "--quick" => {
+                (o.size_mib, o.reps, o.rand_count, o.snapshot_mib) = (256, 1, 20_000, 64);
+            }
             other => return Err(format!("unknown argument {other}; see the module docs for usage")),
         }
     }
