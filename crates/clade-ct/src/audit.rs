@@ -161,7 +161,7 @@ pub fn audit(a: &[u32], b: &[u32]) -> AuditReport {
         shared_char_devices: inter(&sa.chars, &sb.chars),
         ..Default::default()
     };
-    r.pass_literal = r.shared_writable() == 0 && r.shared_char_devices.is_empty() && a.len() > 0 && b.len() > 0;
+    r.pass_literal = r.shared_writable() == 0 && r.shared_char_devices.is_empty() && !a.is_empty() && !b.is_empty();
     r
 }
 
