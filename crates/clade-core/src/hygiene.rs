@@ -25,6 +25,10 @@ pub struct HygieneReport {
     pub connections_reset: u32,
     pub errors: Vec<String>,
     pub took: Duration,
+    /// Per step, in ms: identity (hostname, machine-id, entropy, hooks), clock, connections.
+    pub identity_ms: f64,
+    pub clock_ms: f64,
+    pub net_ms: f64,
 }
 
 /// The identity of a sandbox: hostname and machine-id follow from its id (so a retake or a resume of the same
@@ -70,7 +74,9 @@ pub fn apply(
         signal_registered: true,
     };
     let r = agent.set_identity(ident).map_err(|e| fail("identity", e))?;
+    let identity_ms = start.elapsed().as_secs_f64() * 1e3;
     let clock = agent.sync_clock(0).map_err(|e| fail("clock", e))?;
+    let clock_ms = start.elapsed().as_secs_f64() * 1e3 - identity_ms;
     let mut errors = r.errors;
     // A sandbox whose kernel cannot destroy sockets still runs: the failure is reported, not fatal.
     let connections_reset = if clean {
@@ -93,6 +99,9 @@ pub fn apply(
         connections_reset,
         errors,
         took: start.elapsed(),
+        identity_ms,
+        clock_ms,
+        net_ms: start.elapsed().as_secs_f64() * 1e3 - identity_ms - clock_ms,
     })
 }
 

@@ -99,7 +99,7 @@ pub fn template_record(home: &CladeHome, key: &str, backend: BackendKind) -> any
     clade_template::find(home, key).map_err(|e| anyhow!(ExitCoded::new(3, e.to_string())))
 }
 
-fn image_of(r: &TemplateRecord) -> TemplateImage {
+pub fn image_of(r: &TemplateRecord) -> TemplateImage {
     TemplateImage {
         name: r.name.clone(),
         hash: r.hash.clone(),
@@ -110,7 +110,7 @@ fn image_of(r: &TemplateRecord) -> TemplateImage {
     }
 }
 
-fn ready_target(r: &TemplateRecord) -> Option<ReadyTarget> {
+pub fn ready_target(r: &TemplateRecord) -> Option<ReadyTarget> {
     r.ready.as_ref().map(|r| match r {
         clade_template::Ready::Port(p) => ReadyTarget::Port { port: *p },
         clade_template::Ready::Url(u) => ReadyTarget::Url { url: u.clone() },

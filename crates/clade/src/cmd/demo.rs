@@ -1,9 +1,291 @@
-//! `clade demo`: clade's main job on the embedded defaults. Until the backends land it runs the doctor.
+//! `clade demo` (and `./x demo`): clade's main job on the embedded defaults, told step by step with live output.
+//! Per backend: build the `minimal` template and its base (cached after the first run), cold start versus restore
+//! (both timed), exec, write a file, mark, fork 5 siblings and show each is a distinct machine yet shares memory,
+//! retake one to the mark, suspend one and resume it, and the store's dedup. Ends with a table of the timings.
+//! Every step goes through the same code as the CLI commands (supervisors, the engine, the backends).
 
-#[derive(clap::Args)]
-pub struct Args {}
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-pub fn run(_args: Args) -> anyhow::Result<i32> {
-    println!("clade demo: the backends are not built yet; here is what this host can run.\n");
-    super::doctor::run(super::doctor::Args::default())
+use anyhow::{anyhow, Context};
+use base64::Engine as _;
+use clade_core::backend::BackendKind;
+use clade_core::engine::Engine;
+use clade_core::{hygiene, CladeHome};
+use clade_ledger::SandboxId;
+
+use crate::supervisor::client;
+use crate::supervisor::protocol::Request;
+
+#[derive(clap::Args, Default)]
+pub struct Args {
+    /// Which backends to show (default: vm then ct).
+    #[arg(long)]
+    pub backend: Option<BackendKind>,
+    /// The template spec to use (default: templates/minimal of this repository).
+    #[arg(long)]
+    pub template: Option<PathBuf>,
+    /// Also print the timings as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Timings(Vec<(String, String, f64)>);
+
+impl Timings {
+    fn add(&mut self, backend: BackendKind, what: &str, ms: f64) {
+        self.0.push((backend.as_str().to_string(), what.to_string(), ms));
+    }
+}
+
+fn step(n: &mut u32, text: &str) {
+    *n += 1;
+    println!("\n[{n}] {text}");
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn default_template() -> anyhow::Result<PathBuf> {
+    let mut candidates = vec![PathBuf::from("templates/minimal")];
+    if let Ok(exe) = std::env::current_exe() {
+        for a in exe.ancestors().skip(1).take(4) {
+            candidates.push(a.join("templates/minimal"));
+        }
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.join("template.toml").is_file())
+        .ok_or_else(|| anyhow!("cannot find templates/minimal: run from the repository or pass --template DIR"))
+}
+
+/// Run a shell script in a supervised sandbox; its stdout, or an error with its stderr.
+fn sh(home: &CladeHome, sbx: &str, script: &str) -> anyhow::Result<String> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let body = client::call(
+        home,
+        sbx,
+        &Request::Exec {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: Default::default(),
+            cwd: None,
+            stdin_b64: None,
+        },
+    )?;
+    let out = String::from_utf8_lossy(&b64.decode(body["stdout_b64"].as_str().unwrap_or("")).unwrap_or_default())
+        .into_owned();
+    if body["code"] != 0 {
+        let err = String::from_utf8_lossy(&b64.decode(body["stderr_b64"].as_str().unwrap_or("")).unwrap_or_default())
+            .into_owned();
+        return Err(anyhow!("`{script}` in {sbx} exited {}: {}", body["code"], err.trim()));
+    }
+    Ok(out.trim().to_string())
+}
+
+/// A python process started before the mark holds RNG state that every sibling inherits; the on-restore hook
+/// (run by the agent during hygiene) makes it reseed, as seed 000 did with a signal handler.
+const RNG_DAEMON: &str = r#"mkdir -p /etc/clade/on-restore.d /run/demo
+cat > /run/demo/rng.py <<'PY'
+import os, random, signal, time
+def reseed(*_): random.seed(os.urandom(16))
+def report(*_):
+    with open('/run/demo/rand.tmp', 'w') as f: f.write(repr(random.random()))
+    os.rename('/run/demo/rand.tmp', '/run/demo/rand')
+signal.signal(signal.SIGUSR2, reseed)
+signal.signal(signal.SIGUSR1, report)
+with open('/run/demo/rng.pid', 'w') as f: f.write(str(os.getpid()))
+while True: time.sleep(3600)
+PY
+nohup python3 /run/demo/rng.py >/dev/null 2>&1 &
+printf '#!/bin/sh\nkill -USR2 $(cat /run/demo/rng.pid)\n' > /etc/clade/on-restore.d/50-reseed-python
+chmod +x /etc/clade/on-restore.d/50-reseed-python
+for i in 1 2 3 4 5 6 7 8 9 10; do [ -f /run/demo/rng.pid ] && exit 0; sleep 0.1; done; exit 1"#;
+
+const IDENTITY: &str = r#"rm -f /run/demo/rand; kill -USR1 $(cat /run/demo/rng.pid); for i in 1 2 3 4 5 6 7 8 9 10; do [ -f /run/demo/rand ] && break; sleep 0.05; done
+echo "$(hostname) $(cat /etc/machine-id | cut -c1-12) $(od -An -N4 -tx4 /dev/urandom | tr -d ' ') $(cat /run/demo/rand)""#;
+
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let template = match args.template {
+        Some(t) => t,
+        None => default_template()?,
+    };
+    let backends = match args.backend {
+        Some(b) => vec![b],
+        None => vec![BackendKind::Vm, BackendKind::Ct],
+    };
+    println!("clade demo: CLADE_HOME={}, template {}", home.root().display(), template.display());
+    let mut t = Timings(Vec::new());
+    let mut failures = Vec::new();
+    for b in backends {
+        println!("\n===================== backend {} =====================", b.as_str());
+        if let Err(e) = demo_backend(&home, &template, b, &mut t) {
+            println!("\nbackend {}: the demo stopped: {e:#}", b.as_str());
+            failures.push(b);
+        }
+    }
+    println!("\n===================== timings =====================");
+    println!("{:<4} {:<48} {:>10}", "", "step", "ms");
+    for (b, what, v) in &t.0 {
+        println!("{b:<4} {what:<48} {v:>10.1}");
+    }
+    if args.json {
+        let rows: Vec<_> = t.0.iter().map(|(b, w, v)| serde_json::json!({"backend": b, "step": w, "ms": v})).collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    println!("\nThe benchmark report (./x bench) is bench/out/report.html; figures per mechanism are in docs/.");
+    Ok(if failures.is_empty() { 0 } else { 1 })
+}
+
+fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t: &mut Timings) -> anyhow::Result<()> {
+    let mut n = 0;
+    step(&mut n, &format!("template and base: build `minimal` for {} (cached after the first run)", b.as_str()));
+    let start = Instant::now();
+    let base = super::base::build(home, &template.display().to_string(), b, false, &|l| println!("{l}"))?;
+    println!(
+        "    base {} ({}, {:.1} s)",
+        base["mark"].as_str().unwrap_or("?"),
+        if base["cached"] == true { "cached" } else { "built now" },
+        start.elapsed().as_secs_f64()
+    );
+    let engine = Engine::open(home)?;
+    let base_mark = engine.resolve_mark("minimal", Some(b))?;
+    let backend = crate::backends::open(&engine, b)?;
+
+    step(&mut n, "cold start (boot the template's image) versus restore from the base");
+    let record = super::base::template_record(home, &template.display().to_string(), b)?;
+    let image = super::base::image_of(&record);
+    let cold_id = engine.new_sandbox(b, None)?;
+    let start = Instant::now();
+    let cold = backend.cold_start(&image, &hygiene::new_identity(cold_id.id.as_str(), 0)).context("cold start")?;
+    if let Some(r) = super::base::ready_target(&record) {
+        cold.agent().wait_ready(r, Duration::from_secs(120)).context("cold sandbox ready")?;
+    }
+    let cold_ms = ms(start.elapsed());
+    cold.kill()?;
+    let _ = engine.ledger().set_sandbox_state(&cold_id.id, clade_ledger::SandboxState::Dead, None);
+    let (ready, took) = super::sandbox::fork_mark(&engine, &base_mark, 1)?;
+    let r0 = &ready[0];
+    if !r0.ok {
+        return Err(anyhow!("restore failed: {}", r0.error.clone().unwrap_or_default()));
+    }
+    println!("    cold start to ready: {cold_ms:>8.0} ms");
+    println!(
+        "    restore with hygiene: {:>7.0} ms in the supervisor ({:.0} ms with process start)   {:.1}x faster",
+        r0.ready_ms,
+        ms(took),
+        cold_ms / r0.ready_ms
+    );
+    t.add(b, "cold start to ready", cold_ms);
+    t.add(b, "restore from base, with hygiene", r0.ready_ms);
+    let s = r0.sandbox.clone();
+
+    step(&mut n, "exec a command, write a file");
+    let start = Instant::now();
+    let uname = sh(home, &s, "uname -sr; python3 --version")?;
+    t.add(b, "exec (uname; python3 --version)", ms(start.elapsed()));
+    println!("    {}", uname.replace('\n', " | "));
+    sh(home, &s, "echo 'written before the mark' > /root/note.txt")?;
+    sh(home, &s, RNG_DAEMON)?;
+    println!("    /root/note.txt written; a python process holding RNG state started (it will be cloned)");
+
+    step(&mut n, "mark (the sandbox keeps running)");
+    let m = client::call(home, &s, &Request::Mark { label: Some("demo".into()), keep: false, not_clean: false })?;
+    let mark_id = m["id"].as_str().unwrap_or_default().to_string();
+    println!(
+        "    mark {mark_id}: pause {} ms, {} KiB new in the store",
+        m["pause_ms"],
+        m["stored_bytes"].as_u64().unwrap_or(0) >> 10
+    );
+    t.add(b, "mark pause", m["pause_ms"].as_f64().unwrap_or(0.0));
+
+    step(&mut n, "fork 5 siblings from the mark: distinct machines, shared memory");
+    let mark = engine.resolve_mark(&mark_id, Some(b))?;
+    let (sibs, took) = super::sandbox::fork_mark(&engine, &mark, 5)?;
+    if let Some(bad) = sibs.iter().find(|r| !r.ok) {
+        return Err(anyhow!("fork failed: {}", bad.error.clone().unwrap_or_default()));
+    }
+    t.add(b, "fork 5 siblings (all ready)", ms(took));
+    println!("    5 siblings ready in {:.0} ms", ms(took));
+    println!("    {:<38} {:<20} {:<14} {:<10} python random.random()", "sandbox", "hostname", "machine-id", "urandom");
+    let mut seen = std::collections::BTreeSet::new();
+    let (mut pss, mut rss) = (0u64, 0u64);
+    for r in &sibs {
+        let line = sh(home, &r.sandbox, IDENTITY)?;
+        let f: Vec<&str> = line.split_whitespace().collect();
+        println!(
+            "    {:<38} {:<20} {:<14} {:<10} {}",
+            r.sandbox,
+            f.first().unwrap_or(&""),
+            f.get(1).unwrap_or(&""),
+            f.get(2).unwrap_or(&""),
+            f.get(3).unwrap_or(&"")
+        );
+        for (i, v) in f.iter().enumerate() {
+            seen.insert((i, v.to_string()));
+        }
+        let info = client::call(home, &r.sandbox, &Request::Info)?;
+        pss += info["pss"].as_u64().unwrap_or(0);
+        rss += info["rss"].as_u64().unwrap_or(0);
+    }
+    let distinct = (0..4).all(|i| seen.iter().filter(|(j, _)| *j == i).count() == sibs.len());
+    println!("    every column differs between siblings: {}", if distinct { "yes" } else { "NO" });
+    println!(
+        "    host memory of the 5: PSS {} MiB of RSS {} MiB (PSS/RSS {:.2}: clean pages are shared)",
+        pss >> 20,
+        rss >> 20,
+        pss as f64 / rss.max(1) as f64
+    );
+    if !distinct {
+        return Err(anyhow!("siblings are not distinct machines"));
+    }
+
+    step(&mut n, "retake a sibling to the mark: its own change disappears");
+    let sib = sibs[0].sandbox.clone();
+    sh(home, &sib, "echo 'changed after the fork' > /root/note.txt")?;
+    println!("    before: {}", sh(home, &sib, "cat /root/note.txt")?);
+    let r = client::call(home, &sib, &Request::Retake { mark: mark_id.clone() })?;
+    println!(
+        "    after retake ({:.0} ms): {}",
+        r["retake_ms"].as_f64().unwrap_or(0.0),
+        sh(home, &sib, "cat /root/note.txt")?
+    );
+    t.add(b, "retake to the mark", r["retake_ms"].as_f64().unwrap_or(0.0));
+
+    step(&mut n, "suspend a sibling (mark, release CPU and memory) and resume it");
+    let sib2 = sibs[1].sandbox.clone();
+    sh(home, &sib2, "echo 'state across suspend' > /root/suspended.txt")?;
+    let start = Instant::now();
+    client::call(home, &sib2, &Request::Suspend)?;
+    let suspend_ms = ms(start.elapsed());
+    let start = Instant::now();
+    super::sandbox::resume(super::sandbox::SbxArgs { sandbox: sib2.clone(), json: false })?;
+    let resume_ms = ms(start.elapsed());
+    println!(
+        "    suspend {suspend_ms:.0} ms, resume {resume_ms:.0} ms; the file: {}",
+        sh(home, &sib2, "cat /root/suspended.txt")?
+    );
+    t.add(b, "suspend", suspend_ms);
+    t.add(b, "resume", resume_ms);
+
+    step(&mut n, "the store: what is described versus what is stored");
+    let st = engine.store.stats()?;
+    println!(
+        "    {} manifests describe {} MiB ({} MiB non-zero); {} MiB unique, {} MiB on disk after compression ({:.1}x)",
+        st.manifests,
+        st.logical_bytes >> 20,
+        st.data_bytes >> 20,
+        st.unique_bytes >> 20,
+        st.pack_bytes >> 20,
+        st.logical_bytes as f64 / st.pack_bytes.max(1) as f64
+    );
+
+    step(&mut n, "clean up: kill every demo sandbox");
+    for id in std::iter::once(s).chain(sibs.iter().map(|r| r.sandbox.clone())) {
+        let _ = client::call(home, &id, &Request::Kill);
+        let _ = engine.ledger().sandbox(&SandboxId::new(id));
+    }
+    println!("    done");
+    Ok(())
 }
