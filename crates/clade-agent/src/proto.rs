@@ -150,6 +150,25 @@ fn one() -> u32 {
 }
 
 impl Request {
+    /// Decodes a request body, telling an unknown op ([`AgentError::UnknownOp`]) from a malformed known
+    /// one ([`AgentError::BadRequest`]).
+    pub fn parse(body: &[u8]) -> Result<Request, AgentError> {
+        match serde_json::from_slice::<Request>(body) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let op = serde_json::from_slice::<serde_json::Value>(body)
+                    .ok()
+                    .and_then(|v| v.get("op").and_then(|o| o.as_str()).map(str::to_owned));
+                match op {
+                    Some(op) if !Request::OPS.contains(&op.as_str()) => {
+                        Err(AgentError::UnknownOp { op, supported: crate::WIRE_VERSION })
+                    }
+                    _ => Err(AgentError::BadRequest { detail: e.to_string() }),
+                }
+            }
+        }
+    }
+
     /// Every op name, for telling an unknown op from a malformed known one.
     pub const OPS: &'static [&'static str] = &[
         "hello",

@@ -110,24 +110,6 @@ fn wire_error(e: &WireError) -> AgentError {
     }
 }
 
-/// Decodes a request body, telling an unknown op from a malformed known one.
-pub fn parse_request(body: &[u8]) -> Result<Request, AgentError> {
-    match serde_json::from_slice::<Request>(body) {
-        Ok(r) => Ok(r),
-        Err(e) => {
-            let op = serde_json::from_slice::<serde_json::Value>(body)
-                .ok()
-                .and_then(|v| v.get("op").and_then(|o| o.as_str()).map(str::to_owned));
-            match op {
-                Some(op) if !Request::OPS.contains(&op.as_str()) => {
-                    Err(AgentError::UnknownOp { op, supported: WIRE_VERSION })
-                }
-                _ => Err(AgentError::BadRequest { detail: e.to_string() }),
-            }
-        }
-    }
-}
-
 fn guarded(f: impl FnOnce() -> Response) -> Response {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
         Err(AgentError::Failed { detail: "the agent hit a bug handling this request (it keeps serving)".into() })
@@ -169,7 +151,7 @@ fn handle(
 ) {
     let id = h.id;
     match (h.kind, h.chan) {
-        (Kind::Request, _) => match parse_request(body) {
+        (Kind::Request, _) => match Request::parse(body) {
             Ok(req) => dispatch(agent, conn, writes, id, req),
             Err(e) => conn.reply(id, &Err(e)),
         },
