@@ -78,6 +78,17 @@ pub enum Ready {
     File(String),
 }
 
+impl Ready {
+    /// The agent's readiness target (`wait_ready`), for the base build.
+    pub fn to_agent(&self) -> clade_agent::ReadyTarget {
+        match self {
+            Ready::Port(port) => clade_agent::ReadyTarget::Port { port: *port },
+            Ready::Url(url) => clade_agent::ReadyTarget::Url { url: url.clone() },
+            Ready::File(path) => clade_agent::ReadyTarget::File { path: path.clone() },
+        }
+    }
+}
+
 /// A long-running program the agent starts at boot, in spec order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Service {
@@ -387,6 +398,10 @@ egress = true
         assert_eq!(s.services[0].ready, Some(Ready::Port(8000)));
         assert_eq!(s.services[1].ready, Some(Ready::File("/tmp/f".into())));
         assert_eq!(s.ready, Some(Ready::Url("http://127.0.0.1:8000/".into())));
+        assert_eq!(
+            s.ready.as_ref().unwrap().to_agent(),
+            clade_agent::ReadyTarget::Url { url: "http://127.0.0.1:8000/".into() }
+        );
         assert_eq!((s.memory_mib, s.vcpus, s.disk_gib, s.network.egress), (1024, DEFAULT_VCPUS, 2, true));
     }
 

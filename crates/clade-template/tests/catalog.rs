@@ -123,3 +123,56 @@ fn rm_is_refused_while_a_base_needs_the_template() {
     assert!(!built.record.rootfs.exists());
     assert!(clade_template::list(&home).unwrap().is_empty());
 }
+
+/// A `docker save` tarball with two layers (the second whiting out a file of the first), built here.
+fn docker_save(path: &Path) {
+    fn entry(b: &mut tar::Builder<Vec<u8>>, name: &str, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(data.len() as u64);
+        h.set_mode(0o755);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        b.append_data(&mut h, name, data).unwrap();
+    }
+    let mut l1 = tar::Builder::new(Vec::new());
+    entry(&mut l1, "bin/sh-like", b"#!/bin/true\n");
+    entry(&mut l1, "etc/old.conf", b"old\n");
+    let mut l2 = tar::Builder::new(Vec::new());
+    entry(&mut l2, "etc/.wh.old.conf", b"");
+    entry(&mut l2, "etc/new.conf", b"new\n");
+    let mut outer = tar::Builder::new(Vec::new());
+    entry(
+        &mut outer,
+        "manifest.json",
+        br#"[{"Config":"c.json","RepoTags":["x:1"],"Layers":["1/layer.tar","2/layer.tar"]}]"#,
+    );
+    entry(&mut outer, "1/layer.tar", &l1.into_inner().unwrap());
+    entry(&mut outer, "2/layer.tar", &l2.into_inner().unwrap());
+    std::fs::write(path, outer.into_inner().unwrap()).unwrap();
+}
+
+#[test]
+fn oci_archive_template_builds_with_whiteouts_applied() {
+    let d = tempfile::tempdir().unwrap();
+    docker_save(&d.path().join("image.tar"));
+    write(&d.path().join("template.toml"), "name = \"fromoci\"\nfrom = \"oci-archive:image.tar\"\n");
+    let spec = TemplateSpec::load(&d.path().join("template.toml")).unwrap();
+    let home = CladeHome::at(d.path().join("home"));
+    let r = builder(&home).build(&spec, Backends::CT).unwrap();
+    let root = &r.record.rootfs;
+    assert!(root.join("bin/sh-like").is_file());
+    assert!(!root.join("etc/old.conf").exists(), "whited out by the second layer");
+    assert_eq!(std::fs::read_to_string(root.join("etc/new.conf")).unwrap(), "new\n");
+    assert!(r.steps.iter().any(|s| s.step == "source" && s.detail.starts_with("2 layers")), "{:?}", r.steps);
+    let tmp: Vec<_> = std::fs::read_dir(home.tmp_dir()).map(|r| r.flatten().collect()).unwrap_or_default();
+    assert!(tmp.is_empty(), "the unpacked archive is gone: {tmp:?}");
+    // A different archive is a different template.
+    let mut h2 = spec.clone();
+    std::fs::write(d.path().join("image2.tar"), b"not the same").unwrap();
+    h2.source = clade_template::Source::OciArchive { path: d.path().join("image2.tar") };
+    let a = clade_template::Identity::of(&spec, None).unwrap().hash();
+    let b = clade_template::Identity::of(&h2, None).unwrap().hash();
+    assert_ne!(a, b);
+}
