@@ -142,6 +142,24 @@ impl AgentClient {
         AgentClient::from_unix(s)
     }
 
+    /// Connects to a socket that may not exist yet (a sandbox still booting) and waits for `hello`,
+    /// retrying the connect every 5 ms, all within `timeout`. The proof that a sandbox is up.
+    pub fn connect_unix_wait(path: impl AsRef<Path>, timeout: Duration) -> Result<(AgentClient, Hello)> {
+        let deadline = Instant::now() + timeout;
+        let client = loop {
+            match UnixStream::connect(path.as_ref()) {
+                Ok(s) => break AgentClient::from_unix(s)?,
+                Err(e) if Instant::now() >= deadline => return Err(e.into()),
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        };
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        match client.call_for(&Request::Hello, "hello", left)? {
+            Reply::Hello(h) => Ok((client, h)),
+            r => Err(unexpected("hello", r)),
+        }
+    }
+
     /// Wraps a connected unix stream; dropping the last clone shuts it down.
     pub fn from_unix(s: UnixStream) -> Result<AgentClient> {
         // Deeper socket buffers let bulk file data overlap with the agent's disk writes (best effort:

@@ -318,6 +318,31 @@ fn privileged_clock_shift_by_zero() {
 }
 
 #[test]
+fn connect_wait_finds_a_starting_agent() {
+    let dir = common::tempdir("wait");
+    let sock = dir.join("late.sock");
+    let s2 = sock.clone();
+    let starter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(150));
+        std::process::Command::new(common::agent_bin())
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("unix:{}", s2.display()))
+            .spawn()
+            .unwrap()
+    });
+    let (c, h) = clade_agent::AgentClient::connect_unix_wait(&sock, Duration::from_secs(10)).unwrap();
+    assert_eq!(h.role, "serve");
+    c.hello().unwrap();
+    let mut child = starter.join().unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let missing = clade_agent::AgentClient::connect_unix_wait(dir.join("never.sock"), Duration::from_millis(50));
+    assert!(matches!(missing, Err(ClientError::Io(_))));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn stdout_events_are_tagged_and_ordered() {
     let a = PlainAgent::start("events");
     let c = a.client();
