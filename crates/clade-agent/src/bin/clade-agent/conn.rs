@@ -222,7 +222,7 @@ fn dispatch(
             let c = conn.clone();
             task(conn, id, move || fsops::read_file(&c, id, &path));
         }
-        Request::WriteFile { path, mode, mkdirs } => match fsops::PendingWrite::open(&path, mode, mkdirs, id) {
+        Request::WriteFile { path, mode, mkdirs } => match fsops::PendingWrite::open(&path, mode, mkdirs) {
             Ok(w) => {
                 writes.insert(id, w);
             }

@@ -11,6 +11,15 @@ use std::path::{Component, Path, PathBuf};
 
 const MAX_LIST: usize = 100_000;
 
+/// A temp file name next to `target`, unique across threads and connections of this agent.
+pub fn tmp_path(target: &Path) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = target.parent().unwrap_or(Path::new("/"));
+    dir.join(format!(".{name}.clade-tmp.{}.{n}", std::process::id()))
+}
+
 /// Accepts an absolute path without NUL or `..`.
 pub fn check_path(p: &str) -> Result<PathBuf, AgentError> {
     let bad = |reason: &str| AgentError::BadPath { path: p.escape_default().to_string(), reason: reason.into() };
@@ -118,18 +127,18 @@ pub struct PendingWrite {
 }
 
 impl PendingWrite {
-    pub fn open(path: &str, mode: Option<u32>, mkdirs: bool, id: u32) -> Result<PendingWrite, AgentError> {
+    pub fn open(path: &str, mode: Option<u32>, mkdirs: bool) -> Result<PendingWrite, AgentError> {
         let target = check_path(path)?;
         if fs::metadata(&target).is_ok_and(|m| m.is_dir()) {
             return Err(AgentError::IsADirectory { path: path.into() });
         }
-        let (Some(dir), Some(name)) = (target.parent(), target.file_name()) else {
+        let (Some(dir), Some(_)) = (target.parent(), target.file_name()) else {
             return Err(AgentError::BadPath { path: path.into(), reason: "it names no file".into() });
         };
         if mkdirs {
             fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| io_err("mkdir -p", dir, &e))?;
         }
-        let tmp = dir.join(format!(".{}.clade-tmp.{id}.{}", name.to_string_lossy(), std::process::id()));
+        let tmp = tmp_path(&target);
         let mode = mode.unwrap_or(0o644) & 0o7777;
         let file = OpenOptions::new()
             .write(true)

@@ -60,10 +60,9 @@ pub fn hello(agent: &Agent) -> Hello {
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("/"));
     fs::create_dir_all(dir)?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.clade-tmp.{}", std::process::id()));
+    let tmp = crate::fsops::tmp_path(path);
     let res = (|| {
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
         fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))?;
