@@ -95,9 +95,9 @@ impl FailPoint {
 
 /// The `ct` backend.
 pub struct CtBackend {
-    home: CladeHome,
-    store: clade_store::Store,
-    cfg: CtConfig,
+    pub(crate) home: CladeHome,
+    pub(crate) store: clade_store::Store,
+    pub(crate) cfg: CtConfig,
     criu_version: String,
     fail_at: Mutex<Option<FailPoint>>,
 }

@@ -36,6 +36,8 @@ fn tree_of(mark: &MarkState, role: &str) -> Result<TreeId, BackendError> {
 
 pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
     let t0 = Instant::now();
+    let mut phases: Vec<(&'static str, std::time::Duration)> = Vec::new();
+    let lap = |name: &'static str, phases: &mut Vec<_>| phases.push((name, t0.elapsed()));
     if mark.backend != clade_core::backend::BackendKind::Ct {
         return Err(BackendError::Incompatible {
             key: "backend".into(),
@@ -46,21 +48,18 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     }
     check_compat(&mark.compat, &b.host_compat())?;
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
-    let lower = mark
-        .manifests
-        .get(ROLE_ROOTFS)
-        .map(std::path::PathBuf::from)
-        .ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
-    if !lower.is_dir() {
+    let lower =
+        mark.manifests.get(ROLE_ROOTFS).cloned().ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
+    if let Some(gone) = lower.split(':').find(|l| !Path::new(l).is_dir()) {
         return Err(BackendError::Failed(format!(
-            "the mark's template rootfs {} is gone: rebuild the template",
-            lower.display()
+            "the mark's lower layer {gone} is gone: rebuild the template (or keep the agent build the mark was taken with)"
         )));
     }
     // Both trees are read (and hash-verified) before any process starts.
     for t in [&img_id, &upper_id] {
         b.store.tree(t).map_err(|e| BackendError::Corrupt(format!("tree {t}: {e}")))?;
     }
+    lap("verified", &mut phases);
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
         failed(format!("create {}: {e} (a sandbox with this id exists; kill it or pick another id)", run_dir.display()))
@@ -70,19 +69,20 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     res.rw_mounted = true;
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, img, root) =
-        (res.rw().join("upper"), res.rw().join("work"), res.rw().join("img"), run_dir.join("root"));
+        (res.rw().join("upper"), res.rw().join("work"), run_dir.join("img"), run_dir.join("root"));
     b.store.get_dir(&upper_id, &upper).map_err(|e| failed(format!("lay out the upper: {e}")))?;
-    b.store.get_dir(&img_id, &img).map_err(|e| failed(format!("lay out the images: {e}")))?;
+    images_for(b, &img_id, &img)?;
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
+    lap("files", &mut phases);
     b.check_fail(FailPoint::Files)?;
     let cg = Cgroup::create(&id.sandbox_id, limit_bytes(&mark.shape)).map_err(failed)?;
     let procs = cg.procs_file();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
     nix::sys::prctl::set_child_subreaper(true).map_err(|e| failed(format!("PR_SET_CHILD_SUBREAPER: {e}")))?;
-    let overlay = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+    let overlay = format!("lowerdir={lower},upperdir={},workdir={}", upper.display(), work.display());
     let pidfile = run_dir.join("init.pid");
     let log = run_dir.join("restore.log");
     let mut cmd = Command::new(&b.cfg.criu);
@@ -114,8 +114,10 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     if !out.success() || pid.is_none() {
         return Err(failed(format!("criu restore failed ({out}): {}", crate::dump::log_tail(&log))));
     }
+    lap("criu", &mut phases);
     b.check_fail(FailPoint::Processes)?;
     let agent = connect_agent(pid.unwrap_or_default(), b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
+    lap("agent", &mut phases);
     b.check_fail(FailPoint::Agent)?;
     let _ = std::fs::remove_dir_all(&img);
     Ok(CtSandbox {
@@ -130,6 +132,7 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         ready_timeout: b.cfg.ready_timeout,
         dumps: 0,
         startup: t0.elapsed(),
+        phases,
     })
 }
 
@@ -149,6 +152,33 @@ fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool) -> std::io::
                 0 as libc::c_ulong,
                 0 as libc::c_ulong,
             );
+        }
+    }
+    Ok(())
+}
+
+/// The images of a mark are laid out once per host under `$CLADE_HOME/cache/ct-images/<tree id>` (read-only);
+/// each restore gets a directory of hard links to them, as CRIU writes `stats-restore` into its image dir.
+/// Siblings after the first skip the store read and the copy.
+fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
+    let cache = b.home.cache_dir().join("ct-images").join(id.to_hex());
+    if !cache.exists() {
+        let parent = cache.parent().unwrap_or(&cache);
+        std::fs::create_dir_all(parent).map_err(|e| failed(format!("create {}: {e}", parent.display())))?;
+        let tmp = cache.with_extension(format!("tmp{}-{}", std::process::id(), dest.display().to_string().len()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        b.store.get_dir(id, &tmp).map_err(|e| failed(format!("lay out the images: {e}")))?;
+        if std::fs::rename(&tmp, &cache).is_err() {
+            // Another restore laid it out first.
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    std::fs::create_dir(dest).map_err(|e| failed(format!("create {}: {e}", dest.display())))?;
+    let rd = std::fs::read_dir(&cache).map_err(|e| failed(format!("read {}: {e}", cache.display())))?;
+    for e in rd.flatten() {
+        let to = dest.join(e.file_name());
+        if std::fs::hard_link(e.path(), &to).is_err() {
+            std::fs::copy(e.path(), &to).map_err(|er| failed(format!("copy {}: {er}", e.path().display())))?;
         }
     }
     Ok(())

@@ -14,7 +14,8 @@ use nix::unistd::Pid;
 use crate::resources::{mount_tmpfs, Cgroup, Resources};
 use crate::{connect_agent, dump, CtBackend, FailPoint};
 
-/// Manifest roles of a ct mark: the CRIU image tree, the overlay upper tree, and the lower layer's path.
+/// Manifest roles of a ct mark: the CRIU image tree, the overlay upper tree, and the overlay's lowerdir list
+/// (agent layer and template rootfs paths, `:`-separated).
 pub const ROLE_CRIU: &str = "criu";
 pub const ROLE_UPPER: &str = "upper";
 pub const ROLE_ROOTFS: &str = "rootfs";
@@ -26,13 +27,16 @@ pub struct CtSandbox {
     pub(crate) agent: AgentClient,
     pub(crate) criu: PathBuf,
     pub(crate) store: clade_store::Store,
-    pub(crate) lower: PathBuf,
+    /// The overlay's lowerdir list (agent layer, template rootfs).
+    pub(crate) lower: String,
     pub(crate) shape: Shape,
     pub(crate) compat: BTreeMap<String, String>,
     pub(crate) ready_timeout: Duration,
     pub(crate) dumps: u32,
     /// Time from the start call to the agent's first answer.
     pub startup: Duration,
+    /// Time since the start call at the end of each phase (restore: verified, files, criu, agent).
+    pub phases: Vec<(&'static str, Duration)>,
 }
 
 fn failed(e: String) -> BackendError {
@@ -64,12 +68,16 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     for d in [&upper, &work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
-    install_agent(&b.cfg.agent_bin, &upper)?;
+    let rootfs = image.rootfs.display().to_string();
+    if rootfs.contains([':', ',']) {
+        return Err(failed(format!("rootfs path {rootfs:?} contains ':' or ',', which overlayfs cannot take")));
+    }
+    let lower = format!("{}:{rootfs}", agent_layer(&b.home, &b.cfg.agent_bin)?.display());
     b.check_fail(FailPoint::Files)?;
     res.cgroup = Some(Cgroup::create(&id.sandbox_id, limit_bytes(&image.shape)).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     let spec = crate::spawn::InitSpec {
-        lower: image.rootfs.clone(),
+        lower: lower.clone(),
         upper,
         work,
         root,
@@ -87,12 +95,13 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         agent,
         criu: b.cfg.criu.clone(),
         store: b.store.clone(),
-        lower: image.rootfs.clone(),
+        lower,
         shape: image.shape.clone(),
         compat: clade_core::backend::Backend::host_compat(b),
         ready_timeout: b.cfg.ready_timeout,
         dumps: 0,
         startup: t0.elapsed(),
+        phases: Vec::new(),
     })
 }
 
@@ -111,16 +120,31 @@ fn console_of(pid: u32) -> String {
     text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
-/// Copy the agent into the upper at `AGENT_PATH`, so CRIU never sees a bind mount from the host for it.
-fn install_agent(bin: &Path, upper: &Path) -> Result<(), BackendError> {
-    use std::os::unix::fs::PermissionsExt;
-    let dest = upper.join(crate::spawn::AGENT_PATH.trim_start_matches('/'));
-    if let Some(dir) = dest.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| failed(format!("create {}: {e}", dir.display())))?;
+/// A read-only overlay layer holding only the agent at `AGENT_PATH`, shared by every sandbox of this agent
+/// build (keyed by size and mtime): the agent is then neither in any upper nor in any mark, and CRIU sees it as
+/// an ordinary file of the root mount, never as a bind mount from the host.
+fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, BackendError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let md = std::fs::metadata(bin).map_err(|e| failed(format!("the agent {}: {e}", bin.display())))?;
+    let dir = home.cache_dir().join("ct-agent").join(format!("{}-{}-{}", md.len(), md.mtime(), md.mtime_nsec()));
+    if dir.exists() {
+        return Ok(dir);
     }
-    std::fs::copy(bin, &dest).map_err(|e| failed(format!("copy the agent {}: {e}", bin.display())))?;
-    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
-        .map_err(|e| failed(format!("chmod {}: {e}", dest.display())))
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let dest = tmp.join(crate::spawn::AGENT_PATH.trim_start_matches('/'));
+    let res = (|| {
+        std::fs::create_dir_all(dest.parent().unwrap_or(&tmp))?;
+        std::fs::copy(bin, &dest)?;
+        std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, &dir)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !dir.exists() {
+            return Err(failed(format!("lay out the agent layer {}: {e}", dir.display())));
+        }
+    }
+    Ok(dir)
 }
 
 impl std::fmt::Debug for CtSandbox {
@@ -252,7 +276,7 @@ impl CtSandbox {
         let manifests: BTreeMap<String, String> = [
             (ROLE_CRIU.to_string(), img.id.to_hex()),
             (ROLE_UPPER.to_string(), upper.id.to_hex()),
-            (ROLE_ROOTFS.to_string(), self.lower.display().to_string()),
+            (ROLE_ROOTFS.to_string(), self.lower.clone()),
         ]
         .into();
         Ok(MarkState {

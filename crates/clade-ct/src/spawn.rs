@@ -26,7 +26,8 @@ const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 
 /// What the init child needs, prepared before the fork.
 pub struct InitSpec {
-    pub lower: PathBuf,
+    /// overlayfs lowerdir list.
+    pub lower: String,
     pub upper: PathBuf,
     pub work: PathBuf,
     /// Mount point of the merged root (a directory in the run dir; mounted only inside the sandbox).
@@ -40,8 +41,7 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     nix::sys::prctl::set_child_subreaper(true).map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
     let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    let overlay =
-        format!("lowerdir={},upperdir={},workdir={}", spec.lower.display(), spec.upper.display(), spec.work.display());
+    let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
     let argv: Vec<CString> = [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET)]
         .iter()
         .map(|s| CString::new(*s).map_err(|e| e.to_string()))

@@ -64,6 +64,15 @@ impl Bench {
 
     /// Restore with hygiene to agent-ready.
     fn restore(&self, mark: &MarkState) -> Result<(CtSandbox, Duration, Duration), String> {
+        let out = self.restore_inner(mark)?;
+        if std::env::var_os("CT_BENCH_PHASES").is_some() {
+            let p: Vec<(String, f64)> = out.0.phases.iter().map(|(k, d)| (k.to_string(), ms(*d))).collect();
+            eprintln!("{}", json!({"phases": p}));
+        }
+        Ok(out)
+    }
+
+    fn restore_inner(&self, mark: &MarkState) -> Result<(CtSandbox, Duration, Duration), String> {
         let t0 = Instant::now();
         let id = self.ident("r");
         let sb = self.backend.restore_ct(mark, &id).map_err(|e| e.to_string())?;
