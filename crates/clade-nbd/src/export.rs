@@ -377,3 +377,80 @@ impl Export {
         Ok(id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::{MemSnapshotter, MemSource};
+
+    fn export(data: Vec<u8>) -> Export {
+        Export::new(Arc::new(MemSource::new("m", data)), false, Some(Arc::new(MemSnapshotter::default())))
+    }
+
+    #[test]
+    fn concurrent_partial_writes_to_one_block_all_land() {
+        let e = Arc::new(export(vec![7u8; 2 * BLOCK]));
+        let threads: Vec<_> = (0..8u8)
+            .map(|t| {
+                let e = e.clone();
+                std::thread::spawn(move || {
+                    for i in 0..64u64 {
+                        let at = u64::from(t) * 512 + i * 8;
+                        e.write(at, &[t + 1; 8]).unwrap();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let mut buf = vec![0u8; 2 * BLOCK];
+        e.read(0, &mut buf).unwrap();
+        for t in 0..8usize {
+            assert!(buf[t * 512..(t + 1) * 512].iter().all(|&b| b == t as u8 + 1), "writer {t} lost bytes");
+        }
+        assert!(buf[BLOCK..].iter().all(|&b| b == 7));
+        assert_eq!(e.stats().dirty_blocks, 1);
+    }
+
+    #[test]
+    fn zeroes_trim_and_extents() {
+        let e = export(vec![1u8; 4 * BLOCK + 100]);
+        e.write_zeroes(10, 20).unwrap(); // partial: read-modify-write
+        e.write_zeroes(BLOCK_U64, BLOCK_U64).unwrap(); // whole block: a marker
+        e.trim(2 * BLOCK_U64 + 1, BLOCK_U64).unwrap(); // covers no whole block: ignored
+        e.trim(4 * BLOCK_U64, 100).unwrap(); // the short last block, to the end: zero
+        let mut buf = vec![9u8; 4 * BLOCK + 100];
+        e.read(0, &mut buf).unwrap();
+        assert!(buf[..10].iter().all(|&b| b == 1) && buf[10..30].iter().all(|&b| b == 0));
+        assert!(buf[BLOCK..2 * BLOCK].iter().all(|&b| b == 0));
+        assert!(buf[2 * BLOCK..4 * BLOCK].iter().all(|&b| b == 1));
+        assert!(buf[4 * BLOCK..].iter().all(|&b| b == 0));
+        let x = e.extents(0, 4 * BLOCK_U64 + 100).unwrap();
+        assert_eq!(
+            x,
+            vec![
+                Extent { offset: 0, len: BLOCK_U64, zero: false },
+                Extent { offset: BLOCK_U64, len: BLOCK_U64, zero: true },
+                Extent { offset: 2 * BLOCK_U64, len: 2 * BLOCK_U64, zero: false },
+                Extent { offset: 4 * BLOCK_U64, len: 100, zero: true },
+            ]
+        );
+        assert!(matches!(e.read(4 * BLOCK_U64, &mut [0u8; 101]), Err(ExportError::OutOfRange { .. })));
+        assert_eq!(e.write(u64::MAX, &[1]).unwrap_err().errno(true), crate::proto::ENOSPC);
+    }
+
+    #[test]
+    fn snapshot_folds_overlay_into_new_base() {
+        let e = export(vec![3u8; 3 * BLOCK]);
+        e.write(BLOCK_U64 + 1, b"ab").unwrap();
+        e.write_zeroes(2 * BLOCK_U64, BLOCK_U64).unwrap();
+        assert_eq!(e.snapshot().unwrap(), "mem-1");
+        assert_eq!(e.stats().dirty_blocks, 0);
+        let mut buf = vec![0u8; 3 * BLOCK];
+        e.base().read_at(0, &mut buf).unwrap();
+        assert_eq!(&buf[BLOCK..BLOCK + 3], &[3, b'a', b'b']);
+        assert!(buf[2 * BLOCK..].iter().all(|&b| b == 0));
+        let ro = Export::new(e.base(), true, None);
+        assert!(matches!(ro.write(0, &[1]), Err(ExportError::ReadOnly)));
+        assert!(matches!(ro.snapshot(), Err(ExportError::NoSnapshotter)));
+    }
+}

@@ -114,8 +114,15 @@ impl Server {
         }
     }
 
-    /// Binds `path` (removing a stale socket file first) and serves on it.
+    /// Binds `path`, first removing a stale socket file there; a socket that still answers is
+    /// another live server's and is left alone (`AddrInUse`).
     pub fn bind_unix(path: &Path) -> std::io::Result<UnixListener> {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("{} is in use by a running server; stop it or pick another path", path.display()),
+            ));
+        }
         match std::fs::remove_file(path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

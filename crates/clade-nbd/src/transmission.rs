@@ -85,6 +85,9 @@ fn do_block_status(export: &Export, mode: Mode, req: &Request) -> Vec<u8> {
     if !mode.base_allocation {
         return error_reply(mode, req.cookie, EINVAL, "no metadata context was negotiated");
     }
+    if req.len == 0 {
+        return error_reply(mode, req.cookie, EINVAL, "block status of an empty range");
+    }
     let extents = match export.extents(req.offset, u64::from(req.len)) {
         Ok(e) => e,
         Err(e) => return export_error(mode, req, &e, false),
