@@ -30,9 +30,8 @@ fn hash_full_blocks(blocks: &[u8], out: &mut Vec<ObjectId>) {
     let p = platform();
     let mut cvs = vec![0u8; n * 4 * 32];
     for k in 0..4 {
-        let chunks: Vec<&[u8; CHUNK]> = (0..n)
-            .filter_map(|i| blocks[i * BLOCK + k * CHUNK..i * BLOCK + (k + 1) * CHUNK].try_into().ok())
-            .collect();
+        let chunks: Vec<&[u8; CHUNK]> =
+            (0..n).filter_map(|i| blocks[i * BLOCK + k * CHUNK..i * BLOCK + (k + 1) * CHUNK].try_into().ok()).collect();
         let mut o = vec![0u8; n * 32];
         p.hash_many(&chunks, &IV, k as u64, IncrementCounter::No, 0, CHUNK_START, CHUNK_END, &mut o);
         for i in 0..n {
@@ -58,12 +57,8 @@ pub(crate) fn hash_blocks(data: &[u8]) -> Vec<Option<ObjectId>> {
     let zero = [0u8; BLOCK];
     let full = data.len() / BLOCK * BLOCK;
     // Gather the non-zero full blocks, hash them in one batch, scatter back.
-    let nonzero: Vec<usize> = data[..full]
-        .chunks_exact(BLOCK)
-        .enumerate()
-        .filter(|(_, b)| *b != &zero[..])
-        .map(|(i, _)| i)
-        .collect();
+    let nonzero: Vec<usize> =
+        data[..full].chunks_exact(BLOCK).enumerate().filter(|(_, b)| *b != &zero[..]).map(|(i, _)| i).collect();
     let mut ids = Vec::with_capacity(nonzero.len());
     // Contiguous runs of non-zero blocks are hashed straight from `data`.
     let mut i = 0;

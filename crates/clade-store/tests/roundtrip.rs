@@ -185,7 +185,9 @@ fn trees_round_trip_files_modes_symlinks_and_special_files() {
     assert_eq!(std::fs::read(dest.join("empty")).unwrap(), b"");
     assert_eq!(std::fs::metadata(dest.join("a/small.img")).unwrap().mode() & 0o7777, 0o640);
     assert_eq!(std::fs::read_link(dest.join("link")).unwrap(), std::path::Path::new("a/small.img"));
-    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&std::fs::symlink_metadata(dest.join("fifo")).unwrap().file_type()));
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(
+        &std::fs::symlink_metadata(dest.join("fifo")).unwrap().file_type()
+    ));
     assert_eq!(
         std::fs::metadata(dest.join("a/b/pages-1.img")).unwrap().mtime(),
         std::fs::metadata(src.join("a/b/pages-1.img")).unwrap().mtime()

@@ -175,6 +175,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             None => Vec::new(),
         }
     };
+    if let Some(file) = arg("--put-only") {
+        // For profiling: one put of FILE into a fresh store next to it, zstd off.
+        let d = PathBuf::from(format!("{file}.store"));
+        let _ = std::fs::remove_dir_all(&d);
+        let s = Store::open(&d, StoreConfig { compression_level: None, ..Default::default() })?;
+        let c0 = cpu().0;
+        let (t, r) = secs(|| s.put_file_rehash(Path::new(&file), ImageKind::Mem));
+        emit(serde_json::json!({"figure": "put_only", "secs": t, "cpu_secs": cpu().0 - c0, "bytes_new": r?.bytes_new}));
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+        return Ok(());
+    }
     if !ram.is_empty() {
         let base = PathBuf::from(arg("--dir").unwrap_or_else(|| "/dev/shm".into()));
         let work = base.join(format!("clade-store-bench.{}", std::process::id()));

@@ -247,3 +247,42 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(subcommand)]
+        cmd: Command,
+    }
+
+    fn run_args(args: &[&str]) -> anyhow::Result<i32> {
+        let t = T::try_parse_from(std::iter::once("store").chain(args.iter().copied()))?;
+        run(t.cmd)
+    }
+
+    #[test]
+    fn put_get_fsck_gc_stats_rm_through_the_cli() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path().join("s");
+        let s = s.to_str().unwrap();
+        let f = d.path().join("img");
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&f, &data).unwrap();
+        assert_eq!(run_args(&["put", f.to_str().unwrap(), "--kind", "mem", "--store", s]).unwrap(), 0);
+        let store = Store::open(std::path::Path::new(s), StoreConfig::default()).unwrap();
+        let id = store.manifests().unwrap()[0];
+        let out = d.path().join("out");
+        assert_eq!(run_args(&["get", &id.to_hex(), out.to_str().unwrap(), "--store", s]).unwrap(), 0);
+        assert_eq!(std::fs::read(&out).unwrap(), data);
+        assert_eq!(run_args(&["fsck", "--json", "--store", s]).unwrap(), 0);
+        assert_eq!(run_args(&["stats", "--store", s]).unwrap(), 0);
+        assert_eq!(run_args(&["rm", &id.to_hex(), "--store", s]).unwrap(), 0);
+        assert_eq!(run_args(&["gc", "--dry-run", "--json", "--store", s]).unwrap(), 0);
+        assert!(run_args(&["get", "nothex", "x", "--store", s]).is_err());
+        assert!(run_args(&["put", "/nonexistent/file", "--store", s]).is_err());
+    }
+}
