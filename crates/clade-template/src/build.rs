@@ -99,6 +99,9 @@ pub struct BuildReport {
     pub steps: Vec<Progress>,
 }
 
+/// Scratch directories older than this belong to a build that died.
+const STALE_SCRATCH: Duration = Duration::from_secs(6 * 3600);
+
 type ProgressFn = Box<dyn Fn(&Progress) + Send + Sync>;
 
 /// Builds templates into a `CladeHome`.
@@ -181,6 +184,10 @@ impl Builder {
     /// Builds (or finds in the cache) the template of `spec` for `backends`.
     pub fn build(&self, spec: &TemplateSpec, backends: Backends) -> Result<BuildReport> {
         let mut steps = Steps { t0: Instant::now(), list: Vec::new(), sink: self.progress.as_ref() };
+        let swept = crate::chroot::sweep_stale(&self.home.tmp_dir(), STALE_SCRATCH);
+        if swept > 0 {
+            steps.note("tmp", format!("removed {swept} scratch directories of builds that died"));
+        }
         if let Some(a) = &self.agent {
             if !a.is_file() {
                 return Err(TemplateError::Host(format!(

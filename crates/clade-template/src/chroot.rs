@@ -110,6 +110,29 @@ impl Drop for Scratch {
     }
 }
 
+/// Scratch prefixes this crate creates under `$CLADE_HOME/tmp`.
+const SCRATCH_PREFIXES: [&str; 5] = ["template-", "packages-", "debootstrap-", "image-", "rm-"];
+
+/// Removes scratch directories of builds that died (killed, power loss) and are older than `max_age`;
+/// never one with a mount under it. Returns how many went. A build in flight is minutes old, so an age
+/// of an hour or more cannot race one.
+pub fn sweep_stale(tmp_root: &Path, max_age: std::time::Duration) -> usize {
+    let Ok(rd) = std::fs::read_dir(tmp_root) else { return 0 };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !SCRATCH_PREFIXES.iter().any(|p| name.starts_with(p)) || !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let old =
+            e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|a| a >= max_age);
+        if old && mounts_under(&e.path()).is_empty() && std::fs::remove_dir_all(e.path()).is_ok() {
+            n += 1;
+        }
+    }
+    n
+}
+
 /// Runs a command, capturing its output; on failure the error carries the step, the command line and the
 /// last lines of output.
 pub fn run(step: &str, cmd: &mut Command) -> Result<String> {
@@ -139,6 +162,36 @@ pub fn run(step: &str, cmd: &mut Command) -> Result<String> {
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweep_removes_only_old_scratch_dirs() {
+        let d = tempfile::tempdir().unwrap();
+        for n in ["template-abc", "packages-x", "unrelated"] {
+            std::fs::create_dir_all(d.path().join(n).join("sub")).unwrap();
+        }
+        assert_eq!(sweep_stale(d.path(), std::time::Duration::from_secs(3600)), 0, "fresh dirs stay");
+        assert_eq!(sweep_stale(d.path(), std::time::Duration::ZERO), 2);
+        assert!(d.path().join("unrelated").exists());
+        assert!(!d.path().join("template-abc").exists());
+    }
+
+    #[test]
+    fn scratch_is_removed_on_drop_unless_renamed_away() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Scratch::new(d.path(), "template-").unwrap();
+        std::fs::write(s.path().join("f"), "x").unwrap();
+        let p = s.path().to_path_buf();
+        drop(s);
+        assert!(!p.exists());
+        let e = run("step", Command::new("sh").args(["-c", "echo out; echo err >&2; exit 3"])).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("step") && m.contains("out") && m.contains("err") && m.contains('3'), "{m}");
+    }
 }
 
 /// Whether this process may mount, chroot and chown.

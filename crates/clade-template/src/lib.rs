@@ -30,7 +30,7 @@ pub mod spec;
 
 pub use build::{Backends, BuildReport, Builder, DiskRecord, Progress, TemplateRecord};
 pub use catalog::{find, list, remove, Removed};
-pub use chroot::mounts_under;
+pub use chroot::{mounts_under, sweep_stale};
 pub use error::{Result, TemplateError};
 pub use identity::{Identity, BUILDER_VERSION};
 pub use spec::{Ready, Service, Source, TemplateSpec};
