@@ -177,4 +177,15 @@ pub trait Backend: Send + Sync {
     /// Start a sandbox from a mark (refused before anything starts when `check_compat` fails or the mark's
     /// state does not verify), with the agent answering. Hygiene is the caller's next step.
     fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError>;
+    /// Do everything of a restore except letting the sandbox run (a warm-pool member waits in this state):
+    /// `Prepared::start` then only loads what is left and continues. `None`: this backend has no such split;
+    /// call `restore`.
+    fn prepare(&self, _mark: &MarkState, _id: &Identity) -> Result<Option<Box<dyn Prepared>>, BackendError> {
+        Ok(None)
+    }
+}
+
+/// A restore made ready up to the moment the sandbox would run; dropping it releases everything it holds.
+pub trait Prepared: Send {
+    fn start(self: Box<Self>) -> Result<Box<dyn Sandbox>, BackendError>;
 }

@@ -68,6 +68,13 @@ pub struct Engine {
     ledger: Mutex<Ledger>,
 }
 
+/// A restore prepared up to running (a warm-pool member), with the identity it will get.
+pub struct PreparedRestore {
+    pub prepared: Box<dyn crate::backend::Prepared>,
+    pub identity: crate::backend::Identity,
+    pub clean: bool,
+}
+
 /// A sandbox restored by [`Engine::restore_into`], with what it cost.
 pub struct Restored {
     pub sandbox: Box<dyn Sandbox>,
@@ -160,6 +167,16 @@ impl Engine {
 
     /// A new sandbox record on a new branch forked at `origin` (every sandbox owns its branch).
     pub fn new_sandbox(&self, kind: BackendKind, origin: Option<&Mark>) -> Result<clade_ledger::SandboxRecord> {
+        self.new_sandbox_with_id(kind, origin, None)
+    }
+
+    /// As [`Engine::new_sandbox`], with an id chosen by the caller (a warm-pool member names itself).
+    pub fn new_sandbox_with_id(
+        &self,
+        kind: BackendKind,
+        origin: Option<&Mark>,
+        id: Option<SandboxId>,
+    ) -> Result<clade_ledger::SandboxRecord> {
         let l = self.ledger();
         let branch = l.create_branch(&NewBranch {
             id: None,
@@ -168,7 +185,7 @@ impl Engine {
             policy: RetentionPolicy::KEEP_ALL,
         })?;
         Ok(l.create_sandbox(&NewSandbox {
-            id: None,
+            id,
             backend: to_ledger(kind),
             branch: branch.id,
             origin_mark: origin.map(|m| m.id.clone()),
@@ -190,6 +207,39 @@ impl Engine {
         let id = hygiene::new_identity(sbx.as_str(), generation);
         let start = Instant::now();
         let result = backend.restore(&state, &id);
+        self.finish_restore(result, start, &id, state.clean, sbx, mark)
+    }
+
+    /// A warm-pool member: everything of a restore of `mark` as `sbx` except running it. `None` when the
+    /// backend cannot split a restore.
+    pub fn prepare(
+        &self,
+        backend: &dyn Backend,
+        sbx: &SandboxId,
+        mark: &Mark,
+        generation: u64,
+    ) -> Result<Option<PreparedRestore>> {
+        let state = self.mark_state(mark)?;
+        let id = hygiene::new_identity(sbx.as_str(), generation);
+        Ok(backend.prepare(&state, &id)?.map(|p| PreparedRestore { prepared: p, identity: id, clean: state.clean }))
+    }
+
+    /// Run a prepared restore (claimed from the pool) as sandbox `sbx`, with hygiene, recorded like a restore.
+    pub fn start_prepared(&self, p: PreparedRestore, sbx: &SandboxId, mark: &Mark) -> Result<Restored> {
+        let start = Instant::now();
+        let result = p.prepared.start();
+        self.finish_restore(result, start, &p.identity, p.clean, sbx, mark)
+    }
+
+    fn finish_restore(
+        &self,
+        result: Result<Box<dyn Sandbox>, BackendError>,
+        start: Instant,
+        id: &crate::backend::Identity,
+        clean: bool,
+        sbx: &SandboxId,
+        mark: &Mark,
+    ) -> Result<Restored> {
         let restore = start.elapsed();
         let sandbox = match result {
             Ok(s) => s,
@@ -198,7 +248,7 @@ impl Engine {
                 return Err(e.into());
             }
         };
-        let hygiene = if state.clean { Some(hygiene::apply(sandbox.agent(), &id, true)?) } else { None };
+        let hygiene = if clean { Some(hygiene::apply(sandbox.agent(), id, true)?) } else { None };
         let total = start.elapsed();
         self.op(
             "restore",

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use clade_agent::client::AgentClient;
 use clade_core::backend::{
-    check_compat, Backend, BackendError, BackendKind, Identity, MarkOptions, MarkState, Sandbox, Shape, TemplateImage,
+    check_compat, Backend, BackendError, BackendKind, Identity, MarkOptions, MarkState, Prepared, Sandbox, Shape,
+    TemplateImage,
 };
 use clade_core::CladeHome;
 use clade_store::{ImageKind, Lease, ManifestId, Store};
@@ -261,6 +262,19 @@ impl Backend for VmBackend {
     }
 
     fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        self.prepare_vm(mark, id)?.start_vm()
+    }
+
+    fn prepare(&self, mark: &MarkState, id: &Identity) -> Result<Option<Box<dyn Prepared>>, BackendError> {
+        Ok(Some(Box::new(self.prepare_vm(mark, id)?)))
+    }
+}
+
+impl VmBackend {
+    /// Everything of a restore up to the guest running: the root RAM file (rebuilt from the store if missing),
+    /// the device state and the mark's own pages fetched, the disk export up, QEMU started on `-incoming defer`
+    /// with the pages written into its private mapping.
+    fn prepare_vm(&self, mark: &MarkState, id: &Identity) -> Result<VmPrepared, BackendError> {
         if mark.backend != BackendKind::Vm {
             return Err(failed("not a vm mark"));
         }
@@ -269,7 +283,6 @@ impl Backend for VmBackend {
         let root = manifest(mark, role::RAM_ROOT)?.to_string();
         let disk_manifest = manifest(mark, role::DISK)?;
         let mut leases = vec![self.lease(&root)?, self.lease(disk_manifest)?];
-        // The root RAM file, rebuilt from the store when this host does not have it.
         let ram_file = self.root_ram_file(&root);
         if !ram_file.exists() {
             self.materialize_root(&root, &ram_file)?;
@@ -299,28 +312,67 @@ impl Backend for VmBackend {
             true,
             devstate_only,
         );
-        let (vm, _stats) = if devstate_only {
-            crate::templating::restore_clone_mark(&self.inner.qemu, spec, &state, &pages, &data, &run.path.join("qemu"))
-        } else {
-            crate::templating::restore(&self.inner.qemu, spec, &state, &run.path.join("qemu"))
-        }
-        .map_err(failed)?;
-        let (agent, _hello) = crate::agent_link::hello_until(&agent_sock, RESTORE_TIMEOUT)
-            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
-        Ok(Box::new(VmSandbox {
+        let vm = Vm::spawn(&self.inner.qemu, spec, &run.path.join("qemu")).map_err(failed)?;
+        crate::templating::write_mark_pages(&vm, &pages, &data).map_err(failed)?;
+        Ok(VmPrepared {
             backend: self.clone(),
             id: id.sandbox_id.clone(),
             shape: mark.shape.clone(),
-            vm: Some(vm),
+            vm,
+            state,
             disk,
-            agent,
             agent_sock,
             ram_file,
-            root: Some(root),
+            root,
             leases,
             run,
             generation: id.generation,
+        })
+    }
+}
+
+/// A `vm` restore waiting to run: QEMU on `-incoming defer` with its RAM in place.
+pub struct VmPrepared {
+    backend: VmBackend,
+    id: String,
+    shape: Shape,
+    vm: Vm,
+    state: PathBuf,
+    disk: DiskExport,
+    agent_sock: PathBuf,
+    ram_file: PathBuf,
+    root: String,
+    leases: Vec<Lease>,
+    run: RunDir,
+    generation: u64,
+}
+
+impl VmPrepared {
+    fn start_vm(self) -> Result<Box<dyn Sandbox>, BackendError> {
+        let mut vm = self.vm;
+        crate::templating::load_and_continue(&mut vm, &self.state).map_err(failed)?;
+        let (agent, _hello) = crate::agent_link::hello_until(&self.agent_sock, RESTORE_TIMEOUT)
+            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
+        Ok(Box::new(VmSandbox {
+            backend: self.backend,
+            id: self.id,
+            shape: self.shape,
+            vm: Some(vm),
+            disk: self.disk,
+            agent,
+            agent_sock: self.agent_sock,
+            ram_file: self.ram_file,
+            root: Some(self.root),
+            leases: self.leases,
+            run: self.run,
+            generation: self.generation,
         }))
+    }
+}
+
+impl Prepared for VmPrepared {
+    fn start(self: Box<Self>) -> Result<Box<dyn Sandbox>, BackendError> {
+        self.start_vm()
     }
 }
 

@@ -65,27 +65,48 @@ pub fn save_device_state(vm: &mut Vm, dest: &Path) -> Result<SaveStats, VmError>
 
 /// Start a clone of a mark: `spec` must name the mark's RAM file with `share: false` and `incoming: true`.
 pub fn restore(qemu: &Path, spec: VmSpec, state: &Path, run_dir: &Path) -> Result<(Vm, RestoreStats), VmError> {
-    let start = Instant::now();
-    let mut vm = Vm::spawn(qemu, spec, run_dir)?;
-    let spawn_ms = start.elapsed().as_secs_f64() * 1e3;
+    restore_clone_mark(qemu, spec, state, &[], &[], run_dir)
+}
+
+/// Load device state into a QEMU waiting on `-incoming defer` (its RAM already in place) and continue it.
+/// Returns the load time in ms.
+pub fn load_and_continue(vm: &mut Vm, state: &Path) -> Result<f64, VmError> {
     let load = Instant::now();
     let r = vm.qmp.execute(
         "migrate-set-capabilities",
         json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
     );
-    qmp(&mut vm, r)?;
+    qmp(vm, r)?;
     let file = std::fs::File::open(state).map_err(|e| VmError::RunDir(state.display().to_string(), e))?;
     let r = vm.qmp.send_fd("statefd", file.as_fd()).map(|_| json!({}));
-    qmp(&mut vm, r)?;
+    qmp(vm, r)?;
     let r = vm.qmp.execute("migrate-incoming", json!({"uri": "fd:statefd"}));
-    qmp(&mut vm, r)?;
+    qmp(vm, r)?;
     let r = vm.qmp.wait_migration(Duration::from_secs(30));
-    qmp(&mut vm, r)?;
+    qmp(vm, r)?;
     let load_ms = load.elapsed().as_secs_f64() * 1e3;
     let r = vm.qmp.execute("cont", json!({}));
-    qmp(&mut vm, r)?;
-    let total_ms = start.elapsed().as_secs_f64() * 1e3;
-    Ok((vm, RestoreStats { spawn_ms, load_ms, total_ms }))
+    qmp(vm, r)?;
+    Ok(load_ms)
+}
+
+/// Write a mark's own pages (relative to the root RAM file the QEMU maps privately) into a QEMU that has not
+/// run yet.
+pub fn write_mark_pages(vm: &Vm, pages: &[u64], data: &[u8]) -> Result<(), VmError> {
+    if pages.is_empty() {
+        return Ok(());
+    }
+    let io = |e: std::io::Error| VmError::RunDir("guest RAM".into(), e);
+    let mapping = crate::ramdiff::find_mapping(vm.pid(), &vm.spec.ram.path).map_err(io)?;
+    let mem = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{}/mem", vm.pid())).map_err(io)?;
+    let page = crate::ramdiff::PAGE as usize;
+    let mut off = 0usize;
+    for (first, n) in crate::ramdiff::runs(pages) {
+        let len = n as usize * page;
+        crate::ramdiff::write_pages(&mem, &mapping, first, &data[off..off + len]).map_err(io)?;
+        off += len;
+    }
+    Ok(())
 }
 
 /// A mark of a clone: its device state (without RAM) and the pages it changed relative to the RAM file it maps.
@@ -123,9 +144,9 @@ pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> 
 
 /// Start a child of a clone's mark: QEMU maps the base RAM file `share=off` and waits on `-incoming defer`; the
 /// mark's pages are written into its private mapping, then its device state is loaded through the ordinary
-/// incoming path and it continues. `spec` must have `share: false`, `incoming: true`, `devstate_only: true`.
-/// (`xen-load-devices-state` would load the same file without `-incoming`, but QEMU 7.2 aborts in it:
-/// `yank_unregister_instance: Assertion 'entry' failed`.)
+/// incoming path and it continues. `spec` must have `share: false`, `incoming: true`, and `devstate_only` when
+/// the state came from [`save_clone_state`]. (`xen-load-devices-state` would load the same file without
+/// `-incoming`, but QEMU 7.2 aborts in it: `yank_unregister_instance: Assertion 'entry' failed`.)
 pub fn restore_clone_mark(
     qemu: &Path,
     spec: VmSpec,
@@ -137,26 +158,9 @@ pub fn restore_clone_mark(
     let start = Instant::now();
     let mut vm = Vm::spawn(qemu, spec, run_dir)?;
     let spawn_ms = start.elapsed().as_secs_f64() * 1e3;
-    let load = Instant::now();
-    let io = |e: std::io::Error| VmError::RunDir("guest RAM".into(), e);
-    let mapping = crate::ramdiff::find_mapping(vm.pid(), &vm.spec.ram.path).map_err(io)?;
-    let mem = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{}/mem", vm.pid())).map_err(io)?;
-    let page = crate::ramdiff::PAGE as usize;
-    let mut off = 0usize;
-    for (first, n) in crate::ramdiff::runs(pages) {
-        let len = n as usize * page;
-        crate::ramdiff::write_pages(&mem, &mapping, first, &data[off..off + len]).map_err(io)?;
-        off += len;
-    }
-    let file = std::fs::File::open(state).map_err(|e| VmError::RunDir(state.display().to_string(), e))?;
-    let r = vm.qmp.send_fd("statefd", file.as_fd()).map(|_| json!({}));
-    qmp(&mut vm, r)?;
-    let r = vm.qmp.execute("migrate-incoming", json!({"uri": "fd:statefd"}));
-    qmp(&mut vm, r)?;
-    let r = vm.qmp.wait_migration(Duration::from_secs(30));
-    qmp(&mut vm, r)?;
-    let load_ms = load.elapsed().as_secs_f64() * 1e3;
-    let r = vm.qmp.execute("cont", json!({}));
-    qmp(&mut vm, r)?;
+    let t = Instant::now();
+    write_mark_pages(&vm, pages, data)?;
+    let pages_ms = t.elapsed().as_secs_f64() * 1e3;
+    let load_ms = load_and_continue(&mut vm, state)? + pages_ms;
     Ok((vm, RestoreStats { spawn_ms, load_ms, total_ms: start.elapsed().as_secs_f64() * 1e3 }))
 }

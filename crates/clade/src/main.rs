@@ -33,6 +33,9 @@ enum Command {
     /// Bases: a template booted once, provisioned and marked.
     #[command(subcommand)]
     Base(cmd::base::Command),
+    /// Warm pools: prepared restores of a mark waiting for a fork.
+    #[command(subcommand)]
+    Pool(cmd::pool::Command),
     /// Start one sandbox from a mark, or from a template's base (`--backend vm|ct`).
     Run(cmd::sandbox::RunArgs),
     /// Start N sibling sandboxes from one mark (or a template's base).
@@ -68,6 +71,7 @@ fn main() {
         Command::Nbd(c) => cmd::nbd::run(c),
         Command::Template(c) => cmd::template::run(c),
         Command::Base(c) => cmd::base::run(c),
+        Command::Pool(c) => cmd::pool::run(c),
         Command::Run(a) => cmd::sandbox::run(a),
         Command::Fork(a) => cmd::sandbox::fork(a),
         Command::Exec(a) => cmd::sandbox::exec(a),

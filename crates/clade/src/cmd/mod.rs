@@ -4,6 +4,7 @@ pub mod base;
 pub mod demo;
 pub mod doctor;
 pub mod nbd;
+pub mod pool;
 pub mod sandbox;
 pub mod store;
 pub mod supervise;

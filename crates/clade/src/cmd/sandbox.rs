@@ -137,21 +137,41 @@ fn wait_ready(home: &CladeHome, sandbox: &SandboxId, timeout: Duration) -> anyho
     }
 }
 
-/// Fork `count` siblings of a mark: a sandbox record each, a supervisor each (started together), then wait.
+/// Fork `count` siblings of a mark: claim warm-pool members first (all at once), start supervisors for the
+/// rest, wait for all, then refill the pool in the background.
 pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Vec<Ready>, Duration)> {
+    use crate::supervisor::pool;
     let home = &engine.home;
     let start = Instant::now();
-    let mut ids = Vec::new();
+    let mut claimed = Vec::new();
+    let mut cold = Vec::new();
     for _ in 0..count {
-        let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark))?;
-        spawn_supervisor(home, &rec.id, mark, 1)?;
-        ids.push(rec.id);
+        match pool::take(home, mark.id.as_str()) {
+            Some(m) => claimed.push(m),
+            None => {
+                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark))?;
+                spawn_supervisor(home, &rec.id, mark, 1)?;
+                cold.push(rec.id);
+            }
+        }
     }
     let mut out = Vec::new();
-    for id in &ids {
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let handles: Vec<_> =
+            claimed.iter().map(|(id, sock)| scope.spawn(move || pool::claim(engine, mark, id, sock))).collect();
+        for h in handles {
+            out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
+        }
+        Ok(())
+    })?;
+    for id in &cold {
         out.push(wait_ready(home, id, Duration::from_secs(180))?);
     }
-    Ok((out, start.elapsed()))
+    let took = start.elapsed();
+    if !claimed.is_empty() {
+        let _ = pool::refill(home, mark.id.as_str());
+    }
+    Ok((out, took))
 }
 
 pub fn fork(a: ForkArgs) -> anyhow::Result<i32> {

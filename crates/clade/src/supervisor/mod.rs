@@ -4,6 +4,7 @@
 //! ledger records its pid, so `clade ls` reports a sandbox whose supervisor died instead of losing it.
 
 pub mod client;
+pub mod pool;
 pub mod protocol;
 pub mod server;
 

@@ -45,10 +45,7 @@ pub fn run(
     std::fs::create_dir_all(&dir)?;
     let ready = super::ready_file(&home, id.as_str());
     let _ = std::fs::remove_file(&ready);
-    let stop = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
-    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
-
+    let stop = stop_flag()?;
     let fail = |engine: &Engine, e: &dyn std::fmt::Display| {
         let _ = engine.ledger().set_sandbox_state(&id, SandboxState::Failed, Some(&e.to_string()));
         write_ready(&ready, &Ready { ok: false, sandbox: id.to_string(), error: Some(e.to_string()), ..empty(&id) });
@@ -70,21 +67,42 @@ pub fn run(
             return Err(e.into());
         }
     };
+    serve_restored(engine, backend, id, restored, generation, &stop)
+}
+
+/// Serve a restored sandbox: bind its control socket, publish `ready.json`, answer requests until it ends.
+pub fn serve_restored(
+    engine: Engine,
+    backend: Arc<dyn Backend>,
+    id: SandboxId,
+    restored: clade_core::engine::Restored,
+    generation: u64,
+    stop: &AtomicBool,
+) -> anyhow::Result<()> {
+    serve_restored_then(engine, backend, id, restored, generation, stop, || {})
+}
+
+/// As [`serve_restored`], calling `ready` once the control socket listens (a pool member answers its claimer).
+pub fn serve_restored_then(
+    engine: Engine,
+    backend: Arc<dyn Backend>,
+    id: SandboxId,
+    restored: clade_core::engine::Restored,
+    generation: u64,
+    stop: &AtomicBool,
+    ready_hook: impl FnOnce(),
+) -> anyhow::Result<()> {
+    let home = engine.home.clone();
+    let dir = super::sup_dir(&home, id.as_str());
+    std::fs::create_dir_all(&dir)?;
+    let ready = super::ready_file(&home, id.as_str());
+    let _ = engine.ledger().set_supervisor(&id, Some(std::process::id()), None);
     let listener = UnixListener::bind(super::ctl_socket(&home, id.as_str()))?;
-    write_ready(
-        &ready,
-        &Ready {
-            ok: true,
-            sandbox: id.to_string(),
-            error: None,
-            pid: std::process::id(),
-            restore_ms: restored.restore.as_secs_f64() * 1e3,
-            ready_ms: restored.total.as_secs_f64() * 1e3,
-            hygiene: serde_json::to_value(&restored.hygiene).unwrap_or_default(),
-        },
-    );
+    let r = ready_of(&id, &restored);
+    write_ready(&ready, &r);
+    ready_hook();
     let mut sup = Supervisor { engine, backend, id, sandbox: Some(restored.sandbox), generation };
-    let end = serve(&mut sup, &listener, &stop);
+    let end = serve(&mut sup, &listener, stop);
     let state = match end {
         End::Suspended => SandboxState::Suspended,
         End::Killed | End::Signal => SandboxState::Dead,
@@ -96,6 +114,25 @@ pub fn run(
     let _ = sup.engine.ledger().set_sandbox_state(&sup.id, state, None);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+pub fn ready_of(id: &SandboxId, r: &clade_core::engine::Restored) -> Ready {
+    Ready {
+        ok: true,
+        sandbox: id.to_string(),
+        error: None,
+        pid: std::process::id(),
+        restore_ms: r.restore.as_secs_f64() * 1e3,
+        ready_ms: r.total.as_secs_f64() * 1e3,
+        hygiene: serde_json::to_value(&r.hygiene).unwrap_or_default(),
+    }
+}
+
+pub fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    Ok(stop)
 }
 
 fn empty(id: &SandboxId) -> Ready {

@@ -1,0 +1,106 @@
+//! `clade pool fill|ls|drain`: the warm pool of a mark (see `supervisor/pool.rs`). A fork from a mark with a
+//! pool claims prepared members and refills the pool in the background.
+
+use std::time::{Duration, Instant};
+
+use clade_core::backend::BackendKind;
+use clade_core::engine::Engine;
+use clade_core::CladeHome;
+use clap::Subcommand;
+
+use crate::supervisor::pool;
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Keep N prepared restores of a mark (or a template's base) waiting; returns when they are ready.
+    Fill {
+        from: String,
+        #[arg(long)]
+        size: usize,
+        #[arg(long)]
+        backend: Option<BackendKind>,
+        /// Return at once instead of waiting for the members to be ready.
+        #[arg(long)]
+        no_wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List pools: size, waiting and preparing members.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// End a pool's waiting members and forget its size.
+    Drain {
+        from: String,
+        #[arg(long)]
+        backend: Option<BackendKind>,
+    },
+}
+
+pub fn run(cmd: Command) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    match cmd {
+        Command::Fill { from, size, backend, no_wait, json } => {
+            let engine = Engine::open(&home)?;
+            let mark = engine.resolve_mark(&from, backend)?;
+            let m = mark.id.as_str();
+            pool::set_size(&home, m, size)?;
+            let start = Instant::now();
+            let started = pool::refill(&home, m)?;
+            if !no_wait {
+                while pool::members(&home, m).0.len() < size {
+                    if start.elapsed() > Duration::from_secs(300) {
+                        anyhow::bail!(
+                            "pool of {m} not full after 300 s; see {}",
+                            pool::pool_dir(&home, m).join("pool.log").display()
+                        );
+                    }
+                    if pool::members(&home, m).1 == 0 && pool::members(&home, m).0.len() < size {
+                        pool::refill(&home, m)?;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            let (ready, starting) = pool::members(&home, m);
+            let out = serde_json::json!({"mark": m, "size": size, "started": started, "ready": ready.len(), "starting": starting, "fill_ms": start.elapsed().as_secs_f64() * 1e3});
+            if json {
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                println!("pool of {m}: {} ready, {} preparing (size {size})", ready.len(), starting);
+            }
+            Ok(0)
+        }
+        Command::Ls { json } => {
+            let mut rows = Vec::new();
+            if let Ok(rd) = std::fs::read_dir(home.run_dir().join("pool")) {
+                for e in rd.flatten() {
+                    let m = e.file_name().to_string_lossy().into_owned();
+                    let (ready, starting) = pool::members(&home, &m);
+                    rows.push(serde_json::json!({"mark": m, "size": pool::size(&home, &m), "ready": ready.len(), "starting": starting}));
+                }
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                for r in rows {
+                    println!(
+                        "{}  size {} ready {} preparing {}",
+                        r["mark"].as_str().unwrap_or(""),
+                        r["size"],
+                        r["ready"],
+                        r["starting"]
+                    );
+                }
+            }
+            Ok(0)
+        }
+        Command::Drain { from, backend } => {
+            let engine = Engine::open(&home)?;
+            let mark = engine.resolve_mark(&from, backend)?;
+            let n = pool::drain(&home, mark.id.as_str());
+            println!("pool of {}: {n} member(s) ended", mark.id);
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! The warm pool: supervisors that have already done everything of a restore of one mark except letting the
+//! guest run (for `vm`: QEMU started on `-incoming defer` with the RAM file mapped, pages written, disk export
+//! up). A fork claims members instead of starting processes, so it pays only the device-state load, the agent's
+//! hello and hygiene. Members wait in `$CLADE_HOME/run/pool/<mark>/<sandbox>.sock`; a claim renames the socket
+//! (atomic: two forks never get the same member), creates the sandbox's ledger record and says `claim`; the
+//! member answers with its `Ready` and becomes the sandbox's ordinary supervisor. The pool's size is kept in
+//! `size` there and refilled in the background after every claim.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use clade_core::backend::Backend;
+use clade_core::engine::{from_ledger, Engine};
+use clade_core::CladeHome;
+use clade_ledger::{Mark, SandboxId};
+
+use super::protocol::Ready;
+
+pub fn pool_dir(home: &CladeHome, mark: &str) -> PathBuf {
+    home.run_dir().join("pool").join(mark)
+}
+
+/// The configured size of a mark's pool (0: none).
+pub fn size(home: &CladeHome, mark: &str) -> usize {
+    std::fs::read_to_string(pool_dir(home, mark).join("size")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+pub fn set_size(home: &CladeHome, mark: &str, n: usize) -> anyhow::Result<()> {
+    let dir = pool_dir(home, mark);
+    std::fs::create_dir_all(&dir)?;
+    let tmp = dir.join("size.tmp");
+    std::fs::write(&tmp, n.to_string())?;
+    std::fs::rename(tmp, dir.join("size"))?;
+    Ok(())
+}
+
+/// Members waiting (their sockets), and members still preparing (their pid files).
+pub fn members(home: &CladeHome, mark: &str) -> (Vec<PathBuf>, usize) {
+    let mut ready = Vec::new();
+    let mut starting = 0;
+    if let Ok(rd) = std::fs::read_dir(pool_dir(home, mark)) {
+        for e in rd.flatten() {
+            let p = e.path();
+            match p.extension().and_then(|x| x.to_str()) {
+                Some("sock") => ready.push(p),
+                Some("starting") => {
+                    let alive = std::fs::read_to_string(&p)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u32>().ok())
+                        .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+                    if alive {
+                        starting += 1;
+                    } else {
+                        let _ = std::fs::remove_file(&p);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    (ready, starting)
+}
+
+/// Start one member, detached.
+pub fn spawn_member(home: &CladeHome, mark: &str) -> anyhow::Result<()> {
+    let dir = pool_dir(home, mark);
+    std::fs::create_dir_all(&dir)?;
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("pool.log"))?;
+    let exe = std::env::current_exe().context("locate the clade binary")?;
+    use std::os::unix::process::CommandExt;
+    let child = Command::new(exe)
+        .args(["supervise", "--pool", "--mark", mark, "--sandbox", "-"])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("start a pool member")?;
+    std::fs::write(dir.join(format!("{}.starting", child.id())), child.id().to_string())?;
+    Ok(())
+}
+
+/// Start members until `size` are waiting or preparing.
+pub fn refill(home: &CladeHome, mark: &str) -> anyhow::Result<usize> {
+    let want = size(home, mark);
+    let (ready, starting) = members(home, mark);
+    let have = ready.len() + starting;
+    for _ in have..want {
+        spawn_member(home, mark)?;
+    }
+    Ok(want.saturating_sub(have))
+}
+
+/// Take one waiting member, if any: its sandbox id and its claimed socket.
+pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, PathBuf)> {
+    let (ready, _) = members(home, mark);
+    for sock in ready {
+        let id = sock.file_stem()?.to_str()?.to_string();
+        let claimed = sock.with_extension("claimed");
+        if std::fs::rename(&sock, &claimed).is_ok() {
+            return Some((SandboxId::new(id), claimed));
+        }
+    }
+    None
+}
+
+/// Claim a taken member: record the sandbox, tell the member to run, wait for its `Ready`.
+pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, sock: &Path) -> anyhow::Result<Ready> {
+    engine.new_sandbox_with_id(from_ledger(mark.backend), Some(mark), Some(id.clone()))?;
+    let mut s = UnixStream::connect(sock).with_context(|| format!("pool member {}", sock.display()))?;
+    s.set_read_timeout(Some(CLAIM_TIMEOUT))?;
+    let _ = std::fs::remove_file(sock);
+    s.write_all(b"{\"op\":\"claim\"}\n")?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    serde_json::from_str(&line).map_err(|e| anyhow!("pool member {id} answered badly ({e}): {line}"))
+}
+
+/// Ask every waiting member of a mark's pool to end, and forget the pool's size.
+pub fn drain(home: &CladeHome, mark: &str) -> usize {
+    let _ = std::fs::remove_file(pool_dir(home, mark).join("size"));
+    let mut n = 0;
+    while let Some((_, sock)) = take(home, mark) {
+        if let Ok(mut s) = UnixStream::connect(&sock) {
+            let _ = s.write_all(b"{\"op\":\"drain\"}\n");
+            n += 1;
+        }
+        let _ = std::fs::remove_file(&sock);
+    }
+    n
+}
+
+/// The member's side: prepare, wait for a claim, then run as the sandbox's supervisor.
+pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyhow::Result<()> {
+    let home = engine.home.clone();
+    let dir = pool_dir(&home, mark.id.as_str());
+    let starting = dir.join(format!("{}.starting", std::process::id()));
+    let _cleanup = RemoveOnDrop(starting.clone());
+    let stop = super::server::stop_flag()?;
+    let id = SandboxId::generate();
+    let prepared = engine
+        .prepare(backend.as_ref(), &id, &mark, 1)?
+        .ok_or_else(|| anyhow!("the {} backend has no warm pool (restores are not split)", backend.kind().as_str()))?;
+    let tmp = dir.join(format!("{id}.bind"));
+    let listener = UnixListener::bind(&tmp)?;
+    std::fs::rename(&tmp, dir.join(format!("{id}.sock")))?;
+    drop(_cleanup);
+    // Wait for one claim (or a drain, or a signal).
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let stream = loop {
+        if stop.load(Ordering::Relaxed) {
+            let _ = std::fs::remove_file(dir.join(format!("{id}.sock")));
+            return Ok(());
+        }
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if !matches!(poll(&mut fds, PollTimeout::from(500u16)), Ok(n) if n > 0) {
+            continue;
+        }
+        if let Ok((s, _)) = listener.accept() {
+            break s;
+        }
+    };
+    let mut line = String::new();
+    BufReader::new(stream.try_clone()?).read_line(&mut line)?;
+    if !line.contains("\"claim\"") {
+        return Ok(()); // drained
+    }
+    let mut out = stream;
+    let restored = match engine.start_prepared(prepared, &id, &mark) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = engine.ledger().set_sandbox_state(&id, clade_ledger::SandboxState::Failed, Some(&e.to_string()));
+            let r = Ready {
+                ok: false,
+                sandbox: id.to_string(),
+                error: Some(e.to_string()),
+                pid: std::process::id(),
+                restore_ms: 0.0,
+                ready_ms: 0.0,
+                hygiene: serde_json::Value::Null,
+            };
+            let _ = writeln!(out, "{}", serde_json::to_string(&r)?);
+            return Err(e.into());
+        }
+    };
+    let ready = super::server::ready_of(&id, &restored);
+    // The control socket must exist before the claimer hears `ready`.
+    let sup = super::sup_dir(&home, id.as_str());
+    std::fs::create_dir_all(&sup)?;
+    let reply = serde_json::to_string(&ready)?;
+    let notify = move || {
+        let _ = writeln!(out, "{reply}");
+    };
+    super::server::serve_restored_then(engine, backend, id, restored, 1, &stop, notify)
+}
+
+struct RemoveOnDrop(PathBuf);
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// How long a fork waits for a claimed member.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
