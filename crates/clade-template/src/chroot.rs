@@ -164,6 +164,11 @@ pub fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Whether this process may mount, chroot and chown.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,9 +197,4 @@ mod tests {
         let m = e.to_string();
         assert!(m.contains("step") && m.contains("out") && m.contains("err") && m.contains('3'), "{m}");
     }
-}
-
-/// Whether this process may mount, chroot and chown.
-pub fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
 }
