@@ -210,6 +210,13 @@ impl Store {
             }
         }
 
+        if !dry_run && (rep.packs_deleted > 0 || rep.packs_repacked > 0) {
+            // Tell other handles (other processes) that packs went away.
+            let g = self.read_gc_gen() + 1;
+            fsutil::write_atomic(&self.inner.tmp, &self.inner.dir.join("gcgen"), g.to_string().as_bytes())?;
+            *self.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = g;
+        }
+
         // Crash leftovers: packs without index, temp files.
         for p in fsutil::list_fanout(&self.inner.packs, ".pack")? {
             if !p.with_extension("idx").exists() && is_older_than(&p, grace) {

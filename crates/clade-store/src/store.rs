@@ -110,6 +110,8 @@ pub(crate) struct Inner {
     pub blob: Option<Blob>,
     /// Blob `.idx` keys already loaded.
     pub blob_seen: Mutex<std::collections::HashSet<String>>,
+    /// The gc generation (`gcgen` file) the index reflects.
+    pub gc_gen: Mutex<u64>,
     /// Pack indexes that could not be loaded (reported by fsck; their frames read as missing).
     pub load_errors: Mutex<Vec<String>>,
 }
@@ -156,6 +158,7 @@ impl Store {
             blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
             blob_seen: Mutex::new(Default::default()),
             load_errors: Mutex::new(Vec::new()),
+            gc_gen: Mutex::new(0),
             index: RwLock::new(Index::default()),
             cfg,
         };
@@ -165,6 +168,7 @@ impl Store {
         let lock = inner.dir.join("lock");
         std::fs::OpenOptions::new().create(true).append(true).open(&lock).ctx("create lock file", &lock)?;
         let store = Store { inner: Arc::new(inner) };
+        *store.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = store.read_gc_gen();
         store.reload_index()?;
         Ok(store)
     }
@@ -199,6 +203,34 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    pub(crate) fn read_gc_gen(&self) -> u64 {
+        std::fs::read_to_string(self.inner.dir.join("gcgen")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// After a gc (here or in another process) deleted packs: forget packs whose index is gone.
+    pub(crate) fn sync_after_gc(&self) -> Result<(), StoreError> {
+        let now = self.read_gc_gen();
+        let mut seen = self.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner());
+        if *seen == now {
+            return Ok(());
+        }
+        let gone: Vec<PackId> = self
+            .read_index()
+            .packs
+            .keys()
+            .filter(|p| !pack::idx_path(&self.inner.packs, p).exists() && self.inner.blob.is_none())
+            .copied()
+            .collect();
+        let mut idx = self.write_index();
+        for p in gone {
+            idx.remove_pack(&p);
+        }
+        drop(idx);
+        *seen = now;
+        drop(seen);
+        self.reload_index()
     }
 
     pub(crate) fn read_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {

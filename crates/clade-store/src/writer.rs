@@ -90,6 +90,9 @@ pub(crate) struct Session {
 impl Session {
     pub fn new(store: &Store) -> Result<Self, StoreError> {
         let lock = crate::lease::lock_shared(store)?;
+        // Under the shared lock no gc runs; if one ran since this handle loaded its index (in another
+        // process), drop what it deleted so this writer never dedups against a vanished frame.
+        store.sync_after_gc()?;
         Ok(Session {
             store: store.clone(),
             _lock: lock,
@@ -503,8 +506,9 @@ pub struct ManifestBuilder {
 
 impl ManifestBuilder {
     pub(crate) fn new(store: &Store, base: Option<&ManifestId>, size: u64) -> Result<Self, StoreError> {
-        let base = base.map(|id| store.manifest(id)).transpose()?;
+        // Lock first: gc cannot collect the base between reading it and using it.
         let mut session = Session::new(store)?;
+        let base = base.map(|id| store.manifest(id)).transpose()?;
         let kind = base.as_ref().map(|m| m.kind).unwrap_or(ImageKind::Other);
         let image = ImageState::new(&mut session, kind, base, size);
         Ok(ManifestBuilder { session, image })

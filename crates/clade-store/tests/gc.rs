@@ -92,3 +92,20 @@ fn grace_period_protects_young_packs() {
     let r = s.gc(false).unwrap();
     assert_eq!(r.packs_deleted, 0, "{r:?}");
 }
+
+#[test]
+fn a_handle_opened_before_another_handles_gc_does_not_dedup_against_deleted_packs() {
+    let d = tempfile::tempdir().unwrap();
+    let old = open(&d.path().join("s")); // e.g. the daemon
+    let data = pages(36, 300);
+    let id = old.put_bytes(&data, ImageKind::Mem).unwrap().id.unwrap();
+    // Another process (here: another handle) deletes it and collects.
+    let cli = open(&d.path().join("s"));
+    cli.delete_manifest(&id).unwrap();
+    assert!(cli.gc(false).unwrap().packs_deleted > 0);
+    // The old handle puts the same data again: it must store it anew, not point at the vanished frames.
+    let r = old.put_bytes(&data, ImageKind::Mem).unwrap();
+    assert!(r.bytes_new > 0, "{r:?}");
+    assert_eq!(read_all(&open(&d.path().join("s")), r.id.as_ref().unwrap()), data);
+    assert!(open(&d.path().join("s")).fsck().unwrap().ok);
+}
