@@ -141,7 +141,7 @@ impl VmBackend {
         m
     }
 
-    fn spec(
+    pub fn spec(
         &self,
         shape: &Shape,
         ram: RamBacking,
@@ -172,7 +172,7 @@ impl VmBackend {
         }
     }
 
-    fn root_ram_file(&self, root: &str) -> PathBuf {
+    pub fn root_ram_file(&self, root: &str) -> PathBuf {
         self.inner.shm.join("ram").join(format!("{root}.ram"))
     }
 
@@ -258,6 +258,7 @@ impl Backend for VmBackend {
             leases,
             run,
             generation: 0,
+            last_mark: None,
         }))
     }
 
@@ -347,13 +348,24 @@ pub struct VmPrepared {
     generation: u64,
 }
 
+impl VmBackend {
+    /// A restore returning the concrete sandbox (benches read its [`MarkStats`]).
+    pub fn restore_vm(&self, mark: &MarkState, id: &Identity) -> Result<VmSandbox, BackendError> {
+        self.prepare_vm(mark, id)?.start_concrete()
+    }
+}
+
 impl VmPrepared {
     fn start_vm(self) -> Result<Box<dyn Sandbox>, BackendError> {
+        Ok(Box::new(self.start_concrete()?))
+    }
+
+    fn start_concrete(self) -> Result<VmSandbox, BackendError> {
         let mut vm = self.vm;
         crate::templating::load_and_continue(&mut vm, &self.state).map_err(failed)?;
         let (agent, _hello) = crate::agent_link::hello_until(&self.agent_sock, RESTORE_TIMEOUT)
             .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
-        Ok(Box::new(VmSandbox {
+        Ok(VmSandbox {
             backend: self.backend,
             id: self.id,
             shape: self.shape,
@@ -366,7 +378,8 @@ impl VmPrepared {
             leases: self.leases,
             run: self.run,
             generation: self.generation,
-        }))
+            last_mark: None,
+        })
     }
 }
 
@@ -459,9 +472,25 @@ pub struct VmSandbox {
     leases: Vec<Lease>,
     run: RunDir,
     generation: u64,
+    last_mark: Option<MarkStats>,
+}
+
+/// What the last mark of a sandbox changed, for benches: the truth the stored bytes are held against.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct MarkStats {
+    /// Guest pages that differed from the root RAM file (4 KiB each).
+    pub diverged_bytes: u64,
+    /// Disk blocks written since the last snapshot (4 KiB each).
+    pub disk_dirty_bytes: u64,
+    pub pause_ms: f64,
 }
 
 impl VmSandbox {
+    /// The stats of this sandbox's last mark of a clone.
+    pub fn last_mark_stats(&self) -> Option<MarkStats> {
+        self.last_mark
+    }
+
     fn vm(&mut self) -> &mut Vm {
         self.vm.as_mut().expect("a live sandbox has its QEMU")
     }
@@ -536,9 +565,15 @@ impl VmSandbox {
     fn mark_clone(&mut self, root: String, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         let state_path = self.run.path.join("devstate.mark");
         let cm = crate::templating::save_clone_state(self.vm(), &state_path).map_err(failed)?;
+        let disk_dirty_bytes = self.disk.dirty_bytes();
         let disk = self.disk.snapshot();
         let cont = self.vm().qmp.execute("cont", serde_json::json!({}));
         let pause = Duration::from_secs_f64(cm.stats.pause_ms / 1e3);
+        self.last_mark = Some(MarkStats {
+            diverged_bytes: cm.pages.len() as u64 * crate::ramdiff::PAGE,
+            disk_dirty_bytes,
+            pause_ms: cm.stats.pause_ms,
+        });
         let disk = disk.map_err(failed)?;
         cont.map_err(failed)?;
         // Off the pause: store the pages as a complete manifest derived from the root, plus the page list.

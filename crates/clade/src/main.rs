@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod backends;
+mod bench;
 mod cmd;
 mod supervisor;
 
@@ -58,6 +59,9 @@ enum Command {
     Marks(cmd::sandbox::MarksArgs),
     /// Run clade's main job on the embedded defaults.
     Demo(cmd::demo::Args),
+    /// The vm backend's benchmark figures (run by `./x bench vm`).
+    #[command(hide = true, name = "bench-vm")]
+    BenchVm(bench::vm::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -84,6 +88,7 @@ fn main() {
         Command::Marks(a) => cmd::sandbox::marks(a),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),
+        Command::BenchVm(a) => bench::vm::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -111,11 +111,7 @@ pub fn image_of(r: &TemplateRecord) -> TemplateImage {
 }
 
 pub fn ready_target(r: &TemplateRecord) -> Option<ReadyTarget> {
-    r.ready.as_ref().map(|r| match r {
-        clade_template::Ready::Port(p) => ReadyTarget::Port { port: *p },
-        clade_template::Ready::Url(u) => ReadyTarget::Url { url: u.clone() },
-        clade_template::Ready::File(f) => ReadyTarget::File { path: f.clone() },
-    })
+    r.ready.as_ref().map(|r| r.to_agent())
 }
 
 /// Build or return the cached base; `say` gets progress lines.

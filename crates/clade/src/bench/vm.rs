@@ -1,0 +1,393 @@
+//! The `vm` figures of issue 7, one run, side by side:
+//! cold boot vs fork from the warm pool (to ready, hygiene included), fork of 10 with a pool of 10, host memory
+//! per added idle sibling and PSS/RSS, the mark pause of a 512 MiB guest and its stored bytes against what it
+//! dirtied, retake end to end, and clade's fork against QEMU templating done by hand (a shell script starting the
+//! same QEMU on the same RAM file and device state, with `qemu-nbd` for the disk).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use clade_core::backend::{BackendKind, MarkOptions, Sandbox};
+use clade_core::engine::Engine;
+use clade_core::{hygiene, CladeHome};
+use clade_ledger::TemplateId;
+use clade_vm::machine::RamBacking;
+
+use super::{median, slope, Figure};
+use crate::supervisor::protocol::Request;
+use crate::supervisor::{client, pool};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Template spec dir (default templates/minimal).
+    #[arg(long)]
+    pub template: Option<PathBuf>,
+    /// Fewer samples (CI-like check).
+    #[arg(long)]
+    pub quick: bool,
+    /// Where to write the figures (JSON).
+    #[arg(long, default_value = "bench/out/vm.json")]
+    pub out: PathBuf,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn emit(figs: &mut Vec<Figure>, f: Figure) {
+    println!("{}", serde_json::to_string(&f).unwrap_or_default());
+    figs.push(f);
+}
+
+fn kill_all(home: &CladeHome, ids: &[String]) {
+    for id in ids {
+        let _ = client::call(home, id, &Request::Kill);
+    }
+}
+
+fn wait_pool(home: &CladeHome, mark: &str, n: usize) -> anyhow::Result<()> {
+    pool::set_size(home, mark, n)?;
+    let start = Instant::now();
+    loop {
+        let (ready, starting) = pool::members(home, mark);
+        if ready.len() >= n {
+            return Ok(());
+        }
+        if ready.len() + starting < n {
+            pool::refill(home, mark)?;
+        }
+        if start.elapsed() > Duration::from_secs(600) {
+            return Err(anyhow!("warm pool of {mark} not full after 600 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn pss_of(home: &CladeHome, ids: &[String]) -> (u64, u64) {
+    ids.iter().fold((0, 0), |(p, r), id| match client::call(home, id, &Request::Info) {
+        Ok(v) => (p + v["pss"].as_u64().unwrap_or(0), r + v["rss"].as_u64().unwrap_or(0)),
+        Err(_) => (p, r),
+    })
+}
+
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let template = a.template.clone().unwrap_or_else(|| PathBuf::from("templates/minimal"));
+    let key = template.display().to_string();
+    let n = if a.quick { 3 } else { 7 };
+    eprintln!("bench vm: base of {key}");
+    let base = crate::cmd::base::build(&home, &key, BackendKind::Vm, false, &|l| eprintln!("{l}"))?;
+    let engine = Engine::open(&home)?;
+    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base["mark"].as_str().unwrap_or_default()))?;
+    let m = mark.id.as_str().to_string();
+    let be = crate::backends::open(&engine, BackendKind::Vm)?;
+    let vm = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None)?;
+    let record = crate::cmd::base::template_record(&home, &key, BackendKind::Vm)?;
+    let image = crate::cmd::base::image_of(&record);
+    let accel = vm.accel().as_str().to_string();
+    let mut figs = Vec::new();
+
+    // 1. Cold boot to agent hello vs fork from the warm pool to ready (with hygiene), interleaved.
+    let (mut cold, mut fork, mut fork_hello) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        wait_pool(&home, &m, 2)?;
+        let id = hygiene::new_identity(&format!("bench-cold-{i}-{}", std::process::id()), 0);
+        let t = Instant::now();
+        let s = be.cold_start(&image, &id).context("cold start")?;
+        cold.push(ms(t.elapsed()));
+        s.kill()?;
+        wait_pool(&home, &m, 2)?;
+        let t = Instant::now();
+        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+        fork.push(ms(t.elapsed()));
+        fork_hello.push(ready[0].restore_ms);
+        kill_all(&home, &[ready[0].sandbox.clone()]);
+    }
+    let ratio = median(&cold) / median(&fork);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm cold boot / fork from warm pool (to ready, hygiene included)".into(),
+            value: ratio,
+            unit: "x".into(),
+            bar: ">= 20x".into(),
+            pass: ratio >= 20.0,
+            samples: fork.clone(),
+            detail: serde_json::json!({"accel": accel, "cold_ms": cold, "fork_ms": fork, "fork_to_hello_ms": fork_hello, "cold_p50_ms": median(&cold), "fork_p50_ms": median(&fork)}),
+        },
+    );
+
+    // 2. Fork 10 with a pool of 10.
+    wait_pool(&home, &m, 10)?;
+    std::thread::sleep(Duration::from_secs(2));
+    let t = Instant::now();
+    let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 10)?;
+    let fork10 = ms(t.elapsed());
+    let ids: Vec<String> = ready.iter().map(|r| r.sandbox.clone()).collect();
+    let all_ok = ready.iter().all(|r| r.ok);
+    let hellos = ids
+        .iter()
+        .filter(|id| client::call(&home, id, &Request::Info).map(|v| !v["hello"].is_null()).unwrap_or(false))
+        .count();
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm fork 10 siblings, all answering hello, warm pool of 10".into(),
+            value: fork10,
+            unit: "ms".into(),
+            bar: "<= 1000 ms".into(),
+            pass: fork10 <= 1000.0 && all_ok && hellos == 10,
+            samples: ready.iter().map(|r| r.ready_ms).collect(),
+            detail: serde_json::json!({"accel": accel, "hello": hellos}),
+        },
+    );
+    kill_all(&home, &ids);
+    pool::drain(&home, &m);
+    std::thread::sleep(Duration::from_secs(1));
+
+    // 3. Memory: a cold sandbox's PSS, then the slope of the siblings' summed PSS over 1, 3, 4, 8, 12.
+    let id = hygiene::new_identity(&format!("bench-mem-cold-{}", std::process::id()), 0);
+    let s = be.cold_start(&image, &id)?;
+    std::thread::sleep(Duration::from_secs(3));
+    let cold_pss = s.pids().iter().filter_map(|p| clade_core::host::pss_rss(*p)).map(|m| m.0).sum::<u64>() as f64;
+    s.kill()?;
+    let counts: &[usize] = if a.quick { &[1, 3, 4, 8] } else { &[1, 3, 4, 8, 12] };
+    let mut ids = Vec::new();
+    let (mut xs, mut ys, mut at3) = (Vec::new(), Vec::new(), 0.0);
+    for &c in counts {
+        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
+        ids.extend(ready.into_iter().map(|r| r.sandbox));
+        std::thread::sleep(Duration::from_secs(3));
+        let (p, r) = pss_of(&home, &ids);
+        xs.push(c as f64);
+        ys.push(p as f64);
+        if c == 3 {
+            at3 = p as f64 / r as f64;
+        }
+    }
+    kill_all(&home, &ids);
+    let per = slope(&xs, &ys);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm host memory per added idle sibling / cold sandbox".into(),
+            value: per / cold_pss,
+            unit: "ratio".into(),
+            bar: "<= 0.15".into(),
+            pass: per / cold_pss <= 0.15,
+            samples: ys.clone(),
+            detail: serde_json::json!({"accel": accel, "counts": xs, "sum_pss_bytes": ys, "slope_bytes": per, "cold_pss_bytes": cold_pss}),
+        },
+    );
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm sum PSS / sum RSS at 3 siblings".into(),
+            value: at3,
+            unit: "ratio".into(),
+            bar: "<= 0.40".into(),
+            pass: at3 <= 0.40,
+            samples: vec![at3],
+            detail: serde_json::json!({"accel": accel}),
+        },
+    );
+
+    // 4. Mark pause of a 512 MiB guest that dirtied about 32 MiB (24 MiB of RAM, 8 MiB of disk) since its restore.
+    let mut big = image.clone();
+    big.shape.memory_mib = 512;
+    let tid = TemplateId::new(format!("{}-512", record.hash));
+    engine.ledger().put_template(&tid, &format!("{}-512", record.name), &serde_json::json!({"bench": true}))?;
+    let big_base = match engine.ledger().base_for(&tid, clade_ledger::Backend::Vm)? {
+        Some(b) => engine.ledger().mark(&b.mark)?,
+        None => engine.build_base(be.as_ref(), &tid, &big, &|_| Ok(()))?.0,
+    };
+    let state = engine.mark_state(&big_base)?;
+    let (mut pauses, mut ratios) = (Vec::new(), Vec::new());
+    let mut last = serde_json::Value::Null;
+    for i in 0..(if a.quick { 2 } else { 4 }) {
+        let id = hygiene::new_identity(&format!("bench-mark-{i}-{}", std::process::id()), 1);
+        let mut s = vm.restore_vm(&state, &id)?;
+        let out = s.agent().run(clade_agent::proto::ExecSpec {
+            argv: vec!["/bin/sh".into(), "-c".into(), "dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=24 2>/dev/null; dd if=/dev/urandom of=/root/dirty bs=1M count=8 2>/dev/null; sync".into()],
+            ..Default::default()
+        })?;
+        if out.status.code != Some(0) {
+            return Err(anyhow!("dirtying the guest failed: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let ms_ = s.mark(&MarkOptions::default())?;
+        let st = s.last_mark_stats().ok_or_else(|| anyhow!("no mark stats"))?;
+        pauses.push(st.pause_ms);
+        let truth = (st.diverged_bytes + st.disk_dirty_bytes) as f64;
+        ratios.push(ms_.stored_bytes as f64 / truth);
+        last = serde_json::json!({"stored_bytes": ms_.stored_bytes, "diverged_bytes": st.diverged_bytes, "disk_dirty_bytes": st.disk_dirty_bytes});
+        Box::new(s).kill()?;
+    }
+    let p = median(&pauses);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm mark pause, 512 MiB guest, ~32 MiB dirtied".into(),
+            value: p,
+            unit: "ms".into(),
+            bar: "<= 50 ms".into(),
+            pass: p <= 50.0,
+            samples: pauses,
+            detail: serde_json::json!({"accel": accel, "last": last}),
+        },
+    );
+    let r = median(&ratios);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm mark stored bytes / (dirtied pages + dirtied disk blocks)".into(),
+            value: r,
+            unit: "ratio".into(),
+            bar: "<= 1.25".into(),
+            pass: r <= 1.25,
+            samples: ratios,
+            detail: serde_json::json!({"accel": accel}),
+        },
+    );
+
+    // 5. Retake end to end (CLI path: supervisor kills the sandbox, restores the mark, hygiene).
+    let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+    let sbx = ready[0].sandbox.clone();
+    let mk = client::call(&home, &sbx, &Request::Mark { label: None, keep: false, not_clean: false })?;
+    let mk = mk["id"].as_str().unwrap_or_default().to_string();
+    let mut retakes = Vec::new();
+    for _ in 0..n {
+        let _ = client::call(
+            &home,
+            &sbx,
+            &Request::Exec {
+                argv: vec!["sh".into(), "-c".into(), "echo x > /root/r".into()],
+                env: Default::default(),
+                cwd: None,
+                stdin_b64: None,
+            },
+        );
+        let t = Instant::now();
+        client::call(&home, &sbx, &Request::Retake { mark: mk.clone() })?;
+        retakes.push(ms(t.elapsed()));
+    }
+    kill_all(&home, &[sbx]);
+    let rt = median(&retakes);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm retake to an earlier mark, end to end".into(),
+            value: rt,
+            unit: "ms".into(),
+            bar: "<= 500 ms".into(),
+            pass: rt <= 500.0,
+            samples: retakes,
+            detail: serde_json::json!({"accel": accel}),
+        },
+    );
+
+    // 6. Versus QEMU templating by hand, same QEMU, RAM file and device state; qemu-nbd for the disk.
+    let peer = peer_samples(&engine, &vm, &mark, n)?;
+    let mut clade_fork = Vec::new();
+    for _ in 0..n {
+        wait_pool(&home, &m, 2)?;
+        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+        clade_fork.push(ready[0].restore_ms);
+        kill_all(&home, &[ready[0].sandbox.clone()]);
+    }
+    pool::drain(&home, &m);
+    let r = median(&clade_fork) / median(&peer);
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm clade fork (pool claim to hello) / QEMU templating by hand (script start to hello)".into(),
+            value: r,
+            unit: "x".into(),
+            bar: "<= 1.0x".into(),
+            pass: r <= 1.0,
+            samples: clade_fork.clone(),
+            detail: serde_json::json!({"accel": accel, "peer_ms": peer, "clade_ms": clade_fork}),
+        },
+    );
+
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(
+        &a.out,
+        serde_json::to_vec_pretty(&serde_json::json!({"backend": "vm", "accel": accel, "figures": figs}))?,
+    )?;
+    eprintln!(
+        "bench vm: {} figures, {} pass; written to {}",
+        figs.len(),
+        figs.iter().filter(|f| f.pass).count(),
+        a.out.display()
+    );
+    Ok(0)
+}
+
+/// The peer: a shell script that serves the mark's disk with `qemu-nbd --snapshot`, starts QEMU on the root RAM
+/// file (`share=off`) with `-incoming defer`, and drives QMP with python3 (x-ignore-shared, `exec:cat` of the
+/// device state, `cont`). Timed from the script's start to the agent's hello.
+fn peer_samples(
+    engine: &Engine,
+    vm: &clade_vm::backend::VmBackend,
+    mark: &clade_ledger::Mark,
+    n: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let state = engine.mark_state(mark)?;
+    let work = tempfile::Builder::new().prefix("clade-peer").tempdir_in("/dev/shm")?;
+    let w = work.path();
+    let disk = w.join("disk.raw");
+    let id = |k: &str| -> anyhow::Result<clade_store::ManifestId> {
+        state.manifests.get(k).ok_or_else(|| anyhow!("mark has no {k}"))?.parse().map_err(|_| anyhow!("bad id"))
+    };
+    engine.store.get_file(&id("disk")?, &disk)?;
+    let devstate = w.join("devstate");
+    engine.store.get_file(&id("devstate")?, &devstate)?;
+    let ram = vm.root_ram_file(state.manifests.get("ram_root").map(String::as_str).unwrap_or_default());
+    if !ram.exists() {
+        engine.store.get_file(&id("ram_root")?, &ram)?;
+    }
+    let mut out = Vec::new();
+    for i in 0..n {
+        let dir = w.join(format!("p{i}"));
+        std::fs::create_dir_all(&dir)?;
+        let nbd = dir.join("nbd.sock");
+        let agent = dir.join("agent.sock");
+        let spec = vm.spec(&state.shape, RamBacking { path: ram.clone(), share: false }, &nbd, &agent, true, false);
+        let args: Vec<String> = spec.args(&dir).into_iter().map(|a| format!("'{a}'")).collect();
+        let script = format!(
+            "set -e\nqemu-nbd --snapshot -f raw -k {nbd} {disk} &\nwhile [ ! -S {nbd} ]; do sleep 0.001; done\nqemu-system-x86_64 {args} &\n\
+             python3 - <<'PY'\nimport json, socket, time\ns = socket.socket(socket.AF_UNIX)\nwhile True:\n    try:\n        s.connect('{qmp}'); break\n    except OSError: time.sleep(0.001)\nf = s.makefile('rw')\nf.readline()\n\
+             def cmd(c, a=None):\n    f.write(json.dumps({{'execute': c, 'arguments': a or {{}}}}) + '\\n'); f.flush()\n    while True:\n        r = json.loads(f.readline())\n        if 'return' in r or 'error' in r: return r\n\
+             cmd('qmp_capabilities')\ncmd('migrate-set-capabilities', {{'capabilities': [{{'capability': 'x-ignore-shared', 'state': True}}]}})\ncmd('migrate-incoming', {{'uri': 'exec:cat {dev}'}})\n\
+             while cmd('query-migrate')['return'].get('status') != 'completed': time.sleep(0.001)\ncmd('cont')\nPY\n",
+            nbd = nbd.display(), disk = disk.display(), args = args.join(" "), qmp = dir.join("qmp.sock").display(), dev = devstate.display(),
+        );
+        let t = Instant::now();
+        let mut child = Command::new("bash").arg("-c").arg(&script).process_group_compat().spawn()?;
+        let hello = clade_vm::agent_link::hello_until(&agent, Duration::from_secs(60));
+        let took = ms(t.elapsed());
+        let _ = child.wait();
+        // End the peer's QEMU and qemu-nbd (children of the script, still running).
+        let _ = Command::new("pkill").arg("-f").arg(dir.display().to_string()).status();
+        hello.map_err(|w| anyhow!("peer guest never said hello ({w:?}); see {}", dir.display()))?;
+        out.push(took);
+    }
+    Ok(out)
+}
+
+trait GroupCompat {
+    fn process_group_compat(&mut self) -> &mut Self;
+}
+impl GroupCompat for Command {
+    fn process_group_compat(&mut self) -> &mut Self {
+        use std::os::unix::process::CommandExt;
+        self.process_group(0)
+    }
+}
+
+#[allow(dead_code)]
+fn _unused(_: &Path) {}
