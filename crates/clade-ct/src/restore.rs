@@ -96,7 +96,7 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         .arg("--root")
         .arg(&root)
         .args(["--ext-mount-map", "auto", "--restore-detached", "--manage-cgroups=ignore"])
-        .args(["--tcp-close", "--file-locks", "--pidfile"])
+        .args(["--tcp-close", "--file-locks", "--network-lock", "skip", "--pidfile"])
         .arg(&pidfile)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())

@@ -159,6 +159,11 @@ impl CtSandbox {
         self.res.init.unwrap_or_default()
     }
 
+    /// The sandbox's run directory (CRIU logs: `restore.log`, `dump-N.log`).
+    pub fn run_dir(&self) -> &Path {
+        &self.res.run_dir
+    }
+
     /// The agent's console output (last lines).
     pub fn console(&self) -> String {
         console_of(self.init_pid())

@@ -68,6 +68,7 @@ impl Bench {
         if std::env::var_os("CT_BENCH_PHASES").is_some() {
             let p: Vec<(String, f64)> = out.0.phases.iter().map(|(k, d)| (k.to_string(), ms(*d))).collect();
             eprintln!("{}", json!({"phases": p}));
+            let _ = std::fs::copy(out.0.run_dir().join("restore.log"), "/tmp/ct-bench-restore.log");
         }
         Ok(out)
     }
@@ -140,7 +141,8 @@ fn run() -> Result<(), String> {
     let payload: u32 = arg("--payload-mib", "32").parse().map_err(|_| "--payload-mib: a number")?;
     let counts: Vec<usize> = arg("--mem-counts", "1,4,8").split(',').filter_map(|s| s.parse().ok()).collect();
     let real = CladeHome::from_env();
-    let cfg = CtConfig::from_home(&real).map_err(|e| e.to_string())?;
+    let mut cfg = CtConfig::from_home(&real).map_err(|e| e.to_string())?;
+    cfg.ksm = !std::env::args().any(|a| a == "--no-ksm");
     let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin)?;
     let home = CladeHome::at(real.tmp_dir().join(format!("ct-bench-{}", std::process::id())));
     let store = clade_store::Store::open(&home.store_dir(), Default::default()).map_err(|e| e.to_string())?;
