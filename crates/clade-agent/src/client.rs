@@ -398,9 +398,25 @@ impl AgentClient {
         }
     }
 
-    /// Writes a whole buffer as a file.
+    /// Writes a whole buffer as a file (its chunks go out straight from `data`, no copy).
     pub fn write_file_bytes(&self, path: &str, data: &[u8], mode: Option<u32>) -> Result<u64> {
-        self.write_file(path, &mut &data[..], mode, false)
+        let (tx, rx) = mpsc::channel();
+        let id = self.register(Pending::Plain(tx))?;
+        self.send_request(id, &Request::WriteFile { path: path.into(), mode, mkdirs: false })?;
+        for chunk in data.chunks(DATA_CHUNK) {
+            if let Ok(Incoming::Reply(r)) = rx.try_recv() {
+                return match r? {
+                    Reply::Bytes { n } => Ok(n),
+                    r => Err(unexpected("write_file", r)),
+                };
+            }
+            self.send(Kind::Data, Chan::File, 0, id, chunk)?;
+        }
+        self.send(Kind::Data, Chan::File, FLAG_END, id, &[])?;
+        match self.await_reply(&rx, id, "write_file", self.inner.timeout)? {
+            Reply::Bytes { n } => Ok(n),
+            r => Err(unexpected("write_file", r)),
+        }
     }
 
     /// `stat` (does not follow a final symlink).
