@@ -44,6 +44,8 @@ pub struct CtConfig {
     pub ksm: bool,
     /// How long a sandbox may take to answer its agent.
     pub ready_timeout: Duration,
+    /// Restore lazily when a mark's pages reach this size (see [`CtBackend::set_lazy_threshold`]).
+    pub lazy_min_bytes: Option<u64>,
 }
 
 impl CtConfig {
@@ -60,6 +62,8 @@ impl CtConfig {
             rw_bytes: 2 << 30,
             ksm: true,
             ready_timeout: Duration::from_secs(10),
+            // Measured here: a 39 MiB image restores to ready in ~0.45 s lazily vs ~1.0 s eagerly (docs/ct.md).
+            lazy_min_bytes: Some(16 << 20),
         })
     }
 }
@@ -100,6 +104,7 @@ pub struct CtBackend {
     pub(crate) cfg: CtConfig,
     criu_version: String,
     fail_at: Mutex<Option<FailPoint>>,
+    lazy_min: std::sync::atomic::AtomicU64,
 }
 
 impl CtBackend {
@@ -114,7 +119,8 @@ impl CtBackend {
         }
         std::fs::create_dir_all(home.run_dir())
             .map_err(|e| BackendError::Failed(format!("create {}: {e}", home.run_dir().display())))?;
-        Ok(CtBackend { home, store, cfg, criu_version, fail_at: Mutex::new(None) })
+        let lazy_min = std::sync::atomic::AtomicU64::new(cfg.lazy_min_bytes.unwrap_or(u64::MAX));
+        Ok(CtBackend { home, store, cfg, criu_version, fail_at: Mutex::new(None), lazy_min })
     }
 
     pub fn config(&self) -> &CtConfig {
@@ -123,6 +129,16 @@ impl CtBackend {
 
     pub fn store(&self) -> &clade_store::Store {
         &self.store
+    }
+
+    /// Restore lazily (CRIU lazy-pages over userfaultfd) when a mark's pages are at least this many bytes;
+    /// `None`: always eager.
+    pub fn set_lazy_threshold(&self, min_bytes: Option<u64>) {
+        self.lazy_min.store(min_bytes.unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn lazy_threshold(&self) -> u64 {
+        self.lazy_min.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Test hook: make the next starts and restores fail right after `at` (None: never).

@@ -90,12 +90,14 @@ pub struct Resources {
     pub cgroup: Option<Cgroup>,
     /// Host pid of the sandbox's init (our child, or adopted by us as subreaper).
     pub init: Option<u32>,
+    /// A CRIU helper serving the sandbox (lazy-pages daemon).
+    pub helper: Option<std::process::Child>,
     released: bool,
 }
 
 impl Resources {
     pub fn new(run_dir: PathBuf) -> Resources {
-        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, released: false }
+        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, helper: None, released: false }
     }
 
     pub fn rw(&self) -> PathBuf {
@@ -115,6 +117,10 @@ impl Resources {
             // Killing a PID namespace's init kills the whole namespace.
             let _ = kill(pid, Signal::SIGKILL);
             reap(pid, Duration::from_secs(5));
+        }
+        if let Some(mut h) = self.helper.take() {
+            let _ = h.kill();
+            let _ = h.wait();
         }
         if let Some(cg) = &self.cgroup {
             if let Err(e) = cg.remove() {

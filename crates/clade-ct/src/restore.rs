@@ -85,7 +85,22 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let overlay = format!("lowerdir={lower},upperdir={},workdir={}", upper.display(), work.display());
     let pidfile = run_dir.join("init.pid");
     let log = run_dir.join("restore.log");
+    let pages: u64 = std::fs::read_dir(&img)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+                .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+                .sum()
+        })
+        .unwrap_or(0);
+    let lazy = pages >= b.lazy_threshold();
+    if lazy {
+        start_lazy_pages(b, &img, &run_dir, &mut res)?;
+    }
     let mut cmd = Command::new(&b.cfg.criu);
+    if lazy {
+        cmd.arg("--lazy-pages");
+    }
     cmd.arg("restore")
         .arg("-D")
         .arg(&img)
@@ -119,7 +134,10 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let agent = connect_agent(pid.unwrap_or_default(), b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
     lap("agent", &mut phases);
     b.check_fail(FailPoint::Agent)?;
-    let _ = std::fs::remove_dir_all(&img);
+    if !lazy {
+        let _ = std::fs::remove_dir_all(&img);
+    }
+    phases.push(("lazy", std::time::Duration::from_nanos(u64::from(lazy))));
     Ok(CtSandbox {
         id: id.sandbox_id.clone(),
         res,
@@ -180,6 +198,37 @@ fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendErro
         if std::fs::hard_link(e.path(), &to).is_err() {
             std::fs::copy(e.path(), &to).map_err(|er| failed(format!("copy {}: {er}", e.path().display())))?;
         }
+    }
+    Ok(())
+}
+
+/// `criu lazy-pages`: serves the restored tasks' page faults (userfaultfd) from the images and copies the rest
+/// in the background, then exits. It rides in the sandbox's guard, so a failed restore or a kill ends it.
+fn start_lazy_pages(b: &CtBackend, img: &Path, work: &Path, res: &mut Resources) -> Result<(), BackendError> {
+    let child = Command::new(&b.cfg.criu)
+        .arg("lazy-pages")
+        .arg("-D")
+        .arg(img)
+        .arg("-W")
+        .arg(work)
+        .arg("-o")
+        .arg(work.join("lazy-pages.log"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| failed(format!("run criu lazy-pages: {e}")))?;
+    res.helper = Some(child);
+    let sock = work.join("lazy-pages.socket");
+    let t0 = Instant::now();
+    while !sock.exists() {
+        if t0.elapsed() > std::time::Duration::from_secs(5) {
+            return Err(failed(format!(
+                "criu lazy-pages did not listen: {}",
+                crate::dump::log_tail(&work.join("lazy-pages.log"))
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     Ok(())
 }

@@ -99,8 +99,13 @@ fn privileged_guest_mark_and_fork_two_siblings() {
     assert!(mark.stored_bytes > 0 && mark.logical_bytes >= mark.stored_bytes / 2, "{mark:?}");
     // The marked sandbox keeps running and answers.
     assert_eq!(sh(&base, "cat /root/note"), "before-mark");
+    // One sibling eager, one lazy (CRIU lazy-pages over userfaultfd).
+    e.backend.set_lazy_threshold(None);
     let (a, ia) = fork(&e, &mark, "sib-a");
+    e.backend.set_lazy_threshold(Some(0));
     let (b, ib) = fork(&e, &mark, "sib-b");
+    e.backend.set_lazy_threshold(None);
+    assert!(b.phases.iter().any(|(k, d)| *k == "lazy" && !d.is_zero()), "{:?}", b.phases);
     for (sb, ident) in [(&a, &ia), (&b, &ib)] {
         assert_eq!(sh(sb, "hostname"), ident.hostname);
         assert_eq!(sh(sb, "cat /etc/machine-id"), ident.machine_id);
@@ -194,6 +199,8 @@ fn privileged_guest_failure_at_each_step_leaves_nothing() {
     let Some(e) = env("fail") else { return };
     let mut base = e.backend.cold_start_ct(&e.image, &id("fbase")).expect("cold start");
     let mark = base.mark(&MarkOptions::default()).expect("mark");
+    // Restores here are lazy: the lazy-pages daemon must go with the rest.
+    e.backend.set_lazy_threshold(Some(0));
     for at in FailPoint::ALL {
         e.backend.inject_failure(Some(at));
         for cold in [true, false] {

@@ -190,6 +190,24 @@ fn bench(b: &Bench, n: usize, payload: u32, counts: &[usize]) -> Result<(), Stri
         rest.push(ms(tr));
         rest_only.push(ms(tro));
     }
+    // Lazy vs eager restore of the same mark, interleaved.
+    let (mut eager, mut lazy) = (Vec::new(), Vec::new());
+    for i in 0..n.min(6) {
+        for (is_lazy, v) in [(false, &mut eager), (true, &mut lazy)] {
+            b.backend.set_lazy_threshold(is_lazy.then_some(0));
+            let (r, tr, _) = b.restore(&m2)?;
+            let used = r.phases.iter().any(|(k, d)| *k == "lazy" && !d.is_zero());
+            let _ = Box::new(r).kill();
+            println!("{}", json!({"bench":"lazy","i":i,"lazy":used,"restore_hygiene_ms":ms(tr)}));
+            v.push(ms(tr));
+        }
+    }
+    b.backend.set_lazy_threshold(None);
+    println!(
+        "{}",
+        json!({"bench":"lazy_vs_eager","eager_p50_ms":pct(&mut eager,0.5),"lazy_p50_ms":pct(&mut lazy,0.5),
+               "pages_mib":m2.logical_bytes as f64/1048576.0})
+    );
     let (c50, r50) = (pct(&mut cold, 0.5), pct(&mut rest, 0.5));
     let (c95, r95) = (pct(&mut cold, 0.95), pct(&mut rest, 0.95));
     println!(
