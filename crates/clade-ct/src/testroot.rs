@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const DONE: &str = ".clade-testroot-v1";
+const DONE: &str = ".clade-testroot-v2";
 
 /// The cached test rootfs under `$CLADE_HOME/tmp/ct-test-rootfs`, built on first use (a few seconds).
 pub fn ensure(home: &clade_core::CladeHome, agent_bin: &Path) -> Result<PathBuf, String> {
@@ -66,6 +66,12 @@ fn build(root: &Path, agent_bin: &Path) -> Result<(), String> {
         copy_libs(root, py)?;
         let stdlib = root.join("usr/lib/python3.11");
         run(Command::new("cp").args(["-a", "/usr/lib/python3.11"]).arg(&stdlib))?;
+        // Extension modules' own libraries (libffi for ctypes, libssl, ...).
+        if let Ok(rd) = std::fs::read_dir(stdlib.join("lib-dynload")) {
+            for e in rd.flatten() {
+                let _ = copy_libs(root, &e.path());
+            }
+        }
         for junk in [
             "test",
             "idlelib",

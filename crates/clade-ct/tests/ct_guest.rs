@@ -265,3 +265,28 @@ fn privileged_guest_audit_against_cold_control() {
         Box::new(sb).kill().unwrap();
     }
 }
+
+#[test]
+fn privileged_guest_mark_refused_for_io_uring_sandbox_keeps_running() {
+    let Some(e) = env("uring") else { return };
+    let mut sb = e.backend.cold_start_ct(&e.image, &id("uring")).expect("cold start");
+    // io_uring_setup(8, params) through ctypes: CRIU cannot dump an io_uring.
+    let py = "import ctypes,time; p=ctypes.create_string_buffer(120); fd=ctypes.CDLL(None).syscall(425, 8, p); \
+              open('/tmp/uring','w').write(str(fd)); time.sleep(1000)";
+    sh(&sb, &format!("setsid python3 -c \"{py}\" </dev/null >/dev/null 2>&1 &"));
+    let t0 = std::time::Instant::now();
+    while sh(&sb, "cat /tmp/uring 2>/dev/null || true").is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let fd: i32 = sh(&sb, "cat /tmp/uring").parse().unwrap_or(-1);
+    if fd < 0 {
+        eprintln!("skipping: io_uring_setup is not available in this kernel");
+        return;
+    }
+    let err = sb.mark(&MarkOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("criu dump failed") && err.contains("Error"), "{err}");
+    assert!(err.contains("keeps running"), "{err}");
+    assert!(sh(&sb, "ps -o comm").contains("python3"), "the process survived the failed dump");
+    assert_eq!(sh(&sb, "echo alive"), "alive");
+    Box::new(sb).kill().expect("kill");
+}
