@@ -290,3 +290,47 @@ fn privileged_guest_mark_refused_for_io_uring_sandbox_keeps_running() {
     assert_eq!(sh(&sb, "echo alive"), "alive");
     Box::new(sb).kill().expect("kill");
 }
+
+#[test]
+fn privileged_guest_established_tcp_is_dumped_and_comes_back_closed() {
+    let Some(e) = env("tcp") else { return };
+    let mut base = e.backend.cold_start_ct(&e.image, &id("tcp")).expect("cold start");
+    // One process holds both ends of an established loopback connection; after a restore it reports what a
+    // read on its client end gives, into /tmp/after.
+    let py = r#"
+import socket, time, os, signal
+l = socket.socket(); l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); l.bind(('127.0.0.1', 7000)); l.listen()
+c = socket.create_connection(('127.0.0.1', 7000)); s, _ = l.accept()
+open('/tmp/connected', 'w').write('yes')
+def probe(*_):
+    try:
+        c.settimeout(1); c.send(b'x'); r = s.recv(1)
+        open('/tmp/after', 'w').write('open:' + r.decode())
+    except Exception as ex:
+        open('/tmp/after', 'w').write('closed:' + type(ex).__name__)
+signal.signal(signal.SIGUSR1, probe)
+while True: time.sleep(1)
+"#;
+    base.agent().write_file_bytes("/root/tcp.py", py.as_bytes(), Some(0o644)).expect("write");
+    sh(&base, "setsid python3 /root/tcp.py </dev/null >/tmp/tcp.log 2>&1 &");
+    let t0 = std::time::Instant::now();
+    while sh(&base, "cat /tmp/connected 2>/dev/null || true").is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mark = base.mark(&MarkOptions::default()).expect("mark with an established connection");
+    let (sib, _) = fork(&e, &mark, "tcp-sib");
+    sh(&sib, "kill -USR1 $(pidof python3)");
+    let t0 = std::time::Instant::now();
+    while sh(&sib, "cat /tmp/after 2>/dev/null || true").is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let after = sh(&sib, "cat /tmp/after");
+    assert!(after.starts_with("closed:"), "restored connection should be closed: {after}");
+    // The original keeps its connection.
+    sh(&base, "kill -USR1 $(pidof python3)");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sh(&base, "cat /tmp/after"), "open:x");
+    for sb in [sib, base] {
+        Box::new(sb).kill().expect("kill");
+    }
+}
