@@ -50,6 +50,13 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
     if spec.leave_running {
         cmd.arg("--leave-running");
     }
+    if let Ok(kdat) = crate::criu::kdat_dir() {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure only makes system calls (unshare, mount) on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || crate::criu::private_run(&kdat));
+        }
+    }
     let t0 = Instant::now();
     let out = cmd.output().map_err(|e| format!("run {}: {e}", spec.criu.display()))?;
     let wall = t0.elapsed();

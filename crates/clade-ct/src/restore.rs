@@ -14,7 +14,6 @@ use std::time::Instant;
 use clade_core::backend::{check_compat, Backend, BackendError, Identity, MarkState};
 use clade_store::TreeId;
 use nix::mount::{mount, MsFlags};
-use nix::sched::{unshare, CloneFlags};
 
 use crate::resources::{mount_tmpfs, Cgroup, Resources};
 use crate::sandbox::{limit_bytes, with_console, CtSandbox, ROLE_CRIU, ROLE_ROOTFS, ROLE_UPPER};
@@ -94,8 +93,9 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         })
         .unwrap_or(0);
     let lazy = pages >= b.lazy_threshold();
+    let kdat = crate::criu::kdat_dir().map_err(failed)?;
     if lazy {
-        start_lazy_pages(b, &img, &run_dir, &mut res)?;
+        start_lazy_pages(b, &img, &run_dir, &mut res, &kdat)?;
     }
     let mut cmd = Command::new(&b.cfg.criu);
     if lazy {
@@ -118,10 +118,11 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         .stderr(std::process::Stdio::null());
     let ksm = b.cfg.ksm;
     let root2 = root.clone();
+    let kdat2 = kdat.clone();
     // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
     // an open+write of the cgroup file, prctl) on data prepared before the fork.
     unsafe {
-        cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm));
+        cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm, &kdat2));
     }
     let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", b.cfg.criu.display())))?;
     let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
@@ -154,11 +155,10 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     })
 }
 
-fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool) -> std::io::Result<()> {
+fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool, kdat: &Path) -> std::io::Result<()> {
     let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
     std::fs::write(procs, std::process::id().to_string())?;
-    unshare(CloneFlags::CLONE_NEWNS).map_err(io)?;
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>).map_err(io)?;
+    crate::criu::private_run(kdat)?;
     mount(Some("overlay"), root, Some("overlay"), MsFlags::empty(), Some(overlay)).map_err(io)?;
     if ksm {
         // SAFETY: prctl with integer arguments only; an old kernel answers EINVAL, which is fine (no KSM).
@@ -204,8 +204,20 @@ fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendErro
 
 /// `criu lazy-pages`: serves the restored tasks' page faults (userfaultfd) from the images and copies the rest
 /// in the background, then exits. It rides in the sandbox's guard, so a failed restore or a kill ends it.
-fn start_lazy_pages(b: &CtBackend, img: &Path, work: &Path, res: &mut Resources) -> Result<(), BackendError> {
-    let child = Command::new(&b.cfg.criu)
+fn start_lazy_pages(
+    b: &CtBackend,
+    img: &Path,
+    work: &Path,
+    res: &mut Resources,
+    kdat: &Path,
+) -> Result<(), BackendError> {
+    let mut cmd = Command::new(&b.cfg.criu);
+    let kdat = kdat.to_path_buf();
+    // SAFETY: the closure only makes system calls (unshare, mount) on data prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || crate::criu::private_run(&kdat));
+    }
+    let child = cmd
         .arg("lazy-pages")
         .arg("-D")
         .arg(img)
