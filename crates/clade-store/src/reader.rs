@@ -163,24 +163,22 @@ impl Store {
             }
             Ok(())
         };
-        runs.par_iter().try_for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(stored, scratch), &(a, b)| {
-                let fi = m.extents[a].frame as usize;
-                let fid = &m.frames[fi];
-                if let Some(fr) = self.cached_frame(fid) {
-                    return write_run(&fr, a, b);
-                }
-                if uses[fi] > 1 {
-                    let fr = self.frame(fid, true)?;
-                    return write_run(&fr, a, b);
-                }
-                let loc = self.frame_loc(fid)?;
-                let location = self.read_stored(&loc, stored)?;
-                let raw = crate::pack::decode_frame_in(stored, scratch, &loc.entry, &|| location.clone())?;
-                write_run(raw, a, b)
-            },
-        )
+        let work = |(stored, scratch): &mut (Vec<u8>, Vec<u8>), &(a, b): &(usize, usize)| -> Result<(), StoreError> {
+            let fi = m.extents[a].frame as usize;
+            let fid = &m.frames[fi];
+            if let Some(fr) = self.cached_frame(fid) {
+                return write_run(&fr, a, b);
+            }
+            if uses[fi] > 1 {
+                let fr = self.frame(fid, true)?;
+                return write_run(&fr, a, b);
+            }
+            let loc = self.frame_loc(fid)?;
+            let location = self.read_stored(&loc, stored)?;
+            let raw = crate::pack::decode_frame_in(stored, scratch, &loc.entry, &|| location.clone())?;
+            write_run(raw, a, b)
+        };
+        runs.par_iter().try_for_each_init(|| (Vec::new(), Vec::new()), work)
     }
 }
 
