@@ -154,7 +154,9 @@ impl Store {
         Ok((live, stale))
     }
 
-    /// Unpublish a manifest. Its data stays while a lease names it; gc frees what nothing else uses.
+    /// Unpublish a manifest: it is no longer a gc root. It stays readable (from `trash/`) until the next gc,
+    /// and after it for as long as a lease names it; gc frees the data nothing else uses. Returns false if it
+    /// was not published.
     pub fn delete_manifest(&self, id: &ManifestId) -> Result<bool, StoreError> {
         let path = self.manifest_path(id);
         if !path.exists() {

@@ -109,3 +109,26 @@ fn a_handle_opened_before_another_handles_gc_does_not_dedup_against_deleted_pack
     assert_eq!(read_all(&open(&d.path().join("s")), r.id.as_ref().unwrap()), data);
     assert!(open(&d.path().join("s")).fsck().unwrap().ok);
 }
+
+#[test]
+fn mostly_dead_pack_is_repacked_and_the_live_part_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = clade_store::StoreConfig { pack_bytes: 64 << 20, compression_level: None, ..cfg() };
+    let s = clade_store::Store::open(&d.path().join("s"), cfg).unwrap();
+    let mut x = vec![0u8; 1024 * 4096];
+    rand::Rng::fill(&mut rand::rng(), &mut x[..]);
+    let xid = s.put_bytes(&x, ImageKind::Mem).unwrap().id.unwrap();
+    let y = x[..256 * 4096].to_vec();
+    let yr = s.put_bytes(&y, ImageKind::Mem).unwrap();
+    assert_eq!(yr.bytes_new, 0);
+    let before = s.stats().unwrap();
+    assert_eq!(before.packs, 1);
+    s.delete_manifest(&xid).unwrap();
+    let r = s.gc(false).unwrap();
+    assert_eq!((r.packs_repacked, r.frames_deleted), (1, 3), "{r:?}");
+    let after = s.stats().unwrap();
+    assert!(after.pack_bytes < before.pack_bytes / 2, "{before:?} {after:?}");
+    assert_eq!(read_all(&s, yr.id.as_ref().unwrap()), y);
+    assert_eq!(read_all(&open(&d.path().join("s")), yr.id.as_ref().unwrap()), y);
+    assert!(s.fsck().unwrap().ok);
+}
