@@ -15,6 +15,7 @@ pub mod proto;
 pub mod run;
 pub mod server;
 pub mod source;
+#[cfg(feature = "store")]
 pub mod store;
 pub mod transmission;
 
@@ -23,4 +24,5 @@ pub use server::Server;
 pub use source::{
     BlockSource, Change, Changes, Extent, FileSource, MemSnapshotter, MemSource, Run, SnapshotError, Snapshotter, BLOCK,
 };
+#[cfg(feature = "store")]
 pub use store::{store_export, StoreSnapshotter, StoreSource};
