@@ -232,3 +232,13 @@ fn concurrent_readers_share_the_cache() {
     let frames = fresh.manifest(&id).unwrap().frames.len() as u64;
     assert!(misses <= frames * 4 && hits > 0, "hits {hits} misses {misses} frames {frames}");
 }
+
+#[test]
+fn handles_are_send_sync_and_clone() {
+    fn check<T: Send + Sync + Clone + 'static>() {}
+    check::<Store>();
+    check::<clade_store::ImageReader>();
+    fn send<T: Send>() {}
+    send::<clade_store::ManifestBuilder>();
+    send::<clade_store::Lease>();
+}
