@@ -180,7 +180,13 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
     std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;
-    m(Some("tmpfs"), &dir("dev/shm")?, Some("tmpfs"), nosuid, Some("mode=1777"))?;
+    // /dev/shm is a plain directory of the /dev tmpfs and /tmp a bind of the overlay's own /tmp (so the agent
+    // mounts no tmpfs there): CRIU restores every tmpfs by running tar, about 15 ms each (docs/ct.md).
+    let shm = dir("dev/shm")?;
+    std::fs::set_permissions(&shm, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+        .map_err(|e| format!("chmod /dev/shm: {e}"))?;
+    let tmp = dir("tmp")?;
+    m(Some(&tmp.display().to_string()), &tmp, None, MsFlags::MS_BIND, None)?;
     m(Some("tmpfs"), &dir("run")?, Some("tmpfs"), nosuid, Some("mode=0755"))?;
     dir("run/clade")?;
     nix::unistd::chdir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
