@@ -3,12 +3,12 @@
 //! bases, and timing every operation into the ledger. A supervisor process or `clade demo` holds the running
 //! sandboxes; the engine holds no sandbox itself.
 
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use clade_ledger::{Backend as LBackend, BranchId, Ledger, Mark, MarkId, NewBranch, NewMark, NewOp, NewSandbox};
 use clade_ledger::{RetentionPolicy, SandboxId, SandboxState, TemplateId};
 use clade_store::{Store, StoreConfig};
+use parking_lot::{ReentrantMutex, ReentrantMutexGuard};
 
 use crate::backend::{Backend, BackendError, BackendKind, MarkOptions, MarkState, Sandbox, Shape, TemplateImage};
 use crate::hygiene::{self, HygieneReport};
@@ -65,7 +65,10 @@ pub fn from_ledger(b: LBackend) -> BackendKind {
 pub struct Engine {
     pub home: CladeHome,
     pub store: Store,
-    ledger: Mutex<Ledger>,
+    /// Reentrant: a guard held through a `match` on a ledger call while an arm calls `ledger()` again is
+    /// natural in this code and must not deadlock (every `Ledger` method takes `&self` and is its own
+    /// transaction, so re-entering on one thread is safe).
+    ledger: ReentrantMutex<Ledger>,
 }
 
 /// A restore prepared up to running (a warm-pool member), with the identity it will get.
@@ -90,11 +93,11 @@ impl Engine {
     pub fn open(home: &CladeHome) -> Result<Engine> {
         let store = Store::open(&home.store_dir(), StoreConfig::default())?;
         let ledger = Ledger::open(home.ledger_path())?;
-        Ok(Engine { home: home.clone(), store, ledger: Mutex::new(ledger) })
+        Ok(Engine { home: home.clone(), store, ledger: ReentrantMutex::new(ledger) })
     }
 
-    pub fn ledger(&self) -> MutexGuard<'_, Ledger> {
-        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn ledger(&self) -> ReentrantMutexGuard<'_, Ledger> {
+        self.ledger.lock()
     }
 
     /// What a user names where a mark is expected: a mark id, a mark label, or a template name whose base on

@@ -199,7 +199,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     big.shape.memory_mib = 512;
     let tid = TemplateId::new(format!("{}-512", record.hash));
     engine.ledger().put_template(&tid, &format!("{}-512", record.name), &serde_json::json!({"bench": true}))?;
-    let big_base = match engine.ledger().base_for(&tid, clade_ledger::Backend::Vm)? {
+    // Bind first: the ledger's guard must not live through the match (build_base takes it again).
+    let recorded = engine.ledger().base_for(&tid, clade_ledger::Backend::Vm)?;
+    let big_base = match recorded {
         Some(b) => engine.ledger().mark(&b.mark)?,
         None => engine.build_base(be.as_ref(), &tid, &big, &|_| Ok(()))?.0,
     };

@@ -58,13 +58,22 @@ pub fn hello(agent: &Agent) -> Hello {
 
 /// Writes `path` through a temp file and a rename, so readers see the old or the new content only.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_replace(path, data, mode, true)
+}
+
+/// As [`write_atomic`] without the fsync: readers see the old or the new file, never half of one, but a
+/// crash may lose it. For identity files rewritten on every restore, where an fsync (a journal commit through
+/// the guest's disk) would be most of hygiene's time.
+pub fn write_replace(path: &Path, data: &[u8], mode: u32, durable: bool) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("/"));
     fs::create_dir_all(dir)?;
     let tmp = crate::fsops::tmp_path(path);
     let res = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))?;
         fs::rename(&tmp, path)
     })();
@@ -156,7 +165,7 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
                 Err(e) => rep.errors.push(format!("sethostname: {e} (needs CAP_SYS_ADMIN in its uts namespace)")),
                 Ok(()) => {
                     let p = agent.sys_path("/etc/hostname");
-                    match write_atomic(&p, format!("{h}\n").as_bytes(), 0o644) {
+                    match write_replace(&p, format!("{h}\n").as_bytes(), 0o644, false) {
                         Ok(()) => rep.hostname_set = true,
                         Err(e) => rep.errors.push(format!("writing {}: {e}", p.display())),
                     }
@@ -169,7 +178,7 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
             rep.errors.push(format!("machine id {m:?} refused: use 32 lowercase hex digits"));
         } else {
             let p = agent.sys_path("/etc/machine-id");
-            match write_atomic(&p, format!("{m}\n").as_bytes(), 0o444) {
+            match write_replace(&p, format!("{m}\n").as_bytes(), 0o444, false) {
                 Ok(()) => rep.machine_id_set = true,
                 Err(e) => rep.errors.push(format!("writing {}: {e}", p.display())),
             }
