@@ -29,6 +29,7 @@ use clade_core::backend::{Backend, BackendError, BackendKind, Identity, MarkStat
 use clade_core::CladeHome;
 
 pub use audit::{audit, audit_with_control, AuditReport};
+pub use restore::CtPrepared;
 pub use sandbox::CtSandbox;
 
 /// How the backend runs.
@@ -147,11 +148,12 @@ impl CtBackend {
         *self.fail_at.lock().unwrap_or_else(|e| e.into_inner()) = at;
     }
 
+    pub(crate) fn fail_at(&self) -> Option<FailPoint> {
+        *self.fail_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub(crate) fn check_fail(&self, here: FailPoint) -> Result<(), BackendError> {
-        if *self.fail_at.lock().unwrap_or_else(|e| e.into_inner()) == Some(here) {
-            return Err(BackendError::Failed(format!("injected failure after {here:?}")));
-        }
-        Ok(())
+        fail_check(self.fail_at(), here)
     }
 
     pub(crate) fn run_dir(&self, id: &Identity) -> Result<PathBuf, BackendError> {
@@ -165,6 +167,11 @@ impl CtBackend {
     /// Cold start, returning the concrete sandbox.
     pub fn cold_start_ct(&self, image: &TemplateImage, id: &Identity) -> Result<CtSandbox, BackendError> {
         sandbox::cold_start(self, image, id)
+    }
+
+    /// Everything of a restore but `criu restore` itself (a warm-pool member); `start_ct` finishes it.
+    pub fn prepare_ct(&self, mark: &MarkState, id: &Identity) -> Result<CtPrepared, BackendError> {
+        restore::prepare(self, mark, id)
     }
 
     /// Restore, returning the concrete sandbox.
@@ -187,6 +194,20 @@ impl Backend for CtBackend {
     fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
         Ok(Box::new(self.restore_ct(mark, id)?))
     }
+    fn prepare(
+        &self,
+        mark: &MarkState,
+        id: &Identity,
+    ) -> Result<Option<Box<dyn clade_core::backend::Prepared>>, BackendError> {
+        Ok(Some(Box::new(self.prepare_ct(mark, id)?)))
+    }
+}
+
+pub(crate) fn fail_check(at: Option<FailPoint>, here: FailPoint) -> Result<(), BackendError> {
+    if at == Some(here) {
+        return Err(BackendError::Failed(format!("injected failure after {here:?}")));
+    }
+    Ok(())
 }
 
 /// Start ksmd if it is off, and let it scan fast enough to matter within seconds (the kernel default of 100

@@ -34,6 +34,45 @@ fn tree_of(mark: &MarkState, role: &str) -> Result<TreeId, BackendError> {
 }
 
 pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
+    prepare(b, mark, id)?.start_ct()
+}
+
+/// A ct restore made ready up to `criu restore` (a warm-pool member): run dir, tmpfs, fresh upper, hard-linked
+/// images, cgroup and, for a lazy restore, the lazy-pages daemon are in place. Dropping it releases them all.
+pub struct CtPrepared {
+    id: String,
+    res: Resources,
+    lower: String,
+    shape: clade_core::backend::Shape,
+    compat: std::collections::BTreeMap<String, String>,
+    criu: std::path::PathBuf,
+    store: clade_store::Store,
+    ready_timeout: std::time::Duration,
+    ksm: bool,
+    lazy: bool,
+    img: std::path::PathBuf,
+    root: std::path::PathBuf,
+    overlay: String,
+    procs: std::path::PathBuf,
+    kdat: std::path::PathBuf,
+    fail_at: Option<FailPoint>,
+    prepare_took: std::time::Duration,
+    phases: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl std::fmt::Debug for CtPrepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CtPrepared").field("id", &self.id).field("lazy", &self.lazy).finish_non_exhaustive()
+    }
+}
+
+impl clade_core::backend::Prepared for CtPrepared {
+    fn start(self: Box<Self>) -> Result<Box<dyn clade_core::backend::Sandbox>, BackendError> {
+        Ok(Box::new(self.start_ct()?))
+    }
+}
+
+pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<CtPrepared, BackendError> {
     let t0 = Instant::now();
     let mut phases: Vec<(&'static str, std::time::Duration)> = Vec::new();
     let lap = |name: &'static str, phases: &mut Vec<_>| phases.push((name, t0.elapsed()));
@@ -80,10 +119,7 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let procs = cg.procs_file();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
-    nix::sys::prctl::set_child_subreaper(true).map_err(|e| failed(format!("PR_SET_CHILD_SUBREAPER: {e}")))?;
     let overlay = format!("lowerdir={lower},upperdir={},workdir={}", upper.display(), work.display());
-    let pidfile = run_dir.join("init.pid");
-    let log = run_dir.join("restore.log");
     let pages: u64 = std::fs::read_dir(&img)
         .map(|rd| {
             rd.flatten()
@@ -97,62 +133,99 @@ pub(crate) fn restore(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     if lazy {
         start_lazy_pages(b, &img, &run_dir, &mut res, &kdat)?;
     }
-    let mut cmd = Command::new(&b.cfg.criu);
-    if lazy {
-        cmd.arg("--lazy-pages");
-    }
-    cmd.arg("restore")
-        .arg("-D")
-        .arg(&img)
-        .arg("-W")
-        .arg(&run_dir)
-        .arg("-o")
-        .arg(&log)
-        .arg("--root")
-        .arg(&root)
-        .args(["--ext-mount-map", "auto", "--restore-detached", "--manage-cgroups=ignore"])
-        .args(["--tcp-close", "--file-locks", "--network-lock", "skip", "--pidfile"])
-        .arg(&pidfile)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    let ksm = b.cfg.ksm;
-    let root2 = root.clone();
-    let kdat2 = kdat.clone();
-    // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
-    // an open+write of the cgroup file, prctl) on data prepared before the fork.
-    unsafe {
-        cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm, &kdat2));
-    }
-    let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", b.cfg.criu.display())))?;
-    let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
-    res.init = pid;
-    if !out.success() || pid.is_none() {
-        return Err(failed(format!("criu restore failed ({out}): {}", crate::dump::log_tail(&log))));
-    }
-    lap("criu", &mut phases);
-    b.check_fail(FailPoint::Processes)?;
-    let agent = connect_agent(pid.unwrap_or_default(), b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
-    lap("agent", &mut phases);
-    b.check_fail(FailPoint::Agent)?;
-    if !lazy {
-        let _ = std::fs::remove_dir_all(&img);
-    }
-    phases.push(("lazy", std::time::Duration::from_nanos(u64::from(lazy))));
-    Ok(CtSandbox {
+    Ok(CtPrepared {
         id: id.sandbox_id.clone(),
         res,
-        agent,
-        criu: b.cfg.criu.clone(),
-        store: b.store.clone(),
         lower,
         shape: mark.shape.clone(),
         compat: b.host_compat(),
+        criu: b.cfg.criu.clone(),
+        store: b.store.clone(),
         ready_timeout: b.cfg.ready_timeout,
-        dumps: 0,
-        startup: t0.elapsed(),
+        ksm: b.cfg.ksm,
+        lazy,
+        img,
+        root,
+        overlay,
+        procs,
+        kdat,
+        fail_at: b.fail_at(),
+        prepare_took: t0.elapsed(),
         phases,
     })
+}
+
+impl CtPrepared {
+    /// Run `criu restore` and connect to the agent.
+    pub fn start_ct(mut self) -> Result<CtSandbox, BackendError> {
+        // Phase times continue from the end of prepare (a pool member's wait is not counted).
+        let t0 = Instant::now().checked_sub(self.prepare_took).unwrap_or_else(Instant::now);
+        let mut phases = std::mem::take(&mut self.phases);
+        let lap = |name: &'static str, phases: &mut Vec<_>| phases.push((name, t0.elapsed()));
+        let check = |here| crate::fail_check(self.fail_at, here);
+        let (lazy, img, root, run_dir) = (self.lazy, self.img.clone(), self.root.clone(), self.res.run_dir.clone());
+        let (overlay, procs, kdat) = (self.overlay.clone(), self.procs.clone(), self.kdat.clone());
+        let mut res = std::mem::replace(&mut self.res, Resources::new(std::path::PathBuf::new()));
+        nix::sys::prctl::set_child_subreaper(true).map_err(|e| failed(format!("PR_SET_CHILD_SUBREAPER: {e}")))?;
+        let pidfile = run_dir.join("init.pid");
+        let log = run_dir.join("restore.log");
+        let mut cmd = Command::new(&self.criu);
+        if lazy {
+            cmd.arg("--lazy-pages");
+        }
+        cmd.arg("restore")
+            .arg("-D")
+            .arg(&img)
+            .arg("-W")
+            .arg(&run_dir)
+            .arg("-o")
+            .arg(&log)
+            .arg("--root")
+            .arg(&root)
+            .args(["--ext-mount-map", "auto", "--restore-detached", "--manage-cgroups=ignore"])
+            .args(["--tcp-close", "--file-locks", "--network-lock", "skip", "--pidfile"])
+            .arg(&pidfile)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let ksm = self.ksm;
+        let root2 = root.clone();
+        let kdat2 = kdat.clone();
+        // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
+        // an open+write of the cgroup file, prctl) on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm, &kdat2));
+        }
+        let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
+        let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
+        res.init = pid;
+        if !out.success() || pid.is_none() {
+            return Err(failed(format!("criu restore failed ({out}): {}", crate::dump::log_tail(&log))));
+        }
+        lap("criu", &mut phases);
+        check(FailPoint::Processes)?;
+        let agent = connect_agent(pid.unwrap_or_default(), self.ready_timeout).map_err(|e| with_console(e, &res))?;
+        lap("agent", &mut phases);
+        check(FailPoint::Agent)?;
+        if !lazy {
+            let _ = std::fs::remove_dir_all(&img);
+        }
+        phases.push(("lazy", std::time::Duration::from_nanos(u64::from(lazy))));
+        Ok(CtSandbox {
+            id: self.id.clone(),
+            res,
+            agent,
+            criu: self.criu.clone(),
+            store: self.store.clone(),
+            lower: self.lower.clone(),
+            shape: self.shape.clone(),
+            compat: self.compat.clone(),
+            ready_timeout: self.ready_timeout,
+            dumps: 0,
+            startup: t0.elapsed(),
+            phases,
+        })
+    }
 }
 
 fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool, kdat: &Path) -> std::io::Result<()> {

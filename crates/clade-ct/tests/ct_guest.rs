@@ -219,6 +219,19 @@ fn privileged_guest_failure_at_each_step_leaves_nothing() {
     e.backend.inject_failure(None);
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(count_procs(), 0, "unreaped children");
+    // A prepared restore (warm-pool member) holds its resources until dropped, and starts later.
+    let ident = id("fprep");
+    let p = e.backend.prepare_ct(&mark, &ident).expect("prepare");
+    assert!(e.home.join("run").join(&ident.sandbox_id).exists());
+    drop(p);
+    assert!(leftovers(&e, &ident).is_empty(), "{:?}", leftovers(&e, &ident));
+    let ident = id("fprep2");
+    let p = e.backend.prepare_ct(&mark, &ident).expect("prepare");
+    let sb = p.start_ct().expect("start a prepared restore");
+    assert!(sb.phases.iter().any(|(k, _)| *k == "criu"));
+    assert_eq!(sh(&sb, "echo up"), "up");
+    Box::new(sb).kill().unwrap();
+    assert!(leftovers(&e, &ident).is_empty());
     // And a restore still works afterwards (no EEXIST from leftovers).
     let ok = e.backend.restore_ct(&mark, &id("fafter")).expect("restore after failures");
     Box::new(ok).kill().unwrap();
