@@ -208,6 +208,21 @@ fn bench(b: &Bench, n: usize, payload: u32, counts: &[usize]) -> Result<(), Stri
         json!({"bench":"lazy_vs_eager","eager_p50_ms":pct(&mut eager,0.5),"lazy_p50_ms":pct(&mut lazy,0.5),
                "pages_mib":m2.logical_bytes as f64/1048576.0})
     );
+    // Warm pool: prepared ahead (run dir, upper, images, cgroup), then started on demand.
+    let mut pooled = Vec::new();
+    for i in 0..n.min(6) {
+        let id = b.ident("p");
+        let p = b.backend.prepare_ct(&m2, &id).map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        let sb = p.start_ct().map_err(|e| e.to_string())?;
+        clade_core::hygiene::apply(sb.agent(), &id, m2.clean).map_err(|e| e.to_string())?;
+        sb.agent().wait_ready(ReadyTarget::Port { port: PORT }, Duration::from_secs(30)).map_err(|e| e.to_string())?;
+        let t = ms(t0.elapsed());
+        let _ = Box::new(sb).kill();
+        println!("{}", json!({"bench":"pool","i":i,"start_hygiene_ms":t}));
+        pooled.push(t);
+    }
+    println!("{}", json!({"bench":"pool_summary","prepared_start_hygiene_p50_ms":pct(&mut pooled,0.5)}));
     let (c50, r50) = (pct(&mut cold, 0.5), pct(&mut rest, 0.5));
     let (c95, r95) = (pct(&mut cold, 0.95), pct(&mut rest, 0.95));
     println!(
