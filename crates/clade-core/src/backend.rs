@@ -164,6 +164,15 @@ pub trait Sandbox: Send {
     fn suspend(self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError>;
     /// End the sandbox and remove everything it held on the host.
     fn kill(self: Box<Self>) -> Result<(), BackendError>;
+    /// Stop running the sandbox without releasing it (a warm-pool member waits restored, hygiene done,
+    /// paused). Default: the backend cannot pause; the sandbox keeps running.
+    fn pause(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Continue after [`Sandbox::pause`].
+    fn resume(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// A backend: brings sandboxes up, cold or from a mark. Fork is N restores of one mark (clade-core decides

@@ -78,6 +78,14 @@ pub struct PreparedRestore {
     pub clean: bool,
 }
 
+/// A warm-pool member: restored, hygiene done, paused, waiting for a claim.
+pub struct Warm {
+    pub sandbox: Box<dyn Sandbox>,
+    pub hygiene: Option<HygieneReport>,
+    pub restore: Duration,
+    pub warmed: Duration,
+}
+
 /// A sandbox restored by [`Engine::restore_into`], with what it cost.
 pub struct Restored {
     pub sandbox: Box<dyn Sandbox>,
@@ -232,6 +240,48 @@ impl Engine {
         let start = Instant::now();
         let result = p.prepared.start();
         self.finish_restore(result, start, &p.identity, p.clean, sbx, mark)
+    }
+
+    /// A warm-pool member made ready to be claimed: restored, hygiene applied (its identity is its own, named
+    /// when it was prepared), then paused. Nothing is recorded yet: the sandbox exists in the ledger only once
+    /// claimed.
+    pub fn warm(&self, p: PreparedRestore) -> Result<Warm> {
+        let start = Instant::now();
+        let mut sandbox = p.prepared.start()?;
+        let restore = start.elapsed();
+        let hygiene = if p.clean { Some(hygiene::apply(sandbox.agent(), &p.identity, true)?) } else { None };
+        sandbox.pause()?;
+        Ok(Warm { sandbox, hygiene, restore, warmed: start.elapsed() })
+    }
+
+    /// Claim a warm member as sandbox `sbx` (its record already created): continue it, step its clock (it
+    /// stopped while paused), record the restore.
+    pub fn claim_warm(&self, w: Warm, sbx: &SandboxId, mark: &Mark) -> Result<Restored> {
+        let start = Instant::now();
+        let mut sandbox = w.sandbox;
+        sandbox.resume()?;
+        let clock =
+            sandbox.agent().sync_clock(0).map_err(|e| BackendError::Failed(format!("clock step after claim: {e}")))?;
+        let mut hygiene = w.hygiene;
+        if let Some(h) = hygiene.as_mut() {
+            h.clock_error_ns = clock.error_ns;
+            h.clock_steps += clock.steps;
+        }
+        let total = start.elapsed();
+        self.op(
+            "restore",
+            Some(sbx),
+            Some(&mark.id),
+            total,
+            None,
+            serde_json::json!({"pool": true, "claim_ms": total.as_secs_f64() * 1e3, "warm_ms": w.warmed.as_secs_f64() * 1e3, "hygiene": hygiene}),
+        );
+        {
+            let l = self.ledger();
+            l.set_sandbox_origin(sbx, Some(&mark.id))?;
+            l.set_sandbox_state(sbx, SandboxState::Running, None)?;
+        }
+        Ok(Restored { sandbox, hygiene, restore: w.restore, total })
     }
 
     fn finish_restore(

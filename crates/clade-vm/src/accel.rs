@@ -26,7 +26,13 @@ impl Accel {
     pub fn qemu_args(self) -> Vec<String> {
         match self {
             Accel::Kvm => ["-accel", "kvm", "-cpu", "host"].map(String::from).to_vec(),
-            Accel::Tcg => ["-accel", "tcg,thread=multi", "-cpu", "max"].map(String::from).to_vec(),
+            Accel::Tcg => {
+                // The translation cache is private to every QEMU process: its size is most of what a TCG sibling
+                // costs beyond its own pages (docs/vm.md). `CLADE_TCG_TB_MIB` bounds it.
+                let tb = tb_size_mib();
+                let accel = if tb > 0 { format!("tcg,thread=multi,tb-size={tb}") } else { "tcg,thread=multi".into() };
+                vec!["-accel".into(), accel, "-cpu".into(), "max".into()]
+            }
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -36,6 +42,16 @@ impl Accel {
         }
     }
 }
+
+/// The TCG translation cache bound in MiB (`CLADE_TCG_TB_MIB`; 0 = QEMU's default).
+pub fn tb_size_mib() -> u32 {
+    std::env::var("CLADE_TCG_TB_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_TB_MIB)
+}
+
+/// 8 MiB: an idle restored guest filled about 24 MiB with no bound, most of what a TCG sibling costs; bounded,
+/// three siblings went from PSS/RSS 0.55 to 0.40 (docs/vm.md). `CLADE_TCG_TB_MIB=0` restores QEMU's default
+/// (1 GiB) for CPU-heavy TCG work, which then retranslates less.
+pub const DEFAULT_TB_MIB: u32 = 8;
 
 /// One probe boot.
 #[derive(Debug, Clone, Serialize, Deserialize)]

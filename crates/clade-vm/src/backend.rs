@@ -510,8 +510,10 @@ impl VmSandbox {
         let saved = crate::templating::save_device_state(self.vm(), &state_path).map_err(failed)?;
         let disk = self.disk.snapshot().map_err(failed)?;
         let store = self.backend.inner.store.clone();
-        let ram = store.put_file_rehash(&self.ram_file, ImageKind::Mem).map_err(|e| failed(format!("store RAM: {e}")))?;
-        let dev = store.put_file_rehash(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
+        let ram =
+            store.put_file_rehash(&self.ram_file, ImageKind::Mem).map_err(|e| failed(format!("store RAM: {e}")))?;
+        let dev =
+            store.put_file_rehash(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
         let root = put_id(&ram)?;
         let root_file = self.backend.root_ram_file(&root);
         // The guest is paused and about to be replaced: its RAM file becomes the mark's root (same tmpfs, so a
@@ -592,7 +594,8 @@ impl VmSandbox {
         let ram = b.finish().map_err(|e| failed(format!("store: {e}")))?;
         let list: Vec<u8> = cm.pages.iter().flat_map(|p| p.to_le_bytes()).collect();
         let pages = self.put_bytes(&list, ImageKind::Other)?;
-        let dev = store.put_file_rehash(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
+        let dev =
+            store.put_file_rehash(&state_path, ImageKind::Other).map_err(|e| failed(format!("store state: {e}")))?;
         let mut manifests = BTreeMap::new();
         manifests.insert(role::RAM_ROOT.to_string(), root);
         manifests.insert(role::RAM.to_string(), put_id(&ram)?);
@@ -643,6 +646,12 @@ impl Sandbox for VmSandbox {
     fn kill(self: Box<Self>) -> Result<(), BackendError> {
         drop(self);
         Ok(())
+    }
+    fn pause(&mut self) -> Result<(), BackendError> {
+        self.vm().qmp.execute("stop", serde_json::json!({})).map(|_| ()).map_err(failed)
+    }
+    fn resume(&mut self) -> Result<(), BackendError> {
+        self.vm().qmp.execute("cont", serde_json::json!({})).map(|_| ()).map_err(failed)
     }
 }
 

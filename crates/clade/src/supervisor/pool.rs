@@ -1,7 +1,7 @@
-//! The warm pool: supervisors that have already done everything of a restore of one mark except letting the
-//! guest run (for `vm`: QEMU started on `-incoming defer` with the RAM file mapped, pages written, disk export
-//! up). A fork claims members instead of starting processes, so it pays only the device-state load, the agent's
-//! hello and hygiene. Members wait in `$CLADE_HOME/run/pool/<mark>/<sandbox>.sock`; a claim renames the socket
+//! The warm pool: supervisors that have already restored a mark, applied hygiene (each member names itself, so
+//! its hostname, machine-id and entropy are its own) and paused the sandbox. A fork claims members instead of
+//! starting processes, so it pays only `cont`, a clock step (the guest's clock stood still while paused) and
+//! the ledger records. The guest ran only for its hygiene between the mark and the claim. Members wait in `$CLADE_HOME/run/pool/<mark>/<sandbox>.sock`; a claim renames the socket
 //! (atomic: two forks never get the same member), creates the sandbox's ledger record and says `claim`; the
 //! member answers with its `Ready` and becomes the sandbox's ordinary supervisor. The pool's size is kept in
 //! `size` there and refilled in the background after every claim.
@@ -148,6 +148,8 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
     let prepared = engine
         .prepare(backend.as_ref(), &id, &mark, 1)?
         .ok_or_else(|| anyhow!("the {} backend has no warm pool (restores are not split)", backend.kind().as_str()))?;
+    // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
+    let warm = engine.warm(prepared)?;
     let tmp = dir.join(format!("{id}.bind"));
     let listener = UnixListener::bind(&tmp)?;
     std::fs::rename(&tmp, dir.join(format!("{id}.sock")))?;
@@ -173,7 +175,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         return Ok(()); // drained
     }
     let mut out = stream;
-    let restored = match engine.start_prepared(prepared, &id, &mark) {
+    let restored = match engine.claim_warm(warm, &id, &mark) {
         Ok(r) => r,
         Err(e) => {
             let _ = engine.ledger().set_sandbox_state(&id, clade_ledger::SandboxState::Failed, Some(&e.to_string()));
