@@ -84,6 +84,8 @@ pub struct Warm {
     pub hygiene: Option<HygieneReport>,
     pub restore: Duration,
     pub warmed: Duration,
+    /// When it was paused: its clock stood still since, by exactly this long (seed 003's shift).
+    pub paused_at: Instant,
 }
 
 /// A sandbox restored by [`Engine::restore_into`], with what it cost.
@@ -251,7 +253,7 @@ impl Engine {
         let restore = start.elapsed();
         let hygiene = if p.clean { Some(hygiene::apply(sandbox.agent(), &p.identity, true)?) } else { None };
         sandbox.pause()?;
-        Ok(Warm { sandbox, hygiene, restore, warmed: start.elapsed() })
+        Ok(Warm { sandbox, hygiene, restore, warmed: start.elapsed(), paused_at: Instant::now() })
     }
 
     /// Claim a warm member as sandbox `sbx` (its record already created): continue it, step its clock (it

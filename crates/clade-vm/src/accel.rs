@@ -48,10 +48,11 @@ pub fn tb_size_mib() -> u32 {
     std::env::var("CLADE_TCG_TB_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_TB_MIB)
 }
 
-/// 8 MiB: an idle restored guest filled about 24 MiB with no bound, most of what a TCG sibling costs; bounded,
-/// three siblings went from PSS/RSS 0.55 to 0.40 (docs/vm.md). `CLADE_TCG_TB_MIB=0` restores QEMU's default
-/// (1 GiB) for CPU-heavy TCG work, which then retranslates less.
-pub const DEFAULT_TB_MIB: u32 = 8;
+/// QEMU's default (0: no bound). Measured side by side (docs/vm.md): a bound of 8 MiB took three siblings'
+/// PSS/RSS from 0.57 to 0.37 but a guest busy after its restore retranslates so much that a mark's pause went
+/// from 55 to 190 ms and a retake from 391 to 795 ms. Latency wins by default; a host packing many idle TCG
+/// sandboxes can set `CLADE_TCG_TB_MIB=8`. Under KVM there is no translation cache.
+pub const DEFAULT_TB_MIB: u32 = 0;
 
 /// One probe boot.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -1,5 +1,5 @@
 //! Opening the backends this binary carries. Each is opened only when an operation needs it: opening `vm`
-//! may run the accelerator probe once per boot.
+//! may run the accelerator probe once per boot; opening `ct` checks the private CRIU and the agent layer.
 
 use std::sync::Arc;
 
@@ -13,10 +13,12 @@ pub fn open(engine: &Engine, kind: BackendKind) -> anyhow::Result<Arc<dyn Backen
             clade_vm::backend::VmBackend::open(&engine.home, engine.store.clone(), None)
                 .context("open the vm backend")?,
         )),
-        BackendKind::Ct => ct(engine),
+        BackendKind::Ct => {
+            let cfg = clade_ct::CtConfig::from_home(&engine.home).context("configure the ct backend")?;
+            Ok(Arc::new(
+                clade_ct::CtBackend::new(engine.home.clone(), engine.store.clone(), cfg)
+                    .context("open the ct backend")?,
+            ))
+        }
     }
-}
-
-fn ct(_engine: &Engine) -> anyhow::Result<Arc<dyn Backend>> {
-    Err(anyhow::anyhow!(clade_core::ExitCoded::new(5, "the ct backend is not wired into this build yet")))
 }
