@@ -113,7 +113,7 @@ pub async fn serve_control(server: Arc<Server>, listener: UnixListener) -> std::
 /// Why a control call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
-    #[error("cannot reach the control socket {path}: {source} (is `clade nbd serve` running on that socket?)")]
+    #[error("cannot reach the control socket {path} (is `clade nbd serve` running on that socket?)")]
     Connect { path: PathBuf, source: std::io::Error },
     #[error("control socket I/O: {0}")]
     Io(#[from] std::io::Error),

@@ -26,8 +26,8 @@ pub enum ExportError {
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("the export is read-only")]
     ReadOnly,
-    #[error("reading the base image {base} at {offset}: {source}")]
-    Io { base: String, offset: u64, source: io::Error },
+    #[error("reading the base image {base} at {offset}: {error}")]
+    Io { base: String, offset: u64, error: io::Error },
     #[error("this export has no snapshotter: serve it from a store to snapshot")]
     NoSnapshotter,
     #[error("snapshot failed (the overlay is kept, retry is safe): {0}")]
@@ -145,7 +145,7 @@ impl Export {
     }
 
     fn base_read(base: &Arc<dyn BlockSource>, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        base.read_at(offset, buf).map_err(|source| ExportError::Io { base: base.id(), offset, source })
+        base.read_at(offset, buf).map_err(|error| ExportError::Io { base: base.id(), offset, error })
     }
 
     /// Reads `buf.len()` bytes at `offset`: overlay blocks first, the rest from the base.

@@ -12,9 +12,9 @@ use crate::server::Server;
 pub enum RunError {
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
-    #[error("cannot listen on {path}: {source} (is the directory there and writable?)")]
+    #[error("cannot listen on {path} (is the directory there and writable, and no other server on it?)")]
     Bind { path: PathBuf, source: std::io::Error },
-    #[error("accepting connections on {path} failed: {source}")]
+    #[error("accepting connections on {path} failed")]
     Accept { path: PathBuf, source: std::io::Error },
     #[error("cannot install signal handlers: {0}")]
     Signal(std::io::Error),
@@ -32,9 +32,14 @@ pub fn init_logging() {
 pub fn serve_unix_blocking(server: Arc<Server>, socket: &Path, ready: impl FnOnce()) -> Result<(), RunError> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(RunError::Runtime)?;
     let ctl = control_path(socket);
+    // Socket files are removed on the way out only once this process has bound them: a failed
+    // start must not delete a running server's socket.
+    let mut bound: Vec<PathBuf> = Vec::new();
     let result = rt.block_on(async {
         let listener = Server::bind_unix(socket).map_err(|source| RunError::Bind { path: socket.to_owned(), source })?;
+        bound.push(socket.to_owned());
         let ctl_listener = Server::bind_unix(&ctl).map_err(|source| RunError::Bind { path: ctl.clone(), source })?;
+        bound.push(ctl.clone());
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).map_err(RunError::Signal)?;
         let mut int = signal(SignalKind::interrupt()).map_err(RunError::Signal)?;
@@ -46,8 +51,9 @@ pub fn serve_unix_blocking(server: Arc<Server>, socket: &Path, ready: impl FnOnc
             _ = int.recv() => Ok(()),
         }
     });
-    let _ = std::fs::remove_file(socket);
-    let _ = std::fs::remove_file(&ctl);
+    for p in &bound {
+        let _ = std::fs::remove_file(p);
+    }
     rt.shutdown_timeout(std::time::Duration::from_millis(200));
     result
 }
