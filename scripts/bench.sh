@@ -1,6 +1,54 @@
 #!/usr/bin/env bash
-# ./x bench [WHAT...] [--quick]: runs the bench binaries; results go to bench/out/.
+# ./x bench [WHAT...] [--quick]: run the benches, side by side with their peers in one run each; every bench
+# prints JSON lines (one per figure, with its bar and PASS/FAIL computed from the samples) into bench/out/.
+#   store  put/get vs b3sum/cp, dedup of a 1%-changed copy          (crates/clade-store/src/bin/store-bench.rs)
+#   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
+#   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
+#   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
+#   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
+# Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-mkdir -p bench/out
-echo "./x bench: no benches are defined yet" >&2
+quick=0
+what=()
+for a in "$@"; do
+  case "$a" in
+    --quick) quick=1 ;;
+    store|nbd|agent|vm|ct) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct; --quick)" >&2; exit 2 ;;
+  esac
+done
+[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct)
+out=bench/out
+mkdir -p "$out"
+bin=target/release
+run() { # name, command...
+  local name=$1; shift
+  echo "=== bench $name: $*" >&2
+  local start=$(date +%s)
+  if "$@" > "$out/$name.jsonl"; then
+    echo "=== bench $name: done in $(( $(date +%s) - start )) s -> $out/$name.jsonl" >&2
+  else
+    echo "=== bench $name: FAILED (exit $?) after $(( $(date +%s) - start )) s; partial output in $out/$name.jsonl" >&2
+    failed+=("$name")
+  fi
+}
+failed=()
+for w in "${what[@]}"; do
+  case "$w" in
+    store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi ;;
+    nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
+    agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
+    vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
+    ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
+  esac
+done
+grep -h '"pass"' "$out"/*.jsonl 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: f = json.loads(line)
+    except ValueError: continue
+    if "pass" in f and "name" in f:
+        print(("PASS" if f["pass"] else "FAIL"), f["name"], "=", f.get("value"), f.get("unit", ""), "(bar", f.get("bar", "?") + ")")
+' || true
+[ ${#failed[@]} -eq 0 ] || { echo "./x bench: failed: ${failed[*]}" >&2; exit 1; }
