@@ -29,11 +29,11 @@ pub use collect::{CollectOptions, CollectReport, DeletedMark, KeptMark};
 pub use error::{LedgerError, Result};
 pub use ids::{BranchId, LeaseId, ManifestId, MarkId, OpId, SandboxId, TemplateId};
 pub use ledger::{Ledger, LedgerOptions};
+pub use model::Sandbox as SandboxRecord;
 pub use model::{
     Backend, Base, Branch, Lease, LeaseTarget, Mark, NewBranch, NewMark, NewOp, NewSandbox, OpRecord, RetentionPolicy,
     SandboxState, Template,
 };
-pub use model::Sandbox as SandboxRecord;
 pub use ops::OpQuery;
 pub use retention::KeepReason;
 pub use schema::SCHEMA_VERSION;

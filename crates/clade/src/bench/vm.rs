@@ -257,6 +257,41 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         },
     );
 
+    // 4b. Agent hello round trip: over virtio-serial into this guest, and over a unix socket to the same agent
+    // binary as a plain host process (the ct figure's path), same run.
+    {
+        let id = hygiene::new_identity(&format!("bench-hello-{}", std::process::id()), 1);
+        let s = vm.restore_vm(&state, &id)?;
+        let vm_rtt = hello_samples(s.agent(), 300)?;
+        Box::new(s).kill()?;
+        let dir = tempfile::tempdir()?;
+        let sock = dir.path().join("agent.sock");
+        let agent_bin = crate::cmd::agent_binary().ok_or_else(|| anyhow!("no clade-agent next to clade"))?;
+        let mut child =
+            Command::new(&agent_bin).arg("serve").arg("--listen").arg(format!("unix:{}", sock.display())).spawn()?;
+        let plain = clade_agent::client::AgentClient::connect_unix_wait(&sock, Duration::from_secs(10));
+        let host_rtt = match plain {
+            Ok((c, _)) => hello_samples(&c, 300),
+            Err(e) => Err(anyhow!("plain agent: {e}")),
+        };
+        let _ = child.kill();
+        let _ = child.wait();
+        let host_rtt = host_rtt?;
+        let r = median(&vm_rtt) / median(&host_rtt);
+        emit(
+            &mut figs,
+            Figure {
+                name: "agent hello p50: vm (virtio-serial) / plain unix socket (ct path)".into(),
+                value: r,
+                unit: "x".into(),
+                bar: "<= 5x".into(),
+                pass: r <= 5.0,
+                samples: vm_rtt.clone(),
+                detail: serde_json::json!({"accel": accel, "vm_p50_us": median(&vm_rtt), "unix_p50_us": median(&host_rtt)}),
+            },
+        );
+    }
+
     // 5. Retake end to end (CLI path: supervisor kills the sandbox, restores the mark, hygiene).
     let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
     let sbx = ready[0].sandbox.clone();
@@ -393,6 +428,17 @@ impl GroupCompat for Command {
         use std::os::unix::process::CommandExt;
         self.process_group(0)
     }
+}
+
+/// Round trips of `hello`, in microseconds.
+fn hello_samples(agent: &clade_agent::client::AgentClient, n: usize) -> anyhow::Result<Vec<f64>> {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        agent.hello()?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(v)
 }
 
 /// Bytes of every file under `dir` (the store's whole footprint: packs, indexes, manifests).
