@@ -12,7 +12,6 @@ use base64::Engine as _;
 use clade_core::backend::BackendKind;
 use clade_core::engine::Engine;
 use clade_core::{hygiene, CladeHome};
-use clade_ledger::SandboxId;
 
 use crate::supervisor::client;
 use crate::supervisor::protocol::Request;
@@ -138,8 +137,23 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     Ok(if failures.is_empty() { 0 } else { 1 })
 }
 
+/// Ends every sandbox the demo started, also when a step fails half-way.
+struct Cleanup<'a> {
+    home: &'a CladeHome,
+    ids: Vec<String>,
+}
+
+impl Drop for Cleanup<'_> {
+    fn drop(&mut self) {
+        for id in &self.ids {
+            let _ = client::call(self.home, id, &Request::Kill);
+        }
+    }
+}
+
 fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t: &mut Timings) -> anyhow::Result<()> {
     let mut n = 0;
+    let mut cleanup = Cleanup { home, ids: Vec::new() };
     step(&mut n, &format!("template and base: build `minimal` for {} (cached after the first run)", b.as_str()));
     let start = Instant::now();
     let base = super::base::build(home, &template.display().to_string(), b, false, &|l| println!("{l}"))?;
@@ -182,6 +196,7 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     t.add(b, "cold start to ready", cold_ms);
     t.add(b, "restore from base, with hygiene", r0.ready_ms);
     let s = r0.sandbox.clone();
+    cleanup.ids.push(s.clone());
 
     step(&mut n, "exec a command, write a file");
     let start = Instant::now();
@@ -205,6 +220,7 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     step(&mut n, "fork 5 siblings from the mark: distinct machines, shared memory");
     let mark = engine.resolve_mark(&mark_id, Some(b))?;
     let (sibs, took) = super::sandbox::fork_mark(&engine, &mark, 5)?;
+    cleanup.ids.extend(sibs.iter().map(|r| r.sandbox.clone()));
     if let Some(bad) = sibs.iter().find(|r| !r.ok) {
         return Err(anyhow!("fork failed: {}", bad.error.clone().unwrap_or_default()));
     }
@@ -284,10 +300,7 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     );
 
     step(&mut n, "clean up: kill every demo sandbox");
-    for id in std::iter::once(s).chain(sibs.iter().map(|r| r.sandbox.clone())) {
-        let _ = client::call(home, &id, &Request::Kill);
-        let _ = engine.ledger().sandbox(&SandboxId::new(id));
-    }
+    drop(cleanup);
     println!("    done");
     Ok(())
 }

@@ -66,11 +66,6 @@ fn coded(e: TemplateError) -> anyhow::Error {
     anyhow::Error::new(ExitCoded::new(code, e.to_string()))
 }
 
-fn default_agent() -> Option<PathBuf> {
-    let p = std::env::current_exe().ok()?.parent()?.join("clade-agent");
-    p.is_file().then_some(p)
-}
-
 fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
 }
@@ -80,7 +75,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
     match cmd {
         Command::Build { spec, json, backend, agent, no_agent, keep_image } => {
             let spec = TemplateSpec::load(&spec).map_err(coded)?;
-            let agent = if no_agent { None } else { agent.or_else(default_agent) };
+            let agent = if no_agent { None } else { agent.or_else(super::agent_binary) };
             let backends = match backend {
                 BackendArg::Vm => Backends::VM,
                 BackendArg::Ct => Backends::CT,
