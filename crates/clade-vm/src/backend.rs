@@ -482,7 +482,10 @@ pub struct MarkStats {
     pub diverged_bytes: u64,
     /// Disk blocks written since the last snapshot (4 KiB each).
     pub disk_dirty_bytes: u64,
+    /// `stop` to `cont`: device state, diverged pages and the disk snapshot.
     pub pause_ms: f64,
+    /// Of that, device state and diverged pages alone.
+    pub ram_pause_ms: f64,
 }
 
 impl VmSandbox {
@@ -566,15 +569,18 @@ impl VmSandbox {
     /// Mark a clone: device state alone + its diverged pages; the pause is what changed, not the guest size.
     fn mark_clone(&mut self, root: String, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         let state_path = self.run.path.join("devstate.mark");
+        let start = Instant::now();
         let cm = crate::templating::save_clone_state(self.vm(), &state_path).map_err(failed)?;
         let disk_dirty_bytes = self.disk.dirty_bytes();
+        // The disk snapshot is taken while the guest is stopped too, so it is part of the pause.
         let disk = self.disk.snapshot();
         let cont = self.vm().qmp.execute("cont", serde_json::json!({}));
-        let pause = Duration::from_secs_f64(cm.stats.pause_ms / 1e3);
+        let pause = start.elapsed();
         self.last_mark = Some(MarkStats {
             diverged_bytes: cm.pages.len() as u64 * crate::ramdiff::PAGE,
             disk_dirty_bytes,
-            pause_ms: cm.stats.pause_ms,
+            pause_ms: pause.as_secs_f64() * 1e3,
+            ram_pause_ms: cm.stats.pause_ms,
         });
         let disk = disk.map_err(failed)?;
         cont.map_err(failed)?;
