@@ -4,6 +4,7 @@
 //! dirtied, retake end to end, and clade's fork against QEMU templating done by hand (a shell script starting the
 //! same QEMU on the same RAM file and device state, with `qemu-nbd` for the disk).
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -408,7 +409,7 @@ fn peer_samples(
             nbd = nbd.display(), disk = disk.display(), args = args.join(" "), qmp = dir.join("qmp.sock").display(), dev = devstate.display(),
         );
         let t = Instant::now();
-        let mut child = Command::new("bash").arg("-c").arg(&script).process_group_compat().spawn()?;
+        let mut child = Command::new("bash").arg("-c").arg(&script).process_group(0).spawn()?;
         let hello = clade_vm::agent_link::hello_until(&agent, Duration::from_secs(60));
         let took = ms(t.elapsed());
         let _ = child.wait();
@@ -418,16 +419,6 @@ fn peer_samples(
         out.push(took);
     }
     Ok(out)
-}
-
-trait GroupCompat {
-    fn process_group_compat(&mut self) -> &mut Self;
-}
-impl GroupCompat for Command {
-    fn process_group_compat(&mut self) -> &mut Self {
-        use std::os::unix::process::CommandExt;
-        self.process_group(0)
-    }
 }
 
 /// Round trips of `hello`, in microseconds.
