@@ -87,8 +87,10 @@ pub fn build_initramfs(kernel_dir: &Path, busybox: &Path, machine: MachineType, 
     write_atomic(dest, &bytes)
 }
 
-/// Build the guest initramfs into `dir`, named by a hash of its content, unless that file exists; return its path.
-/// A change of the init script, the module list or the kernel gives a new name, so a stale cache is never used.
+/// Build the guest initramfs into `dir` unless it is there already; return its path. The name is a hash of
+/// everything that shapes the archive (the init script, the modules in load order, and each input file's size
+/// and mtime), so a change of any of them gives a new name and a stale cache is never used, while a hit costs
+/// only `stat`s: every supervisor opens the backend, and reading the modules each time was start-up work.
 pub fn cached_initramfs(
     kernel_dir: &Path,
     busybox: &Path,
@@ -96,12 +98,19 @@ pub fn cached_initramfs(
     dir: &Path,
 ) -> Result<PathBuf, BootError> {
     use std::hash::{Hash, Hasher};
-    let bytes = initramfs_bytes(kernel_dir, busybox, machine)?;
+    let modules_dir = kernel_dir.join("modules");
+    let order = load_order(&modules_dir, &wanted_modules(machine))?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    bytes.hash(&mut h);
+    let names: Vec<String> = order.iter().map(|r| module_name(r)).collect();
+    init_script(&names).hash(&mut h);
+    let inputs = std::iter::once(busybox.to_path_buf()).chain(order.iter().map(|r| modules_dir.join(r)));
+    for f in inputs {
+        let m = std::fs::metadata(&f).map_err(|e| BootError::Write(f.display().to_string(), e))?;
+        (f.display().to_string(), m.len(), m.modified().ok()).hash(&mut h);
+    }
     let path = dir.join(format!("initramfs-{:016x}.cpio", h.finish()));
     if !path.exists() {
-        write_atomic(&path, &bytes)?;
+        write_atomic(&path, &initramfs_bytes(kernel_dir, busybox, machine)?)?;
     }
     Ok(path)
 }

@@ -2,7 +2,6 @@
 //! hello, run a command, write and read a file; then mark the guest (device state, RAM file) and talk to the same
 //! agent again in a clone.
 
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -14,28 +13,10 @@ use clade_vm::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 mod common;
 use common::*;
 
-/// Say hello, giving up after `timeout` (the guest may still be booting).
+/// Say hello through the backend's own retrying connect, failing the test after `timeout`.
 fn hello_until(sock: &Path, timeout: Duration) -> (AgentClient, clade_agent::proto::Hello) {
-    let start = Instant::now();
-    loop {
-        if let Ok(s) = UnixStream::connect(sock) {
-            let killer = s.try_clone().unwrap();
-            let client = AgentClient::from_unix(s).unwrap();
-            let (tx, rx) = std::sync::mpsc::channel();
-            let c2 = client.clone();
-            std::thread::spawn(move || {
-                let _ = tx.send(c2.hello());
-            });
-            match rx.recv_timeout(Duration::from_secs(3)) {
-                Ok(Ok(h)) => return (client, h),
-                _ => {
-                    let _ = killer.shutdown(std::net::Shutdown::Both);
-                }
-            }
-        }
-        assert!(start.elapsed() < timeout, "agent never answered hello on {}", sock.display());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    clade_vm::agent_link::hello_until(sock, timeout)
+        .unwrap_or_else(|w| panic!("agent never answered hello on {} ({w:?})", sock.display()))
 }
 
 #[test]

@@ -1,32 +1,14 @@
 //! The guest boot path with a real QEMU: clade's initramfs loads the modules, finds the root disk on an NBD
 //! export over a unix socket, mounts the ext4 root and switch_roots to the init named on the command line.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use clade_vm::accel::Accel;
 use clade_vm::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 
-fn home() -> PathBuf {
-    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
-}
-
-fn accel() -> Accel {
-    std::fs::read(home().join("cache/accel.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .map(|v| if v["chosen"] == "kvm" { Accel::Kvm } else { Accel::Tcg })
-        .unwrap_or(Accel::Tcg)
-}
-
-struct Child(std::process::Child);
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+mod common;
+use common::{accel, home, Child};
 
 fn boot_root(machine: MachineType) {
     let kdir = home().join("kernel/current");

@@ -3,25 +3,14 @@
 //! clone continues the guest's own program (its tick counter goes on from where the base stopped) and that the
 //! clones share their clean pages (PSS well under RSS).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use clade_vm::accel::Accel;
 use clade_vm::initramfs::Initramfs;
 use clade_vm::machine::{MachineType, RamBacking, Vm, VmSpec};
 
-fn home() -> PathBuf {
-    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
-}
-
-fn accel() -> Accel {
-    let cached = home().join("cache/accel.json");
-    std::fs::read(&cached)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .map(|v| if v["chosen"] == "kvm" { Accel::Kvm } else { Accel::Tcg })
-        .unwrap_or(Accel::Tcg)
-}
+mod common;
+use common::{accel, home};
 
 fn wait_console(vm: &Vm, needle: &str, timeout: Duration) -> bool {
     let start = Instant::now();
