@@ -1,4 +1,17 @@
-//! The supervisor's wire format: one JSON request line, one JSON response line, per connection.
+//! The supervisor's wire format. Most ops are one JSON request line and one JSON response line per connection.
+//! Three kinds of op continue past their first line on the same connection:
+//!
+//! - process streams (`proc_start` with `stream: true`, `proc_connect`): after the request, the supervisor sends
+//!   JSON lines of [`StreamEvent`] (`start`, then `stdout`/`stderr` chunks, then `exit` or `error`) and closes.
+//!   Closing the connection early detaches only: the process keeps running and `proc_connect` reattaches
+//!   (output produced while nobody listened is not replayed).
+//! - `read_stream`: one [`Response`] line (body `{"size": n}`), then the file's raw bytes, then the connection
+//!   closes (fewer than `size` bytes means the read failed part way).
+//! - `write_stream`: after the request line the client sends the file's raw bytes and shuts down its write half;
+//!   the supervisor answers one [`Response`] line (body `{"bytes": n}`).
+//!
+//! Connections are served concurrently; `mark`, `retake`, `suspend` and `kill` wait for the other short ops
+//! to finish and hold the sandbox alone while they run.
 
 use std::collections::BTreeMap;
 
@@ -7,8 +20,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
-    /// The sandbox's record, pids, memory and the agent's hello.
+    /// The sandbox's record, pids, memory, the agent's hello and `last_activity_ms`.
     Info,
+    /// Run a command to its end and answer with all of its output (base64).
     Exec {
         argv: Vec<String>,
         #[serde(default)]
@@ -42,6 +56,131 @@ pub enum Request {
     },
     Suspend,
     Kill,
+    /// Start a process. Without `stream` the answer is `{"pid": n}` and its output is only seen by a later
+    /// `proc_connect`; with `stream` the connection carries [`StreamEvent`] lines.
+    ProcStart(ProcSpec),
+    /// Attach to a running process started by `proc_start`: a [`StreamEvent`] stream from now on.
+    ProcConnect {
+        pid: u32,
+    },
+    /// The running processes started by `proc_start`: `{"procs": [ProcListing]}`.
+    ProcList,
+    ProcInput {
+        pid: u32,
+        data_b64: String,
+    },
+    ProcCloseStdin {
+        pid: u32,
+    },
+    ProcSignal {
+        pid: u32,
+        signal: i32,
+    },
+    ProcResize {
+        pid: u32,
+        rows: u16,
+        cols: u16,
+    },
+    /// `clade_agent::proto::FileStat` of a path (not following a final symlink).
+    Stat {
+        path: String,
+    },
+    /// `{"entries": [clade_agent::proto::DirEntry]}` down to `depth` levels (1: the directory's own entries).
+    ListDir {
+        path: String,
+        #[serde(default = "one")]
+        depth: u32,
+    },
+    /// `mkdir -p`; `{"created": false}` when the directory already existed.
+    Mkdir {
+        path: String,
+    },
+    /// `rename(2)`.
+    Move {
+        from: String,
+        to: String,
+    },
+    /// Removes a file, a symlink or a whole directory tree.
+    Remove {
+        path: String,
+    },
+    /// Stream a file out: see the module doc.
+    ReadStream {
+        path: String,
+    },
+    /// Stream a file in (created or replaced atomically, parents created): see the module doc.
+    WriteStream {
+        path: String,
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// How to start a process through the supervisor.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ProcSpec {
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// A user of the sandbox's /etc/passwd (default: the agent's, root).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Run on a PTY of this size (rows, cols); its output comes as `stdout`.
+    #[serde(default)]
+    pub pty: Option<(u16, u16)>,
+    /// Keep stdin open for `proc_input` (else it is /dev/null).
+    #[serde(default)]
+    pub stdin: bool,
+    /// A free-form name (E2B's tag), shown by `proc_list`.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Answer with a [`StreamEvent`] stream instead of `{"pid": n}`.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// One line of a process stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum StreamEvent {
+    Start {
+        pid: u32,
+    },
+    Stdout {
+        data_b64: String,
+    },
+    Stderr {
+        data_b64: String,
+    },
+    Exit {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    /// The stream ends without an exit (the sandbox ended or was retaken, or the request failed).
+    Error {
+        code: i32,
+        message: String,
+    },
+}
+
+/// A process in `proc_list`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcListing {
+    pub pid: u32,
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub tag: Option<String>,
+    pub pty: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -49,7 +188,7 @@ pub struct Response {
     pub ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// For errors: the exit code the CLI should use (3 not found, 4 conflict, 5 resource, 1 other).
+    /// For errors: the exit code the CLI should use (2 bad request, 3 not found, 4 conflict, 5 resource, 1 other).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<i32>,
     #[serde(default)]
@@ -81,4 +220,26 @@ pub struct Ready {
     pub ready_ms: f64,
     #[serde(default)]
     pub hygiene: serde_json::Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_with_defaults() {
+        let r: Request = serde_json::from_str(r#"{"op":"proc_start","argv":["sh"],"stream":true}"#).unwrap();
+        match r {
+            Request::ProcStart(s) => {
+                assert!(s.stream && !s.stdin && s.pty.is_none());
+                assert_eq!(s.argv, ["sh"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let r: Request = serde_json::from_str(r#"{"op":"list_dir","path":"/"}"#).unwrap();
+        assert!(matches!(r, Request::ListDir { depth: 1, .. }));
+        assert!(serde_json::from_str::<Request>(r#"{"op":"proc_signal","pid":1}"#).is_err());
+        let line = serde_json::to_string(&StreamEvent::Exit { code: Some(3), signal: None }).unwrap();
+        assert_eq!(line, r#"{"event":"exit","code":3,"signal":null}"#);
+    }
 }

@@ -1,29 +1,24 @@
 //! The supervisor process: restore one sandbox, then serve its requests until it is killed or suspended (or
 //! the supervisor gets SIGTERM/SIGINT, which ends the sandbox cleanly).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use clade_agent::proto::ExecSpec;
+use clade_agent::client::{AgentClient, ClientError};
+use clade_agent::proto::{AgentError, ExecSpec, FileType};
 use clade_core::backend::{Backend, MarkOptions, Sandbox};
 use clade_core::engine::{Engine, EngineError};
+use clade_core::CladeHome;
 use clade_ledger::{MarkId, SandboxId, SandboxState};
 
-use super::protocol::{Ready, Request, Response};
-
-/// Everything one supervisor holds.
-pub struct Supervisor {
-    pub engine: Engine,
-    pub backend: Arc<dyn Backend>,
-    pub id: SandboxId,
-    pub sandbox: Option<Box<dyn Sandbox>>,
-    pub generation: u64,
-}
+use super::procs::Procs;
+use super::protocol::{Ready, Request, Response, StreamEvent};
 
 fn write_ready(path: &std::path::Path, r: &Ready) {
     let tmp = path.with_extension("tmp");
@@ -101,13 +96,14 @@ pub fn serve_restored_then(
     let r = ready_of(&id, &restored);
     write_ready(&ready, &r);
     ready_hook();
-    let mut sup = Supervisor { engine, backend, id, sandbox: Some(restored.sandbox), generation };
-    let end = serve(&mut sup, &listener, stop);
+    let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
+    let end = serve(&sup, &listener, stop);
     let state = match end {
         End::Suspended => SandboxState::Suspended,
         End::Killed | End::Signal => SandboxState::Dead,
     };
-    if let Some(s) = sup.sandbox.take() {
+    sup.procs.forget_all("the sandbox ended");
+    if let Some(s) = lock(&sup.sandbox).take() {
         let _ = s.kill();
     }
     let _ = sup.engine.ledger().set_supervisor(&sup.id, None, None);
@@ -147,15 +143,85 @@ fn empty(id: &SandboxId) -> Ready {
     }
 }
 
+/// Everything one supervisor holds, shared by the threads serving its connections.
+pub struct Supervisor {
+    pub engine: Engine,
+    pub backend: Arc<dyn Backend>,
+    pub id: SandboxId,
+    sandbox: Mutex<Option<Box<dyn Sandbox>>>,
+    generation: AtomicU64,
+    /// Short ops hold it shared for their duration; mark, retake, suspend and kill hold it alone.
+    gate: RwLock<()>,
+    procs: Arc<Procs>,
+    last_activity_ms: AtomicU64,
+    end: Mutex<Option<End>>,
+    sock: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy)]
 enum End {
     Killed,
     Suspended,
     Signal,
 }
 
-fn serve(sup: &mut Supervisor, listener: &UnixListener, stop: &AtomicBool) -> End {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl Supervisor {
+    fn new(
+        engine: Engine,
+        backend: Arc<dyn Backend>,
+        id: SandboxId,
+        sandbox: Box<dyn Sandbox>,
+        generation: u64,
+        home: &CladeHome,
+    ) -> Supervisor {
+        let sock = super::ctl_socket(home, id.as_str());
+        Supervisor {
+            engine,
+            backend,
+            id,
+            sandbox: Mutex::new(Some(sandbox)),
+            generation: AtomicU64::new(generation),
+            gate: RwLock::new(()),
+            procs: Arc::new(Procs::default()),
+            last_activity_ms: AtomicU64::new(now_ms()),
+            end: Mutex::new(None),
+            sock,
+        }
+    }
+
+    /// A handle on the running sandbox's agent (cheap: a shared connection).
+    fn agent(&self) -> Result<AgentClient, Response> {
+        lock(&self.sandbox)
+            .as_ref()
+            .map(|s| s.agent().clone())
+            .ok_or_else(|| Response::err(1, "the sandbox is not running"))
+    }
+
+    fn ended(&self) -> Option<End> {
+        *lock(&self.end)
+    }
+
+    /// Record how the sandbox ends and wake the accept loop.
+    fn set_end(&self, e: End) {
+        *lock(&self.end) = Some(e);
+        let _ = UnixStream::connect(&self.sock);
+    }
+}
+
+fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> End {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     loop {
+        if let Some(e) = sup.ended() {
+            return e;
+        }
         if stop.load(Ordering::Relaxed) {
             return End::Signal;
         }
@@ -165,72 +231,222 @@ fn serve(sup: &mut Supervisor, listener: &UnixListener, stop: &AtomicBool) -> En
             Ok(_) => {}
         }
         let Ok((stream, _)) = listener.accept() else { continue };
-        let _ = sup.engine.ledger().touch_sandbox(&sup.id);
-        match handle(sup, stream) {
-            Some(end) => return end,
-            None => continue,
+        if sup.ended().is_some() {
+            continue;
+        }
+        let sup = sup.clone();
+        let spawned = std::thread::Builder::new().name("sup-conn".into()).spawn(move || handle(&sup, stream));
+        if let Err(e) = spawned {
+            eprintln!("supervisor: cannot start a connection thread: {e}");
         }
     }
 }
 
-fn handle(sup: &mut Supervisor, stream: UnixStream) -> Option<End> {
+fn send_line(s: &mut UnixStream, v: &impl serde::Serialize) -> std::io::Result<()> {
+    let mut out = serde_json::to_vec(v).unwrap_or_default();
+    out.push(b'\n');
+    s.write_all(&out)
+}
+
+fn handle(sup: &Supervisor, stream: UnixStream) {
     let mut reader = BufReader::new(match stream.try_clone() {
         Ok(s) => s,
-        Err(_) => return None,
+        Err(_) => return,
     });
     let mut line = String::new();
     if reader.read_line(&mut line).is_err() || line.is_empty() {
-        return None;
+        return;
     }
-    let (resp, end) = match serde_json::from_str::<Request>(&line) {
-        Err(e) => (Response::err(2, format!("bad request: {e}")), None),
-        Ok(req) => dispatch(sup, req),
+    sup.last_activity_ms.store(now_ms(), Ordering::Relaxed);
+    let _ = sup.engine.ledger().touch_sandbox(&sup.id);
+    let mut out = stream;
+    let req = match serde_json::from_str::<Request>(&line) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = send_line(&mut out, &Response::err(2, format!("bad request: {e}")));
+            return;
+        }
     };
-    let mut out = serde_json::to_vec(&resp).unwrap_or_default();
-    out.push(b'\n');
-    let mut s = stream;
-    let _ = s.write_all(&out);
-    end
+    match req {
+        Request::ProcStart(spec) if spec.stream => {
+            let started = {
+                let _g = sup.gate.read();
+                sup.agent().and_then(|a| sup.procs.start(&a, spec).map_err(|e| client_err("start", e)))
+            };
+            match started {
+                Ok((pid, Some(rx))) => pipe_events(&mut out, pid, rx),
+                Ok((pid, None)) => {
+                    let _ = send_line(&mut out, &StreamEvent::Start { pid });
+                }
+                Err(r) => {
+                    let _ = send_line(
+                        &mut out,
+                        &StreamEvent::Error { code: r.code.unwrap_or(1), message: r.error.unwrap_or_default() },
+                    );
+                }
+            }
+        }
+        Request::ProcConnect { pid } => match sup.procs.connect(pid) {
+            Some(rx) => pipe_events(&mut out, pid, rx),
+            None => {
+                let msg = format!("no running process {pid} started through this sandbox's supervisor");
+                let _ = send_line(&mut out, &StreamEvent::Error { code: 3, message: msg });
+            }
+        },
+        Request::ReadStream { path } => read_stream(sup, &mut out, &path),
+        Request::WriteStream { path, mode } => {
+            let resp = write_stream(sup, &mut reader, &path, mode);
+            let _ = send_line(&mut out, &resp);
+        }
+        Request::Mark { .. } | Request::Retake { .. } | Request::Suspend | Request::Kill => {
+            let (resp, end) = {
+                let _g = sup.gate.write();
+                exclusive(sup, req)
+            };
+            let _ = send_line(&mut out, &resp);
+            if let Some(e) = end {
+                sup.set_end(e);
+            }
+        }
+        other => {
+            let resp = {
+                let _g = sup.gate.read();
+                match sup.agent() {
+                    Ok(agent) => shared(sup, &agent, other),
+                    Err(r) => r,
+                }
+            };
+            let _ = send_line(&mut out, &resp);
+        }
+    }
+}
+
+/// Copy a process's events to the connection until it exits; a failed write only detaches this listener.
+fn pipe_events(out: &mut UnixStream, pid: u32, rx: std::sync::mpsc::Receiver<StreamEvent>) {
+    if send_line(out, &StreamEvent::Start { pid }).is_err() {
+        return;
+    }
+    for ev in rx {
+        let last = matches!(ev, StreamEvent::Exit { .. } | StreamEvent::Error { .. });
+        if send_line(out, &ev).is_err() || last {
+            return;
+        }
+    }
+}
+
+fn read_stream(sup: &Supervisor, out: &mut UnixStream, path: &str) {
+    let agent = {
+        let _g = sup.gate.read();
+        sup.agent()
+    };
+    let agent = match agent {
+        Ok(a) => a,
+        Err(r) => {
+            let _ = send_line(out, &r);
+            return;
+        }
+    };
+    let st = match agent.stat(path) {
+        Ok(st) => st,
+        Err(e) => {
+            let _ = send_line(out, &client_err(&format!("read {path}"), e));
+            return;
+        }
+    };
+    if st.file_type == FileType::Dir {
+        let _ = send_line(out, &Response::err(2, format!("{path} is a directory: list it instead")));
+        return;
+    }
+    if send_line(out, &Response::ok(serde_json::json!({"size": st.size}))).is_err() {
+        return;
+    }
+    let mut w = std::io::BufWriter::with_capacity(256 * 1024, &*out);
+    if agent.read_file(path, &mut w).is_ok() {
+        let _ = w.flush();
+    }
+}
+
+fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, mode: Option<u32>) -> Response {
+    let agent = {
+        let _g = sup.gate.read();
+        sup.agent()
+    };
+    let agent = match agent {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    match agent.write_file(path, src, mode, true) {
+        Ok(n) => Response::ok(serde_json::json!({"bytes": n})),
+        Err(e) => client_err(&format!("write {path}"), e),
+    }
+}
+
+/// The supervisor's error code for an agent failure: 2 bad input, 3 not found, 4 conflict, 1 other.
+pub fn agent_code(e: &ClientError) -> i32 {
+    match e {
+        ClientError::Agent(a) => match a {
+            AgentError::NotFound { .. } | AgentError::NoSuchProcess { .. } => 3,
+            AgentError::BadPath { .. } | AgentError::BadRequest { .. } | AgentError::IsADirectory { .. } => 2,
+            AgentError::Os { errno, .. } if *errno == libc_errno::EEXIST || *errno == libc_errno::ENOTEMPTY => 4,
+            AgentError::Os { errno, .. } if *errno == libc_errno::ENOENT => 3,
+            AgentError::Os { errno, .. } if *errno == libc_errno::ENOTDIR || *errno == libc_errno::EISDIR => 2,
+            AgentError::Os { errno, .. } if *errno == libc_errno::EACCES || *errno == libc_errno::EPERM => 6,
+            AgentError::Os { errno, .. } if *errno == libc_errno::ENOSPC => 5,
+            _ => 1,
+        },
+        _ => 1,
+    }
+}
+
+mod libc_errno {
+    pub const EPERM: i32 = 1;
+    pub const ENOENT: i32 = 2;
+    pub const EACCES: i32 = 13;
+    pub const EEXIST: i32 = 17;
+    pub const ENOTDIR: i32 = 20;
+    pub const EISDIR: i32 = 21;
+    pub const ENOSPC: i32 = 28;
+    pub const ENOTEMPTY: i32 = 39;
+}
+
+fn client_err(what: &str, e: ClientError) -> Response {
+    Response::err(agent_code(&e), format!("{what}: {e}"))
 }
 
 fn engine_err(e: EngineError) -> Response {
     Response::err(e.exit_code(), e.to_string())
 }
 
-fn dispatch(sup: &mut Supervisor, req: Request) -> (Response, Option<End>) {
+/// Ops that share the sandbox with others.
+fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let Some(sbx) = sup.sandbox.as_mut() else {
-        return (Response::err(1, "the sandbox is not running"), None);
-    };
     match req {
         Request::Info => {
             let rec = sup.engine.ledger().sandbox(&sup.id).ok();
-            let pids = sbx.pids();
+            let pids = lock(&sup.sandbox).as_ref().map(|s| s.pids()).unwrap_or_default();
             let mem: Vec<_> = pids.iter().filter_map(|p| clade_core::host::pss_rss(*p)).collect();
-            let hello = sbx.agent().hello().ok();
-            (
-                Response::ok(serde_json::json!({
-                    "sandbox": rec, "pids": pids, "generation": sup.generation,
-                    "pss": mem.iter().map(|m| m.0).sum::<u64>(), "rss": mem.iter().map(|m| m.1).sum::<u64>(),
-                    "hello": hello,
-                })),
-                None,
-            )
+            let hello = agent.hello().ok();
+            Response::ok(serde_json::json!({
+                "sandbox": rec, "pids": pids, "generation": sup.generation.load(Ordering::Relaxed),
+                "pss": mem.iter().map(|m| m.0).sum::<u64>(), "rss": mem.iter().map(|m| m.1).sum::<u64>(),
+                "hello": hello, "last_activity_ms": sup.last_activity_ms.load(Ordering::Relaxed),
+                "procs": sup.procs.list().len(),
+            }))
         }
         Request::Exec { argv, env, cwd, stdin_b64 } => {
             if argv.is_empty() {
-                return (Response::err(2, "exec needs a command"), None);
+                return Response::err(2, "exec needs a command");
             }
             let stdin = match stdin_b64.map(|s| b64.decode(s)) {
                 Some(Ok(b)) => Some(b),
-                Some(Err(e)) => return (Response::err(2, format!("stdin_b64: {e}")), None),
+                Some(Err(e)) => return Response::err(2, format!("stdin_b64: {e}")),
                 None => None,
             };
             let start = Instant::now();
             let spec = ExecSpec { argv, env, cwd, stdin: stdin.is_some(), ..Default::default() };
             let result = match stdin {
-                None => sbx.agent().run(spec),
-                Some(data) => sbx.agent().exec(spec).and_then(|p| {
+                None => agent.run(spec),
+                Some(data) => agent.exec(spec).and_then(|p| {
                     p.write_stdin(&data)?;
                     p.close_stdin()?;
                     p.output()
@@ -245,43 +461,116 @@ fn dispatch(sup: &mut Supervisor, req: Request) -> (Response, Option<End>) {
                 serde_json::json!({}),
             );
             match result {
-                Ok(out) => (
-                    Response::ok(serde_json::json!({
-                        "code": out.status.code, "signal": out.status.signal,
-                        "stdout_b64": b64.encode(&out.stdout), "stderr_b64": b64.encode(&out.stderr),
-                    })),
-                    None,
-                ),
-                Err(e) => (Response::err(1, format!("exec: {e}")), None),
+                Ok(out) => Response::ok(serde_json::json!({
+                    "code": out.status.code, "signal": out.status.signal,
+                    "stdout_b64": b64.encode(&out.stdout), "stderr_b64": b64.encode(&out.stderr),
+                })),
+                Err(e) => Response::err(1, format!("exec: {e}")),
             }
         }
         Request::WriteFile { path, data_b64, mode } => match b64.decode(data_b64) {
-            Err(e) => (Response::err(2, format!("data_b64: {e}")), None),
-            Ok(data) => match sbx.agent().write_file_bytes(&path, &data, mode) {
-                Ok(n) => (Response::ok(serde_json::json!({"bytes": n})), None),
-                Err(e) => (Response::err(1, format!("write {path}: {e}")), None),
+            Err(e) => Response::err(2, format!("data_b64: {e}")),
+            Ok(data) => match agent.write_file_bytes(&path, &data, mode) {
+                Ok(n) => Response::ok(serde_json::json!({"bytes": n})),
+                Err(e) => Response::err(1, format!("write {path}: {e}")),
             },
         },
-        Request::ReadFile { path } => match sbx.agent().read_file_vec(&path) {
-            Ok(data) => (Response::ok(serde_json::json!({"data_b64": b64.encode(data)})), None),
-            Err(e) => (Response::err(3, format!("read {path}: {e}")), None),
+        Request::ReadFile { path } => match agent.read_file_vec(&path) {
+            Ok(data) => Response::ok(serde_json::json!({"data_b64": b64.encode(data)})),
+            Err(e) => Response::err(3, format!("read {path}: {e}")),
         },
+        Request::ProcStart(spec) => {
+            if spec.argv.is_empty() {
+                return Response::err(2, "proc_start needs a command");
+            }
+            match sup.procs.start(agent, spec) {
+                Ok((pid, _)) => Response::ok(serde_json::json!({"pid": pid})),
+                Err(e) => client_err("start", e),
+            }
+        }
+        Request::ProcList => Response::ok(serde_json::json!({"procs": sup.procs.list()})),
+        Request::ProcInput { pid, data_b64 } => {
+            let data = match b64.decode(data_b64) {
+                Ok(d) => d,
+                Err(e) => return Response::err(2, format!("data_b64: {e}")),
+            };
+            if !sup.procs.contains(pid) {
+                return no_proc(pid);
+            }
+            done(agent.write_stdin(pid, &data), "input")
+        }
+        Request::ProcCloseStdin { pid } => known(sup, pid, || agent.close_stdin(pid), "close stdin"),
+        Request::ProcSignal { pid, signal } => known(sup, pid, || agent.signal(pid, signal), "signal"),
+        Request::ProcResize { pid, rows, cols } => known(sup, pid, || agent.resize(pid, rows, cols), "resize"),
+        Request::Stat { path } => match agent.stat(&path) {
+            Ok(st) => Response::ok(serde_json::to_value(st).unwrap_or_default()),
+            Err(e) => client_err(&format!("stat {path}"), e),
+        },
+        Request::ListDir { path, depth } => match agent.list_dir(&path, depth.max(1)) {
+            Ok(entries) => Response::ok(serde_json::json!({"entries": entries})),
+            Err(e) => client_err(&format!("list {path}"), e),
+        },
+        Request::Mkdir { path } => {
+            match agent.stat(&path) {
+                Ok(st) if st.file_type == FileType::Dir => return Response::ok(serde_json::json!({"created": false})),
+                Ok(_) => return Response::err(4, format!("{path} exists and is not a directory")),
+                Err(_) => {}
+            }
+            match agent.mkdir_p(&path, None) {
+                Ok(()) => Response::ok(serde_json::json!({"created": true})),
+                Err(e) => client_err(&format!("mkdir {path}"), e),
+            }
+        }
+        Request::Move { from, to } => done(agent.rename(&from, &to), &format!("move {from} to {to}")),
+        Request::Remove { path } => done(agent.remove(&path, true), &format!("remove {path}")),
+        // Streams and exclusive ops are routed before this.
+        _ => Response::err(2, "this op cannot be served here"),
+    }
+}
+
+fn no_proc(pid: u32) -> Response {
+    Response::err(3, format!("no running process {pid} started through this sandbox's supervisor"))
+}
+
+fn known(sup: &Supervisor, pid: u32, f: impl FnOnce() -> Result<(), ClientError>, what: &str) -> Response {
+    if !sup.procs.contains(pid) {
+        return no_proc(pid);
+    }
+    done(f(), what)
+}
+
+fn done(r: Result<(), ClientError>, what: &str) -> Response {
+    match r {
+        Ok(()) => Response::ok(serde_json::json!({})),
+        Err(e) => client_err(what, e),
+    }
+}
+
+/// Ops that change the whole sandbox; the caller holds the gate alone.
+fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
+    let mut slot = lock(&sup.sandbox);
+    if slot.is_none() {
+        return (Response::err(1, "the sandbox is not running"), None);
+    }
+    match req {
         Request::Mark { label, keep, not_clean } => {
             let opts = MarkOptions { label, not_clean };
+            let sbx = slot.as_mut().expect("checked above");
             match sup.engine.mark_sandbox(sbx.as_mut(), &sup.id, &opts, keep) {
                 Ok(m) => (Response::ok(serde_json::to_value(&m).unwrap_or_default()), None),
                 Err(e) => (engine_err(e), None),
             }
         }
-        Request::Retake { mark } => (retake(sup, &mark), None),
+        Request::Retake { mark } => (retake(sup, &mut slot, &mark), None),
         Request::Suspend => {
-            let sbx = sup.sandbox.take().expect("checked above");
-            let start = Instant::now();
             let rec = sup.engine.ledger().sandbox(&sup.id);
             let branch = match rec {
                 Ok(r) => r.branch,
                 Err(e) => return (Response::err(1, e.to_string()), None),
             };
+            let sbx = slot.take().expect("checked above");
+            sup.procs.forget_all("the sandbox was suspended");
+            let start = Instant::now();
             let opts = MarkOptions { label: Some("suspend".into()), not_clean: false };
             match sbx.suspend(&opts) {
                 Ok(state) => match sup.engine.record_mark(&branch, &state, &opts, false) {
@@ -301,13 +590,17 @@ fn dispatch(sup: &mut Supervisor, req: Request) -> (Response, Option<End>) {
                 Err(e) => (Response::err(1, format!("suspend: {e}")), Some(End::Killed)),
             }
         }
-        Request::Kill => (Response::ok(serde_json::json!({"killed": sup.id.as_str()})), Some(End::Killed)),
+        Request::Kill => {
+            sup.procs.forget_all("the sandbox was killed");
+            (Response::ok(serde_json::json!({"killed": sup.id.as_str()})), Some(End::Killed))
+        }
+        _ => (Response::err(2, "this op cannot be served here"), None),
     }
 }
 
 /// The sandbox's world goes back to `mark`: the running sandbox ends and the mark is restored in its place,
 /// with the same id, hostname and machine-id, on the same branch (whose head becomes that mark).
-fn retake(sup: &mut Supervisor, mark: &str) -> Response {
+fn retake(sup: &Supervisor, slot: &mut Option<Box<dyn Sandbox>>, mark: &str) -> Response {
     let start = Instant::now();
     let target = match sup.engine.resolve_mark(mark, Some(sup.backend.kind())) {
         Ok(m) => m,
@@ -322,13 +615,14 @@ fn retake(sup: &mut Supervisor, mark: &str) -> Response {
     if let Err(e) = moved {
         return Response::err(4, format!("cannot retake to {}: {e}", target.id));
     }
-    if let Some(old) = sup.sandbox.take() {
+    sup.procs.forget_all(&format!("the sandbox was retaken to mark {}", target.id));
+    if let Some(old) = slot.take() {
         let _ = old.kill();
     }
-    sup.generation += 1;
-    match sup.engine.restore_into(sup.backend.as_ref(), &sup.id, &target, sup.generation) {
+    let generation = sup.generation.fetch_add(1, Ordering::Relaxed) + 1;
+    match sup.engine.restore_into(sup.backend.as_ref(), &sup.id, &target, generation) {
         Ok(r) => {
-            sup.sandbox = Some(r.sandbox);
+            *slot = Some(r.sandbox);
             sup.engine.op("retake", Some(&sup.id), Some(&target.id), start.elapsed(), None, serde_json::json!({}));
             Response::ok(serde_json::json!({"mark": target.id, "retake_ms": start.elapsed().as_secs_f64() * 1e3}))
         }
