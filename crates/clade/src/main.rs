@@ -57,6 +57,9 @@ enum Command {
     Ls(cmd::sandbox::ListArgs),
     /// List marks (all, or one sandbox's branch).
     Marks(cmd::sandbox::MarksArgs),
+    /// The fleet simulator: keep-running vs suspend-idle over a trace, with clade's measured costs.
+    #[command(subcommand)]
+    Fleet(cmd::fleet::Command),
     /// Run clade's main job on the embedded defaults.
     Demo(cmd::demo::Args),
     /// The vm backend's benchmark figures (run by `./x bench vm`).
@@ -86,6 +89,7 @@ fn main() {
         Command::Kill(a) => cmd::sandbox::kill(a),
         Command::Ls(a) => cmd::sandbox::ls(a),
         Command::Marks(a) => cmd::sandbox::marks(a),
+        Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),
         Command::BenchVm(a) => bench::vm::run(a),

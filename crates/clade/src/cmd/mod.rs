@@ -3,6 +3,7 @@
 pub mod base;
 pub mod demo;
 pub mod doctor;
+pub mod fleet;
 pub mod nbd;
 pub mod pool;
 pub mod sandbox;
