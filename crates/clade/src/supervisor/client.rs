@@ -7,22 +7,33 @@ use std::time::Duration;
 use anyhow::{anyhow, Context};
 use clade_core::{CladeHome, ExitCoded};
 
-use super::protocol::{Request, Response};
+use super::protocol::{Request, Response, StreamEvent};
 
 /// Send one request and wait for its response (long operations such as a mark or an exec may take a while).
 pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<serde_json::Value> {
+    let mut s = connect(home, sandbox)?;
+    s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+    send(&mut s, req)?;
+    read_response(&mut BufReader::new(s), sandbox)
+}
+
+fn connect(home: &CladeHome, sandbox: &str) -> anyhow::Result<UnixStream> {
     let sock = super::ctl_socket(home, sandbox);
-    let mut s = UnixStream::connect(&sock).map_err(|e| {
+    UnixStream::connect(&sock).map_err(|e| {
         anyhow!(ExitCoded::new(
             3,
             format!("sandbox {sandbox} has no live supervisor ({}: {e}); see `clade ls`", sock.display())
         ))
-    })?;
-    s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+    })
+}
+
+fn send(s: &mut UnixStream, req: &Request) -> anyhow::Result<()> {
     let mut line = serde_json::to_vec(req)?;
     line.push(b'\n');
-    s.write_all(&line).context("send to supervisor")?;
-    let mut r = BufReader::new(s);
+    s.write_all(&line).context("send to supervisor")
+}
+
+fn read_response(r: &mut impl BufRead, sandbox: &str) -> anyhow::Result<serde_json::Value> {
     let mut buf = String::new();
     r.read_line(&mut buf).context("read from supervisor")?;
     if buf.is_empty() {
@@ -35,5 +46,102 @@ pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<se
         Ok(resp.body)
     } else {
         Err(anyhow!(ExitCoded::new(resp.code.unwrap_or(1), resp.error.unwrap_or_else(|| "failed".into()))))
+    }
+}
+
+/// The supervisor's error code carried by an error of this module (1 when it has none).
+pub fn error_code(e: &anyhow::Error) -> i32 {
+    e.downcast_ref::<ExitCoded>().map(|c| c.code).unwrap_or(1)
+}
+
+/// A process's events as the supervisor streams them (`proc_start` with `stream`, or `proc_connect`).
+/// Dropping it detaches; the process keeps running.
+pub struct EventStream {
+    r: BufReader<UnixStream>,
+    done: bool,
+}
+
+impl EventStream {
+    /// Ends the stream now (the process keeps running).
+    pub fn detach(self) {}
+}
+
+impl Iterator for EventStream {
+    type Item = anyhow::Result<StreamEvent>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let mut line = String::new();
+        match self.r.read_line(&mut line) {
+            Ok(0) => {
+                self.done = true;
+                Some(Err(anyhow!("the supervisor ended the process stream without an exit (did it die?)")))
+            }
+            Ok(_) => match serde_json::from_str::<StreamEvent>(&line) {
+                Ok(ev) => {
+                    self.done = matches!(ev, StreamEvent::Exit { .. } | StreamEvent::Error { .. });
+                    Some(Ok(ev))
+                }
+                Err(e) => {
+                    self.done = true;
+                    Some(Err(anyhow!("bad process stream line from the supervisor ({e}): {line}")))
+                }
+            },
+            Err(e) => {
+                self.done = true;
+                Some(Err(anyhow!("reading the process stream: {e}")))
+            }
+        }
+    }
+}
+
+/// Open a process stream: `req` is `ProcStart` with `stream: true` or `ProcConnect`. The first event is
+/// `Start` (a refusal comes as an error here, with the supervisor's code).
+pub fn open_stream(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<(u32, EventStream)> {
+    let mut s = connect(home, sandbox)?;
+    send(&mut s, req)?;
+    let mut es = EventStream { r: BufReader::new(s), done: false };
+    match es.next() {
+        Some(Ok(StreamEvent::Start { pid })) => Ok((pid, es)),
+        Some(Ok(StreamEvent::Error { code, message })) => Err(anyhow!(ExitCoded::new(code, message))),
+        Some(Ok(other)) => Err(anyhow!("the process stream began with {other:?} instead of start")),
+        Some(Err(e)) => Err(e),
+        None => Err(anyhow!("the process stream ended before it began")),
+    }
+}
+
+/// Stream a file out of the sandbox: its size (at the start), and a reader of its bytes.
+pub fn read_stream(home: &CladeHome, sandbox: &str, path: &str) -> anyhow::Result<(u64, BufReader<UnixStream>)> {
+    let mut s = connect(home, sandbox)?;
+    send(&mut s, &Request::ReadStream { path: path.into() })?;
+    let mut r = BufReader::with_capacity(256 * 1024, s);
+    let body = read_response(&mut r, sandbox)?;
+    Ok((body.get("size").and_then(|v| v.as_u64()).unwrap_or(0), r))
+}
+
+/// Stream `src` into a file of the sandbox (created or replaced atomically, parents created); the bytes
+/// written.
+pub fn write_stream(
+    home: &CladeHome,
+    sandbox: &str,
+    path: &str,
+    mode: Option<u32>,
+    src: &mut dyn std::io::Read,
+) -> anyhow::Result<u64> {
+    let mut s = connect(home, sandbox)?;
+    send(&mut s, &Request::WriteStream { path: path.into(), mode })?;
+    let copied = {
+        let mut w = std::io::BufWriter::with_capacity(256 * 1024, &s);
+        std::io::copy(src, &mut w).and_then(|_| w.flush())
+    };
+    // A refused path is answered early and the supervisor stops reading: its answer says why.
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut r = BufReader::new(s);
+    let answer = read_response(&mut r, sandbox);
+    match (answer, copied) {
+        (Ok(body), Ok(())) => Ok(body.get("bytes").and_then(|v| v.as_u64()).unwrap_or(0)),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(anyhow!("sending the file to the supervisor: {e}")),
     }
 }
