@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod backend;
 pub mod engine;
 pub mod home;
