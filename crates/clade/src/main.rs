@@ -1,4 +1,5 @@
-//! The `clade` binary: the CLI (embedded: store, ledger and backends in this process) and, later, the daemon.
+//! The `clade` binary: the CLI (embedded: store, ledger and backends in this process, or through `clade serve`
+//! when `CLADE_HOST` is set) and the daemon (`clade serve`).
 //! Each subcommand group lives in its own file under `cmd/`; this file only parses and dispatches.
 
 #![forbid(unsafe_code)]
@@ -6,6 +7,9 @@
 mod backends;
 mod bench;
 mod cmd;
+mod ops;
+mod remote;
+mod serve;
 mod supervisor;
 
 use clap::{Parser, Subcommand};
@@ -57,6 +61,10 @@ enum Command {
     Ls(cmd::sandbox::ListArgs),
     /// List marks (all, or one sandbox's branch).
     Marks(cmd::sandbox::MarksArgs),
+    /// List branches (lines of marks) with their heads.
+    Branches(cmd::sandbox::ListArgs),
+    /// The HTTP API (axum) over the same operations, on a unix socket under $CLADE_HOME by default.
+    Serve(serve::Args),
     /// The fleet simulator: keep-running vs suspend-idle over a trace, with clade's measured costs.
     #[command(subcommand)]
     Fleet(cmd::fleet::Command),
@@ -89,6 +97,8 @@ fn main() {
         Command::Kill(a) => cmd::sandbox::kill(a),
         Command::Ls(a) => cmd::sandbox::ls(a),
         Command::Marks(a) => cmd::sandbox::marks(a),
+        Command::Branches(a) => cmd::sandbox::branches(a),
+        Command::Serve(a) => serve::run(a),
         Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),

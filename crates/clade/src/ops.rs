@@ -1,0 +1,449 @@
+//! The sandbox operations as one library: what `clade run|fork|exec|mark|retake|suspend|resume|kill|ls|marks`
+//! do, callable from the CLI (embedded), from `clade serve` (the HTTP API) and from the E2B surface, so the three
+//! faces cannot drift apart. Each answer is a JSON value with one shape for all of them; errors carry
+//! [`ExitCoded`] codes (2 usage, 3 not found, 4 conflict, 5 resource) that the CLI turns into exit codes and the
+//! API into HTTP statuses.
+//!
+//! Running sandboxes live in their supervisor processes (see `supervisor/`); this module starts them, finds them
+//! through the ledger and talks to them over their control sockets. It holds no sandbox itself, so a daemon that
+//! restarts loses nothing.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use base64::Engine as _;
+use clade_core::backend::BackendKind;
+use clade_core::engine::{from_ledger, Engine};
+use clade_core::{CladeHome, ExitCoded};
+use clade_ledger::{Mark, SandboxId, SandboxState};
+use serde::{Deserialize, Serialize};
+
+use crate::supervisor::protocol::{Ready, Request};
+use crate::supervisor::{client, ready_file, sup_dir};
+
+/// How long a start or resume may take before the caller gives up (a cold vm start under TCG is seconds).
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+pub fn not_found(msg: impl Into<String>) -> anyhow::Error {
+    anyhow!(ExitCoded::new(3, msg))
+}
+
+pub fn conflict(msg: impl Into<String>) -> anyhow::Error {
+    anyhow!(ExitCoded::new(4, msg))
+}
+
+pub fn invalid(msg: impl Into<String>) -> anyhow::Error {
+    anyhow!(ExitCoded::new(2, msg))
+}
+
+/// A sandbox id names a directory under `$CLADE_HOME/run`: letters, digits, `.`, `_`, `-`, not starting with
+/// a dot, at most 128 bytes, so no id can reach outside it.
+pub fn check_id(id: &str) -> anyhow::Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!("sandbox id {id:?}: use letters, digits, '.', '_' and '-' (not leading '.')")))
+    }
+}
+
+/// A command to run in a sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Bytes for stdin (closed after), as UTF-8 text.
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// The HTTP API streams output as it comes (NDJSON lines) instead of answering once at the end.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
+}
+
+/// How a command ended, with all its output.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecOutput {
+    /// The exit code, or 128 + the signal that ended it.
+    pub code: i32,
+    pub signal: Option<i32>,
+    #[serde(with = "lossy")]
+    pub stdout: Vec<u8>,
+    #[serde(with = "lossy")]
+    pub stderr: Vec<u8>,
+}
+
+/// Output bytes shown as text (invalid UTF-8 replaced) in JSON; scripts wanting bytes use the files routes.
+mod lossy {
+    pub fn serialize<S: serde::Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&String::from_utf8_lossy(b))
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s: String = serde::Deserialize::deserialize(d)?;
+        Ok(s.into_bytes())
+    }
+}
+
+/// The sandbox operations over one `$CLADE_HOME`. Cheap to share between threads.
+pub struct Ops {
+    pub engine: Engine,
+}
+
+impl Ops {
+    pub fn open(home: &CladeHome) -> anyhow::Result<Ops> {
+        Ok(Ops { engine: Engine::open(home)? })
+    }
+
+    pub fn home(&self) -> &CladeHome {
+        &self.engine.home
+    }
+
+    /// Start `count` siblings from a mark spec (a mark id or label, or a template name with `backend`).
+    pub fn fork(&self, from: &str, backend: Option<BackendKind>, count: u32) -> anyhow::Result<serde_json::Value> {
+        if count == 0 {
+            return Err(invalid("count must be at least 1"));
+        }
+        if count > 256 {
+            return Err(invalid(format!("count {count} is more than 256 sandboxes in one fork")));
+        }
+        let mark = self.engine.resolve_mark(from, backend)?;
+        let (ready, took) = fork_mark(&self.engine, &mark, count)?;
+        Ok(serde_json::json!({
+            "mark": mark.id, "backend": from_ledger(mark.backend), "total_ms": took.as_secs_f64() * 1e3,
+            "sandboxes": ready,
+        }))
+    }
+
+    /// A sandbox's record, with its live supervisor's facts (pids, memory, agent hello) when it runs.
+    pub fn get(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        let id = SandboxId::new(sandbox);
+        let rec = self.engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}")))?;
+        let mut row = row_of(&rec);
+        if rec.state == SandboxState::Running && rec.supervisor_pid.is_some_and(supervisor_alive) {
+            if let Ok(info) = client::call(self.home(), sandbox, &Request::Info) {
+                for k in ["pids", "pss", "rss", "hello", "generation", "last_activity_ms"] {
+                    if let Some(v) = info.get(k) {
+                        row[k] = v.clone();
+                    }
+                }
+            }
+        }
+        Ok(row)
+    }
+
+    /// Every sandbox not dead (a running one whose supervisor died is reported as lost).
+    pub fn list(&self) -> anyhow::Result<Vec<serde_json::Value>> {
+        let all = self.engine.ledger().sandboxes(None)?;
+        Ok(all.iter().filter(|s| s.state != SandboxState::Dead).map(row_of).collect())
+    }
+
+    pub fn exec(&self, sandbox: &str, req: ExecRequest) -> anyhow::Result<ExecOutput> {
+        check_id(sandbox)?;
+        if req.argv.is_empty() {
+            return Err(invalid("argv: exec needs a command"));
+        }
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let body = client::call(
+            self.home(),
+            sandbox,
+            &Request::Exec {
+                argv: req.argv,
+                env: req.env,
+                cwd: req.cwd,
+                stdin_b64: req.stdin.map(|s| b64.encode(s.as_bytes())),
+            },
+        )?;
+        let stdout = b64.decode(body["stdout_b64"].as_str().unwrap_or("")).unwrap_or_default();
+        let stderr = b64.decode(body["stderr_b64"].as_str().unwrap_or("")).unwrap_or_default();
+        let signal = body["signal"].as_i64().map(|s| s as i32);
+        let code = body["code"].as_i64().map(|c| c as i32).unwrap_or_else(|| 128 + signal.unwrap_or(0));
+        Ok(ExecOutput { code, signal, stdout, stderr })
+    }
+
+    pub fn read_file(&self, sandbox: &str, path: &str) -> anyhow::Result<Vec<u8>> {
+        check_id(sandbox)?;
+        let body = client::call(self.home(), sandbox, &Request::ReadFile { path: path.into() })?;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        b64.decode(body["data_b64"].as_str().unwrap_or("")).context("the supervisor's file bytes")
+    }
+
+    pub fn write_file(&self, sandbox: &str, path: &str, data: &[u8], mode: Option<u32>) -> anyhow::Result<u64> {
+        check_id(sandbox)?;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let body = client::call(
+            self.home(),
+            sandbox,
+            &Request::WriteFile { path: path.into(), data_b64: b64.encode(data), mode },
+        )?;
+        Ok(body["bytes"].as_u64().unwrap_or(0))
+    }
+
+    pub fn mark(
+        &self,
+        sandbox: &str,
+        label: Option<String>,
+        keep: bool,
+        not_clean: bool,
+    ) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        self.ensure_room_for_mark(sandbox)?;
+        client::call(self.home(), sandbox, &Request::Mark { label, keep, not_clean })
+    }
+
+    pub fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        client::call(self.home(), sandbox, &Request::Retake { mark: to.into() })
+    }
+
+    pub fn suspend(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        self.ensure_room_for_mark(sandbox)?;
+        client::call(self.home(), sandbox, &Request::Suspend)
+    }
+
+    /// Bring a suspended sandbox back from its branch's head, under its own id.
+    pub fn resume(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        let engine = &self.engine;
+        let id = SandboxId::new(sandbox);
+        let rec = engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}")))?;
+        if rec.state != SandboxState::Suspended {
+            return Err(conflict(format!("sandbox {sandbox} is {}, not suspended", rec.state.as_str())));
+        }
+        let head = engine
+            .ledger()
+            .head(&rec.branch)?
+            .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
+        let start = Instant::now();
+        spawn_supervisor(self.home(), &id, &head, 1)?;
+        let r = wait_ready(self.home(), &id, READY_TIMEOUT)?;
+        let took = start.elapsed();
+        engine.op("resume", Some(&id), Some(&head.id), took, r.error.as_deref(), serde_json::json!({}));
+        Ok(serde_json::json!({
+            "sandbox": sandbox, "mark": head.id, "ok": r.ok, "error": r.error,
+            "resume_ms": took.as_secs_f64() * 1e3,
+        }))
+    }
+
+    /// End a sandbox: through its supervisor, or (suspended, or lost) in the ledger, reaping what a dead
+    /// supervisor left behind.
+    pub fn kill(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
+        check_id(sandbox)?;
+        let home = self.home();
+        match client::call(home, sandbox, &Request::Kill) {
+            Ok(body) => Ok(body),
+            Err(e) => {
+                let id = SandboxId::new(sandbox);
+                let rec =
+                    self.engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}: {e}")))?;
+                if rec.state == SandboxState::Dead {
+                    return Err(not_found(format!("sandbox {sandbox} is already dead")));
+                }
+                self.engine.ledger().set_sandbox_state(&id, SandboxState::Dead, None)?;
+                let reaped = reap_orphans(home, sandbox);
+                let _ = std::fs::remove_dir_all(sup_dir(home, sandbox));
+                let _ = std::fs::remove_dir_all(home.run_dir().join(sandbox));
+                Ok(serde_json::json!({"killed": sandbox, "reaped": reaped}))
+            }
+        }
+    }
+
+    /// Marks of one sandbox's branch, or of every branch.
+    pub fn marks(&self, sandbox: Option<&str>) -> anyhow::Result<Vec<serde_json::Value>> {
+        let l = self.engine.ledger();
+        let branches = match sandbox {
+            Some(s) => vec![
+                l.sandbox(&SandboxId::new(check_id(s).map(|_| s)?))
+                    .map_err(|_| not_found(format!("no sandbox {s}")))?
+                    .branch,
+            ],
+            None => l.branches()?.into_iter().map(|b| b.id).collect(),
+        };
+        let mut rows = Vec::new();
+        for b in branches {
+            for m in l.marks(&b)? {
+                rows.push(mark_row(&m));
+            }
+        }
+        Ok(rows)
+    }
+
+    pub fn mark_info(&self, spec: &str, backend: Option<BackendKind>) -> anyhow::Result<serde_json::Value> {
+        Ok(mark_row(&self.engine.resolve_mark(spec, backend)?))
+    }
+
+    /// Branches with their heads and mark counts.
+    pub fn branches(&self) -> anyhow::Result<Vec<serde_json::Value>> {
+        let l = self.engine.ledger();
+        let mut rows = Vec::new();
+        for b in l.branches()? {
+            let n = l.marks(&b.id)?.len();
+            rows.push(serde_json::json!({
+                "id": b.id, "name": b.name, "parent_mark": b.parent_mark, "head_mark": b.head_mark,
+                "marks": n, "created_ms": b.created_ms,
+            }));
+        }
+        Ok(rows)
+    }
+
+    /// Refuse a mark (or suspend) that might not fit: the store's filesystem needs the sandbox's last mark's
+    /// growth (at least 1 GiB) plus a reserve of 1 GiB, so nothing is half-written for want of space.
+    fn ensure_room_for_mark(&self, sandbox: &str) -> anyhow::Result<()> {
+        const GIB: u64 = 1 << 30;
+        let last_growth = {
+            let l = self.engine.ledger();
+            l.sandbox(&SandboxId::new(sandbox))
+                .ok()
+                .and_then(|r| l.marks(&r.branch).ok())
+                .and_then(|ms| ms.last().map(|m| m.stored_bytes))
+                .unwrap_or(0)
+        };
+        let need = last_growth.max(GIB) + reserve_bytes();
+        let free = clade_core::host::space(&self.home().store_dir()).map(|s| s.0).unwrap_or(u64::MAX);
+        if free < need {
+            return Err(anyhow!(ExitCoded::new(
+                5,
+                format!(
+                    "not enough room for a mark of {sandbox}: {} MiB free in the store, {} MiB needed (last \
+                     mark's growth or 1 GiB, plus the reserve); free space or set CLADE_RESERVE_MIB",
+                    free >> 20,
+                    need >> 20
+                )
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The free space kept aside beyond a mark's expected growth: `CLADE_RESERVE_MIB`, default 1024.
+fn reserve_bytes() -> u64 {
+    std::env::var("CLADE_RESERVE_MIB").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1024) << 20
+}
+
+pub fn mark_row(m: &Mark) -> serde_json::Value {
+    serde_json::json!({
+        "id": m.id, "branch": m.branch, "label": m.label, "parent": m.parent, "backend": from_ledger(m.backend),
+        "pause_ms": m.pause_ms, "logical_bytes": m.logical_bytes, "stored_bytes": m.stored_bytes,
+        "created_ms": m.created_ms, "pinned": m.pinned, "clean": m.clean,
+    })
+}
+
+fn row_of(s: &clade_ledger::SandboxRecord) -> serde_json::Value {
+    let lost = s.state == SandboxState::Running && !s.supervisor_pid.is_some_and(supervisor_alive);
+    let state = if lost { "lost".to_string() } else { s.state.as_str().to_string() };
+    serde_json::json!({
+        "id": s.id, "backend": from_ledger(s.backend), "state": state, "origin": s.origin_mark, "branch": s.branch,
+        "supervisor_pid": s.supervisor_pid, "error": s.error, "created_ms": s.created_ms,
+        "last_active_ms": s.last_active_ms,
+    })
+}
+
+/// Start a supervisor for `sandbox` restoring `mark`, detached from this process (its own process group, so
+/// it outlives the CLI and the daemon).
+pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<()> {
+    let dir = sup_dir(home, sandbox.as_str());
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    let _ = std::fs::remove_file(ready_file(home, sandbox.as_str()));
+    let log = std::fs::File::create(crate::supervisor::log_file(home, sandbox.as_str()))?;
+    let exe = std::env::current_exe().context("locate the clade binary")?;
+    use std::os::unix::process::CommandExt;
+    Command::new(exe)
+        .args(["supervise", "--sandbox", sandbox.as_str(), "--mark", mark.id.as_str()])
+        .arg("--generation")
+        .arg(generation.to_string())
+        .env("CLADE_HOME", home.root())
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("start the supervisor")?;
+    Ok(())
+}
+
+pub fn wait_ready(home: &CladeHome, sandbox: &SandboxId, timeout: Duration) -> anyhow::Result<Ready> {
+    let path = ready_file(home, sandbox.as_str());
+    let start = Instant::now();
+    loop {
+        if let Ok(b) = std::fs::read(&path) {
+            if let Ok(r) = serde_json::from_slice::<Ready>(&b) {
+                return Ok(r);
+            }
+        }
+        if start.elapsed() > timeout {
+            let log = std::fs::read_to_string(crate::supervisor::log_file(home, sandbox.as_str())).unwrap_or_default();
+            return Err(anyhow!("sandbox {sandbox} not ready after {timeout:?}; supervisor log: {}", log.trim()));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Fork `count` siblings of a mark: claim warm-pool members first (all at once), start supervisors for the
+/// rest, wait for all, then refill the pool in the background.
+pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Vec<Ready>, Duration)> {
+    use crate::supervisor::pool;
+    let home = &engine.home;
+    let start = Instant::now();
+    let mut claimed = Vec::new();
+    let mut cold = Vec::new();
+    for _ in 0..count {
+        match pool::take(home, mark.id.as_str()) {
+            Some(m) => claimed.push(m),
+            None => {
+                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark))?;
+                spawn_supervisor(home, &rec.id, mark, 1)?;
+                cold.push(rec.id);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let handles: Vec<_> =
+            claimed.iter().map(|(id, sock)| scope.spawn(move || pool::claim(engine, mark, id, sock))).collect();
+        for h in handles {
+            out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
+        }
+        Ok(())
+    })?;
+    for id in &cold {
+        out.push(wait_ready(home, id, READY_TIMEOUT)?);
+    }
+    let took = start.elapsed();
+    if !claimed.is_empty() {
+        let _ = pool::refill(home, mark.id.as_str());
+    }
+    Ok((out, took))
+}
+
+/// Kill processes a dead supervisor left behind: those whose command line names the sandbox's run dir (its
+/// QEMU, or a restored tree's helper). Returns how many were signalled.
+fn reap_orphans(home: &CladeHome, sandbox: &str) -> usize {
+    let needle = home.run_dir().join(sandbox).display().to_string() + "/";
+    let mut n = 0;
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        if String::from_utf8_lossy(&cmd).contains(&needle) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Whether a supervisor pid is alive (and is a clade supervisor, not a reused pid).
+pub fn supervisor_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains("supervise"))
+        .unwrap_or(false)
+}

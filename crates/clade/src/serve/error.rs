@@ -1,0 +1,81 @@
+//! Errors as HTTP: the same codes the CLI exits with, as statuses (2 -> 400, 3 -> 404, 4 -> 409, 5 -> 507), and
+//! a JSON body `{"error": {"code", "message"}}`. A malformed JSON body is a 400 whose message names the field.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+
+pub fn error_body(code: &str, message: &str) -> serde_json::Value {
+    serde_json::json!({"error": {"code": code, "message": message}})
+}
+
+/// An operation's failure, carried to the client.
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, code, message: message.into() }
+    }
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+}
+
+impl From<anyhow::Error> for ApiError {
+    fn from(e: anyhow::Error) -> Self {
+        let (status, code) = match crate::cmd::exit_code(&e) {
+            2 => (StatusCode::BAD_REQUEST, "bad_request"),
+            3 => (StatusCode::NOT_FOUND, "not_found"),
+            4 => (StatusCode::CONFLICT, "conflict"),
+            5 => (StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        ApiError { status, code, message: format!("{e:#}") }
+    }
+}
+
+impl From<tokio::task::JoinError> for ApiError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the operation's thread failed: {e}"))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(error_body(self.code, &self.message))).into_response()
+    }
+}
+
+/// `axum::Json`, with a rejection that is always a 400 naming what was wrong (serde names the field).
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        // An empty body means "all defaults" where the type allows it.
+        let empty = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v == "0");
+        if empty {
+            return serde_json::from_slice(b"{}")
+                .map(Body)
+                .map_err(|e| ApiError::bad_request(format!("request body: {e}")));
+        }
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(Body(v)),
+            Err(JsonRejection::MissingJsonContentType(_)) => {
+                Err(ApiError::bad_request("request body: Content-Type must be application/json"))
+            }
+            Err(e) => Err(ApiError::bad_request(format!("request body: {}", e.body_text()))),
+        }
+    }
+}

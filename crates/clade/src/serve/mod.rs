@@ -1,0 +1,165 @@
+//! `clade serve`: the HTTP API over the same operations as the CLI ([`crate::ops`]), on a unix socket under
+//! `$CLADE_HOME` by default, or on TCP. Sandboxes are not held by the daemon: each lives in its supervisor
+//! process, so a daemon restart finds every one again through the ledger, and an in-flight request fails
+//! cleanly (its connection closes) while the sandbox carries on.
+
+mod doors;
+pub mod e2b;
+mod error;
+mod idle;
+mod metrics;
+pub mod routes;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use clade_core::CladeHome;
+
+pub use doors::load_or_create_key;
+
+use crate::ops::Ops;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where to listen: `unix:PATH` or `HOST:PORT` (repeatable). Default: unix:$CLADE_HOME/api.sock.
+    #[arg(long)]
+    pub listen: Vec<String>,
+    /// Also answer E2B's control plane here (HOST:PORT), for the official E2B SDKs.
+    #[arg(long, requires = "e2b_sandbox")]
+    pub e2b_api: Option<SocketAddr>,
+    /// ... and E2B's in-sandbox API (envd) here (HOST:PORT).
+    #[arg(long, requires = "e2b_api")]
+    pub e2b_sandbox: Option<SocketAddr>,
+    /// Largest file upload accepted, MiB (larger: 413).
+    #[arg(long, default_value_t = 1024)]
+    pub max_upload_mib: u64,
+    /// Suspend sandboxes idle for this many seconds unless a create says otherwise (0: only those that ask).
+    #[arg(long, default_value_t = 0)]
+    pub idle_timeout: u64,
+    /// How often the idle loop looks, in seconds.
+    #[arg(long, default_value_t = 5, hide = true)]
+    pub idle_tick: u64,
+}
+
+/// What every handler shares.
+pub struct App {
+    pub ops: Arc<Ops>,
+    metrics: metrics::Metrics,
+    idle: idle::Idle,
+    max_upload: u64,
+}
+
+enum Listen {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+fn parse_listen(s: &str) -> anyhow::Result<Listen> {
+    if let Some(p) = s.strip_prefix("unix:") {
+        return Ok(Listen::Unix(PathBuf::from(p)));
+    }
+    s.parse::<SocketAddr>().map(Listen::Tcp).map_err(|e| {
+        anyhow::anyhow!(clade_core::ExitCoded::new(
+            2,
+            format!("--listen {s:?}: {e}; use unix:PATH or HOST:PORT such as 127.0.0.1:8080")
+        ))
+    })
+}
+
+async fn count_requests(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "-".into());
+    let method = req.method().to_string();
+    let resp = next.run(req).await;
+    app.metrics.request(&method, &route, resp.status().as_u16());
+    resp
+}
+
+/// The native API's router for one listener (its doors know that listener's names).
+pub fn app_router(app: Arc<App>, key: String, hosts: Vec<String>) -> axum::Router {
+    let doors = Arc::new(doors::Doors { key, hosts });
+    routes::router(app.clone())
+        .route_layer(axum::middleware::from_fn_with_state(app, count_requests))
+        .layer(axum::middleware::from_fn_with_state(doors, doors::check))
+}
+
+fn tcp_hosts(addr: SocketAddr) -> Vec<String> {
+    let port = addr.port();
+    let mut h = vec![addr.to_string(), format!("localhost:{port}")];
+    if addr.ip().is_unspecified() || addr.ip().is_loopback() {
+        h.push(format!("127.0.0.1:{port}"));
+        h.push(format!("[::1]:{port}"));
+    }
+    if addr.ip().is_unspecified() {
+        if let Ok(n) = nix::unistd::gethostname() {
+            h.push(format!("{}:{port}", n.to_string_lossy()));
+        }
+    }
+    h
+}
+
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let ops = Arc::new(Ops::open(&home)?);
+    let key = load_or_create_key(&home)?;
+    let app = Arc::new(App {
+        ops,
+        metrics: metrics::Metrics::new(),
+        idle: idle::Idle::load(&home, a.idle_timeout),
+        max_upload: a.max_upload_mib << 20,
+    });
+    let listens: Vec<Listen> = if a.listen.is_empty() {
+        vec![Listen::Unix(home.root().join("api.sock"))]
+    } else {
+        a.listen.iter().map(|s| parse_listen(s)).collect::<anyhow::Result<_>>()?
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let mut tasks = Vec::new();
+        for l in listens {
+            match l {
+                Listen::Unix(path) => {
+                    let _ = std::fs::remove_file(&path);
+                    if let Some(d) = path.parent() {
+                        std::fs::create_dir_all(d)?;
+                    }
+                    let lis = tokio::net::UnixListener::bind(&path)
+                        .with_context(|| format!("listen on {}", path.display()))?;
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+                    eprintln!("clade serve: listening on unix:{}", path.display());
+                    let r = app_router(app.clone(), key.clone(), vec!["localhost".into()]);
+                    tasks.push(tokio::spawn(async move { axum::serve(lis, r).await }));
+                }
+                Listen::Tcp(addr) => {
+                    let lis = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
+                    let addr = lis.local_addr()?;
+                    eprintln!("clade serve: listening on http://{addr}");
+                    let r = app_router(app.clone(), key.clone(), tcp_hosts(addr));
+                    tasks.push(tokio::spawn(async move { axum::serve(lis, r).await }));
+                }
+            }
+        }
+        if let (Some(api), Some(sbx)) = (a.e2b_api, a.e2b_sandbox) {
+            e2b::spawn(app.ops.clone(), api, sbx, home.clone()).await?;
+        }
+        tokio::spawn(idle::run(app.clone(), Duration::from_secs(a.idle_tick.max(1))));
+        eprintln!("clade serve: ready (key in {})", home.root().join("api.key").display());
+        let started = Instant::now();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("clade serve: stopping after {:.0} s; sandboxes keep running", started.elapsed().as_secs_f64());
+        for t in tasks {
+            t.abort();
+        }
+        anyhow::Ok(0)
+    })
+}
