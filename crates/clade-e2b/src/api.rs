@@ -1,0 +1,502 @@
+//! The control plane: the routes of E2B's `openapi.yml` that the SDKs (>= 2.7, < 3) call. Errors are
+//! `{"code": <http status>, "message": ...}` with E2B's statuses; every route but none needs `X-API-Key`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::Router;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::host::{Host, HostError, Started, Status};
+use crate::state::{now_ms, random_hex, rfc3339, Record, SnapshotRecord};
+use crate::App;
+
+/// An E2B API error.
+#[derive(Debug)]
+pub struct ApiError(pub StatusCode, pub String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, axum::Json(json!({"code": self.0.as_u16(), "message": self.1}))).into_response()
+    }
+}
+
+impl From<HostError> for ApiError {
+    fn from(e: HostError) -> ApiError {
+        let status = match &e {
+            HostError::NotFound(_) => StatusCode::NOT_FOUND,
+            HostError::Invalid(_) => StatusCode::BAD_REQUEST,
+            HostError::Conflict(_) => StatusCode::CONFLICT,
+            HostError::Permission(_) => StatusCode::FORBIDDEN,
+            HostError::NoSpace(_) => StatusCode::INSUFFICIENT_STORAGE,
+            HostError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+type R = Result<Response, ApiError>;
+
+pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
+    Router::new()
+        .route("/sandboxes", post(create::<H>).get(list_v1::<H>))
+        .route("/v2/sandboxes", post(create::<H>).get(list_v2::<H>))
+        .route("/sandboxes/metrics", get(|| async { axum::Json(json!({"sandboxes": {}})) }))
+        .route("/sandboxes/{id}", get(detail::<H>).delete(kill::<H>))
+        .route("/sandboxes/{id}/timeout", post(set_timeout::<H>))
+        .route("/sandboxes/{id}/refreshes", post(refresh::<H>))
+        .route("/sandboxes/{id}/pause", post(pause::<H>))
+        .route("/sandboxes/{id}/resume", post(resume::<H>))
+        .route("/sandboxes/{id}/connect", post(connect::<H>))
+        .route("/v2/sandboxes/{id}/connect", post(connect::<H>))
+        .route("/sandboxes/{id}/fork", post(fork::<H>))
+        .route("/sandboxes/{id}/snapshots", post(snapshot::<H>))
+        .route("/sandboxes/{id}/metrics", get(|| async { axum::Json(json!([])) }))
+        .route("/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": [], "logEntries": []})) }))
+        .route("/v2/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": []})) }))
+        .route("/snapshots", get(list_snapshots::<H>))
+        .route("/templates/{id}", delete(delete_snapshot::<H>))
+        .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route in clade's E2B API".into()) })
+        .layer(middleware::from_fn_with_state(app.clone(), auth::<H>))
+        .with_state(app)
+}
+
+async fn auth<H: Host>(State(app): State<Arc<App<H>>>, req: Request, next: Next) -> Response {
+    let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::to_owned).or_else(|| {
+        let a = req.headers().get("authorization")?.to_str().ok()?;
+        a.strip_prefix("Bearer ").map(str::to_owned)
+    });
+    let ok = match key {
+        Some(k) => app.blocking(move |h| h.check_key(&k)).await.unwrap_or(false),
+        None => false,
+    };
+    if !ok {
+        return ApiError(
+            StatusCode::UNAUTHORIZED,
+            "Invalid API key: create one with `clade e2b key create` and set E2B_API_KEY".into(),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// A JSON body (an empty one is `T::default()`); a bad one is a 400 in E2B's shape.
+fn body<T: DeserializeOwned + Default>(b: &Bytes) -> Result<T, ApiError> {
+    if b.iter().all(|c| c.is_ascii_whitespace()) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(b).map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("bad request body: {e}")))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, format!("sandbox \"{id}\" doesn't exist or you don't have access to it"))
+}
+
+fn sandbox_json<H: Host>(app: &App<H>, r: &Record) -> Value {
+    let mut v = json!({
+        "templateID": r.template_id, "sandboxID": r.id, "clientID": app.cfg.client_id,
+        "envdVersion": app.cfg.envd_version, "envdAccessToken": r.token,
+    });
+    if let Some(a) = &r.alias {
+        v["alias"] = json!(a);
+    }
+    v
+}
+
+fn state_str(s: Status) -> &'static str {
+    if s == Status::Paused {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+fn detail_json<H: Host>(app: &App<H>, r: &Record, s: Status) -> Value {
+    let mut v = sandbox_json(app, r);
+    let extra = json!({
+        "startedAt": rfc3339(r.started_ms), "endAt": rfc3339(r.end_ms), "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb, "diskSizeMB": r.disk_mb, "state": state_str(s), "metadata": r.metadata,
+        "lifecycle": {"autoResume": false, "onTimeout": if r.auto_pause { "pause" } else { "kill" }},
+    });
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    v
+}
+
+/// A sandbox's record and its host status; a record whose sandbox is gone is dropped.
+async fn live<H: Host>(app: &Arc<App<H>>, id: &str) -> Result<(Record, Status), ApiError> {
+    let Some(rec) = app.state.get(id) else { return Err(not_found(id)) };
+    let i = id.to_string();
+    let s = app.blocking(move |h| h.status(&i)).await?;
+    if s == Status::Gone {
+        app.state.remove(id);
+        return Err(not_found(id));
+    }
+    Ok((rec, s))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct Lifecycle {
+    on_timeout: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    auto_pause: Option<bool>,
+    metadata: Option<BTreeMap<String, String>>,
+    env_vars: Option<BTreeMap<String, String>>,
+    lifecycle: Option<Lifecycle>,
+}
+
+fn record_of<H: Host>(
+    app: &App<H>,
+    s: &Started,
+    timeout_s: u64,
+    auto_pause: bool,
+    meta: BTreeMap<String, String>,
+) -> Record {
+    let now = now_ms();
+    Record {
+        id: s.id.clone(),
+        template_id: s.template_id.clone(),
+        alias: None,
+        metadata: meta,
+        started_ms: now,
+        end_ms: now + timeout_s * 1000,
+        auto_pause,
+        token: random_hex(16),
+        cpu_count: s.cpu_count,
+        memory_mb: s.memory_mb,
+        disk_mb: s.disk_mb,
+    }
+    .tap(|r| app.state.put(r.clone()))
+}
+
+trait Tap: Sized {
+    fn tap(self, f: impl FnOnce(&Self)) -> Self {
+        f(&self);
+        self
+    }
+}
+impl<T> Tap for T {}
+
+async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
+    let req: NewSandbox = body(&b)?;
+    let template = req.template_id.unwrap_or_else(|| "base".into());
+    if template.trim().is_empty() {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "templateID is empty".into()));
+    }
+    let envs = req.env_vars.unwrap_or_default();
+    let t = template.clone();
+    let started = app.blocking(move |h| h.create(&t, &envs)).await?.map_err(|e| match e {
+        HostError::NotFound(m) => ApiError(StatusCode::NOT_FOUND, m),
+        other => other.into(),
+    })?;
+    let auto_pause =
+        req.auto_pause.unwrap_or(false) || req.lifecycle.and_then(|l| l.on_timeout).is_some_and(|o| o == "pause");
+    let timeout = req.timeout.unwrap_or(app.cfg.default_timeout_s);
+    let rec = record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default());
+    Ok((StatusCode::CREATED, axum::Json(sandbox_json(&app, &rec))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct ListQuery {
+    metadata: Option<String>,
+    state: Option<String>,
+    limit: Option<usize>,
+    next_token: Option<String>,
+}
+
+/// `metadata` is a query string of its own (`k=v&k2=v2`, each part percent-encoded once more).
+fn metadata_filter(q: &Option<String>) -> BTreeMap<String, String> {
+    let Some(q) = q else { return BTreeMap::new() };
+    form_urlencoded::parse(q.as_bytes())
+        .map(|(k, v)| {
+            let dec = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+            (dec(&k), dec(&v))
+        })
+        .collect()
+}
+
+async fn listed<H: Host>(app: &Arc<App<H>>, q: &ListQuery, states: &[Status]) -> Vec<(Record, Status)> {
+    let want = metadata_filter(&q.metadata);
+    let recs = app.state.all();
+    let ids: Vec<String> = recs.iter().map(|r| r.id.clone()).collect();
+    let statuses = app.blocking(move |h| ids.iter().map(|i| h.status(i)).collect::<Vec<_>>()).await.unwrap_or_default();
+    let mut out = Vec::new();
+    for (r, s) in recs.into_iter().zip(statuses) {
+        if s == Status::Gone {
+            app.state.remove(&r.id);
+            continue;
+        }
+        if states.contains(&s) && want.iter().all(|(k, v)| r.metadata.get(k) == Some(v)) {
+            out.push((r, s));
+        }
+    }
+    // Newest first, as E2B lists.
+    out.sort_by(|a, b| b.0.started_ms.cmp(&a.0.started_ms).then(b.0.id.cmp(&a.0.id)));
+    out
+}
+
+fn listed_json<H: Host>(app: &App<H>, r: &Record, s: Status) -> Value {
+    let mut v = detail_json(app, r, s);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("envdAccessToken");
+        o.remove("lifecycle");
+    }
+    v
+}
+
+async fn list_v1<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<ListQuery>) -> R {
+    let all = listed(&app, &q, &[Status::Running]).await;
+    Ok(axum::Json(all.iter().map(|(r, s)| listed_json(&app, r, *s)).collect::<Vec<_>>()).into_response())
+}
+
+async fn list_v2<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<ListQuery>) -> R {
+    let mut states = Vec::new();
+    for s in q.state.as_deref().unwrap_or("running,paused").split(',').filter(|s| !s.is_empty()) {
+        match s {
+            "running" => states.push(Status::Running),
+            "paused" => states.push(Status::Paused),
+            other => {
+                return Err(ApiError(StatusCode::BAD_REQUEST, format!("unknown state {other:?}: running or paused")))
+            }
+        }
+    }
+    let all = listed(&app, &q, &states).await;
+    let start = match &q.next_token {
+        Some(t) => all.iter().position(|(r, _)| &r.id == t).map(|i| i + 1).unwrap_or(all.len()),
+        None => 0,
+    };
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let page: Vec<_> = all.iter().skip(start).take(limit).collect();
+    let mut resp = axum::Json(page.iter().map(|(r, s)| listed_json(&app, r, *s)).collect::<Vec<_>>()).into_response();
+    if start + page.len() < all.len() {
+        if let Some((last, _)) = page.last() {
+            if let Ok(v) = HeaderValue::from_str(&last.id) {
+                resp.headers_mut().insert("x-next-token", v);
+            }
+        }
+    }
+    Ok(resp)
+}
+
+async fn detail<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+    let (rec, s) = live(&app, &id).await?;
+    Ok(axum::Json(detail_json(&app, &rec, s)).into_response())
+}
+
+async fn kill<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+    live(&app, &id).await?;
+    let i = id.clone();
+    app.blocking(move |h| h.kill(&i)).await??;
+    app.state.remove(&id);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Timeout {
+    timeout: Option<u64>,
+    duration: Option<u64>,
+    #[serde(rename = "autoPause")]
+    auto_pause: Option<bool>,
+    count: Option<u32>,
+    name: Option<String>,
+}
+
+async fn set_timeout<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    live(&app, &id).await?;
+    let secs = t.timeout.ok_or_else(|| ApiError(StatusCode::BAD_REQUEST, "timeout (seconds) is required".into()))?;
+    app.state.update(&id, |r| r.end_ms = now_ms() + secs * 1000);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn refresh<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    live(&app, &id).await?;
+    let secs = t.duration.unwrap_or(app.cfg.default_timeout_s);
+    app.state.update(&id, |r| r.end_ms = r.end_ms.max(now_ms() + secs * 1000));
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn pause<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+    let (_, s) = live(&app, &id).await?;
+    if s == Status::Paused {
+        return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
+    }
+    let i = id.clone();
+    app.blocking(move |h| h.pause(&i)).await??;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn bring_back<H: Host>(app: &Arc<App<H>>, id: &str, t: &Timeout) -> Result<Record, ApiError> {
+    let i = id.to_string();
+    app.blocking(move |h| h.resume(&i)).await??;
+    let secs = t.timeout.unwrap_or(app.cfg.default_timeout_s);
+    let ap = t.auto_pause;
+    app.state
+        .update(id, |r| {
+            r.end_ms = now_ms() + secs * 1000;
+            if let Some(a) = ap {
+                r.auto_pause = a;
+            }
+        })
+        .ok_or_else(|| not_found(id))
+}
+
+async fn resume<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    let (_, s) = live(&app, &id).await?;
+    if s == Status::Running {
+        return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is already running")));
+    }
+    let rec = bring_back(&app, &id, &t).await?;
+    Ok((StatusCode::CREATED, axum::Json(sandbox_json(&app, &rec))).into_response())
+}
+
+async fn connect<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    let (rec, s) = live(&app, &id).await?;
+    if s == Status::Running {
+        // A connect only ever lengthens a running sandbox's life.
+        let rec = match t.timeout {
+            Some(secs) => app.state.update(&id, |r| r.end_ms = r.end_ms.max(now_ms() + secs * 1000)).unwrap_or(rec),
+            None => rec,
+        };
+        return Ok(axum::Json(sandbox_json(&app, &rec)).into_response());
+    }
+    let rec = bring_back(&app, &id, &t).await?;
+    Ok((StatusCode::CREATED, axum::Json(sandbox_json(&app, &rec))).into_response())
+}
+
+async fn fork<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    let (parent, s) = live(&app, &id).await?;
+    if s != Status::Running {
+        return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is paused: connect to it before forking")));
+    }
+    let count = t.count.unwrap_or(1);
+    if count == 0 || count > 256 {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("count {count}: fork 1 to 256 sandboxes")));
+    }
+    let i = id.clone();
+    let kids = app.blocking(move |h| h.fork(&i, count)).await??;
+    let secs = t.timeout.unwrap_or(app.cfg.default_timeout_s);
+    let out: Vec<Value> = kids
+        .iter()
+        .map(|k| {
+            let mut k = k.clone();
+            k.template_id = parent.template_id.clone();
+            let rec = record_of(&app, &k, secs, parent.auto_pause, parent.metadata.clone());
+            json!({"sandbox": sandbox_json(&app, &rec)})
+        })
+        .collect();
+    Ok((StatusCode::CREATED, axum::Json(out)).into_response())
+}
+
+async fn snapshot<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
+    let (_, s) = live(&app, &id).await?;
+    if s != Status::Running {
+        return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is paused: connect to it first")));
+    }
+    let (i, name) = (id.clone(), t.name.clone());
+    let snap = app.blocking(move |h| h.snapshot(&i, name.as_deref())).await??;
+    let names: Vec<String> = t.name.into_iter().collect();
+    app.state.put_snapshot(SnapshotRecord {
+        id: snap.id.clone(),
+        sandbox: id,
+        names: names.clone(),
+        created_ms: now_ms(),
+    });
+    Ok((StatusCode::CREATED, axum::Json(json!({"snapshotID": snap.id, "names": names}))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct SnapQuery {
+    #[serde(rename = "sandboxID")]
+    sandbox_id: Option<String>,
+    name: Option<String>,
+    limit: Option<usize>,
+    #[serde(rename = "nextToken")]
+    next_token: Option<String>,
+}
+
+async fn list_snapshots<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<SnapQuery>) -> R {
+    let all: Vec<_> = app
+        .state
+        .snapshots()
+        .into_iter()
+        .filter(|s| q.sandbox_id.as_ref().is_none_or(|w| &s.sandbox == w))
+        .filter(|s| q.name.as_ref().is_none_or(|n| s.names.contains(n)))
+        .collect();
+    let start = match &q.next_token {
+        Some(t) => all.iter().position(|s| &s.id == t).map(|i| i + 1).unwrap_or(all.len()),
+        None => 0,
+    };
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let page: Vec<_> = all.iter().skip(start).take(limit).collect();
+    let mut resp = axum::Json(page.iter().map(|s| json!({"snapshotID": s.id, "names": s.names})).collect::<Vec<_>>())
+        .into_response();
+    if start + page.len() < all.len() {
+        if let Some(last) = page.last().and_then(|s| HeaderValue::from_str(&s.id).ok()) {
+            resp.headers_mut().insert("x-next-token", last);
+        }
+    }
+    Ok(resp)
+}
+
+async fn delete_snapshot<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+    if !app.state.snapshots().iter().any(|s| s.id == id) {
+        return Err(ApiError(StatusCode::NOT_FOUND, format!("template or snapshot \"{id}\" not found")));
+    }
+    let i = id.clone();
+    app.blocking(move |h| h.delete_snapshot(&i)).await??;
+    app.state.remove_snapshot(&id);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// One reaper pass: sandboxes past their end are paused (auto-pause) or killed; records of gone ones dropped.
+pub async fn reap<H: Host>(app: &Arc<App<H>>) {
+    let now = now_ms();
+    for r in app.state.all() {
+        let id = r.id.clone();
+        let s = app.blocking(move |h| h.status(&id)).await.unwrap_or(Status::Running);
+        match s {
+            Status::Gone => app.state.remove(&r.id),
+            Status::Running if r.end_ms <= now => {
+                let id = r.id.clone();
+                if r.auto_pause {
+                    let _ = app.blocking(move |h| h.pause(&id)).await;
+                } else {
+                    let _ = app.blocking(move |h| h.kill(&id)).await;
+                    app.state.remove(&r.id);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Headers helper for tests and the envd side.
+pub fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok())
+}

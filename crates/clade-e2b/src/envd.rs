@@ -1,0 +1,1049 @@
+//! envd, the daemon E2B runs inside each sandbox, answered from outside it: `process.Process` and
+//! `filesystem.Filesystem` over Connect (JSON codec), `GET/POST /files`, `GET /health`. Users come from
+//! `Authorization: Basic <user:>` as envd reads them (default: the configured user); relative paths resolve
+//! against the user's home. Directory watches poll (every 250 ms) and diff listings.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Multipart, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use base64::Engine as _;
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::api::header_str;
+use crate::connect::{self, Code, RpcError};
+use crate::host::{Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status};
+use crate::state::{random_hex, rfc3339_ns};
+use crate::{lock, App};
+
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/envs", get(envs::<H>))
+        .route("/init", post(init::<H>))
+        .route("/files", get(download::<H>).post(upload::<H>))
+        .route("/process.Process/{method}", post(process::<H>))
+        .route("/filesystem.Filesystem/{method}", post(filesystem::<H>))
+        .fallback(|| async { plain(StatusCode::NOT_FOUND, "no such envd route".into()) })
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(app)
+}
+
+/// A plain envd HTTP error: `{"code": status, "message": ...}`.
+fn plain(status: StatusCode, message: String) -> Response {
+    (status, axum::Json(json!({"code": status.as_u16(), "message": message}))).into_response()
+}
+
+fn host_status(e: &HostError) -> StatusCode {
+    match e {
+        HostError::NotFound(_) => StatusCode::NOT_FOUND,
+        HostError::Invalid(_) | HostError::Conflict(_) => StatusCode::BAD_REQUEST,
+        HostError::Permission(_) => StatusCode::FORBIDDEN,
+        HostError::NoSpace(_) => StatusCode::INSUFFICIENT_STORAGE,
+        HostError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The sandbox a request is for: its id, after checking it exists, runs, and the access token matches.
+async fn sandbox_of<H: Host>(app: &Arc<App<H>>, h: &HeaderMap) -> Result<String, Response> {
+    let id = match header_str(h, "e2b-sandbox-id") {
+        Some(id) => id.to_string(),
+        None => {
+            // `49983-<id>.<domain>` as E2B's own hosts name sandboxes.
+            let host = header_str(h, "host").unwrap_or("");
+            match host.split('.').next().and_then(|l| l.split_once('-')) {
+                Some((_, id)) if !id.is_empty() => id.to_string(),
+                _ => {
+                    return Err(plain(
+                        StatusCode::BAD_REQUEST,
+                        "no E2b-Sandbox-Id header: say which sandbox this request is for".into(),
+                    ))
+                }
+            }
+        }
+    };
+    let gone = || plain(StatusCode::NOT_FOUND, format!("The sandbox {id} was not found"));
+    let Some(rec) = app.state.get(&id) else { return Err(gone()) };
+    if header_str(h, "x-access-token") != Some(rec.token.as_str()) {
+        return Err(plain(StatusCode::UNAUTHORIZED, format!("wrong or missing X-Access-Token for sandbox {id}")));
+    }
+    let i = id.clone();
+    match app.blocking(move |h| h.status(&i)).await.unwrap_or(Status::Gone) {
+        Status::Running => Ok(id),
+        Status::Paused => Err(plain(
+            StatusCode::BAD_GATEWAY,
+            format!("The sandbox {id} was not found: it is paused; resume it with Sandbox.connect"),
+        )),
+        Status::Gone => Err(gone()),
+    }
+}
+
+/// A user of the sandbox's /etc/passwd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: String,
+}
+
+/// The sandbox's users and groups (read once per sandbox).
+#[derive(Debug, Default)]
+pub struct Users {
+    users: Vec<User>,
+    groups: HashMap<u32, String>,
+}
+
+impl Users {
+    pub fn parse(passwd: &str, group: &str) -> Users {
+        let users = passwd
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                (f.len() >= 6).then(|| User {
+                    name: f[0].into(),
+                    uid: f[2].parse().unwrap_or(u32::MAX),
+                    gid: f[3].parse().unwrap_or(u32::MAX),
+                    home: f[5].into(),
+                })
+            })
+            .collect();
+        let groups = group
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                Some((f.get(2)?.parse().ok()?, f[0].to_string()))
+            })
+            .collect();
+        Users { users, groups }
+    }
+    fn by_name(&self, n: &str) -> Option<&User> {
+        self.users.iter().find(|u| u.name == n)
+    }
+    fn owner(&self, uid: u32) -> String {
+        self.users.iter().find(|u| u.uid == uid).map(|u| u.name.clone()).unwrap_or_else(|| uid.to_string())
+    }
+    fn group(&self, gid: u32) -> String {
+        self.groups.get(&gid).cloned().unwrap_or_else(|| gid.to_string())
+    }
+}
+
+async fn users_of<H: Host>(app: &Arc<App<H>>, id: &str) -> Arc<Users> {
+    if let Some(u) = lock(&app.users).get(id) {
+        return u.clone();
+    }
+    let i = id.to_string();
+    let read = move |h: &H, p: &str| -> String {
+        let mut s = String::new();
+        if let Ok((_, mut r)) = h.read_file(&i, p) {
+            let _ = r.read_to_string(&mut s);
+        }
+        s
+    };
+    let (pw, gr) = app.blocking(move |h| (read(h, "/etc/passwd"), read(h, "/etc/group"))).await.unwrap_or_default();
+    let u = Arc::new(Users::parse(&pw, &gr));
+    if !u.users.is_empty() {
+        lock(&app.users).insert(id.to_string(), u.clone());
+    }
+    u
+}
+
+/// The user named by `Authorization: Basic` (or `username`), else the default.
+async fn user_of<H: Host>(app: &Arc<App<H>>, id: &str, h: &HeaderMap, named: Option<&str>) -> Result<User, String> {
+    let from_header = header_str(h, "authorization").and_then(|a| a.strip_prefix("Basic ")).and_then(|b| {
+        let raw = B64.decode(b.trim()).ok()?;
+        let s = String::from_utf8(raw).ok()?;
+        Some(s.split(':').next().unwrap_or("").to_string())
+    });
+    let name = named
+        .map(str::to_owned)
+        .or(from_header)
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| app.cfg.default_user.clone());
+    let users = users_of(app, id).await;
+    if let Some(u) = users.by_name(&name) {
+        return Ok(u.clone());
+    }
+    if users.users.is_empty() && name == "root" {
+        return Ok(User { name, uid: 0, gid: 0, home: "/root".into() });
+    }
+    Err(format!("error looking up user '{name}': unknown user {name} in the sandbox's /etc/passwd"))
+}
+
+/// An absolute path: relative ones (and `~/...`) are under the user's home.
+fn resolve(user: &User, p: &str) -> String {
+    let p = p.trim();
+    let home = user.home.trim_end_matches('/');
+    if p.is_empty() || p == "~" {
+        return user.home.clone();
+    }
+    if let Some(rest) = p.strip_prefix("~/") {
+        return format!("{home}/{rest}");
+    }
+    if p.starts_with('/') {
+        p.to_string()
+    } else {
+        format!("{home}/{p}")
+    }
+}
+
+async fn envs<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap) -> Response {
+    match sandbox_of(&app, &h).await {
+        Ok(_) => axum::Json(json!({})).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn init<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap) -> Response {
+    match sandbox_of(&app, &h).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(r) => r,
+    }
+}
+
+// ---- /files -----------------------------------------------------------------------------------------------
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct FileQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+async fn download<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap, Query(q): Query<FileQuery>) -> Response {
+    let id = match sandbox_of(&app, &h).await {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
+    let user = match user_of(&app, &id, &h, q.username.as_deref()).await {
+        Ok(u) => u,
+        Err(m) => return plain(StatusCode::UNAUTHORIZED, m),
+    };
+    let Some(p) = q.path.as_deref() else { return plain(StatusCode::BAD_REQUEST, "path is required".into()) };
+    let path = resolve(&user, p);
+    let (i, pp) = (id.clone(), path.clone());
+    let opened = app.blocking(move |h| h.read_file(&i, &pp)).await.and_then(|r| r);
+    let (size, mut reader) = match opened {
+        Ok(x) => x,
+        Err(HostError::NotFound(_)) => return plain(StatusCode::NOT_FOUND, format!("path '{path}' does not exist")),
+        Err(e) => return plain(host_status(&e), e.to_string()),
+    };
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::task::spawn_blocking(move || {
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            match reader.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    });
+    let name = path.rsplit('/').next().unwrap_or("file").replace('"', "");
+    let body = Body::from_stream(tokio_stream(rx));
+    let mut r = Response::new(body);
+    let hs = r.headers_mut();
+    hs.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/octet-stream"));
+    if let Ok(v) = header::HeaderValue::from_str(&size.to_string()) {
+        hs.insert(header::CONTENT_LENGTH, v);
+    }
+    if let Ok(v) = header::HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
+        hs.insert(header::CONTENT_DISPOSITION, v);
+    }
+    r
+}
+
+fn tokio_stream<T: Send + 'static>(rx: mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) })
+}
+
+/// A blocking reader over chunks fed from async code.
+struct ChanReader {
+    rx: mpsc::Receiver<Bytes>,
+    cur: Bytes,
+}
+
+impl Read for ChanReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(b) => self.cur = b,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        self.cur = self.cur.slice(n..);
+        Ok(n)
+    }
+}
+
+/// Feed `chunks` into `host.write_file` as they arrive; the bytes written.
+async fn write_from<H: Host, S>(
+    app: &Arc<App<H>>,
+    id: &str,
+    path: &str,
+    gzip: bool,
+    mut chunks: S,
+) -> Result<u64, HostError>
+where
+    S: futures_util::Stream<Item = Result<Bytes, String>> + Unpin,
+{
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let (i, p) = (id.to_string(), path.to_string());
+    let writer = app.blocking(move |h| {
+        let r = ChanReader { rx, cur: Bytes::new() };
+        if gzip {
+            h.write_file(&i, &p, &mut flate2::read::MultiGzDecoder::new(r))
+        } else {
+            let mut r = r;
+            h.write_file(&i, &p, &mut r)
+        }
+    });
+    let feed = async move {
+        while let Some(c) = chunks.next().await {
+            let c = c.map_err(|e| HostError::Invalid(format!("reading the upload: {e}")))?;
+            if tx.send(c).await.is_err() {
+                break; // the writer stopped early: its answer says why
+            }
+        }
+        Ok::<(), HostError>(())
+    };
+    let (w, f) = tokio::join!(writer, feed);
+    let n = w.and_then(|r| r)?;
+    f?;
+    Ok(n)
+}
+
+fn written(paths: &[String]) -> Response {
+    let v: Vec<Value> =
+        paths.iter().map(|p| json!({"path": p, "name": p.rsplit('/').next().unwrap_or(""), "type": "file"})).collect();
+    axum::Json(v).into_response()
+}
+
+async fn upload<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<FileQuery>, req: Request) -> Response {
+    let h = req.headers().clone();
+    let id = match sandbox_of(&app, &h).await {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
+    let user = match user_of(&app, &id, &h, q.username.as_deref()).await {
+        Ok(u) => u,
+        Err(m) => return plain(StatusCode::UNAUTHORIZED, m),
+    };
+    let ctype = header_str(&h, "content-type").unwrap_or("").to_ascii_lowercase();
+    let gzip = header_str(&h, "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
+    if ctype.starts_with("multipart/form-data") {
+        let mut mp = match Multipart::from_request(req, &()).await {
+            Ok(m) => m,
+            Err(e) => return plain(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+        };
+        let mut done = Vec::new();
+        loop {
+            let field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return plain(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+            };
+            let name = field.file_name().map(str::to_owned);
+            let target = match (&q.path, name) {
+                (Some(p), _) if done.is_empty() => p.clone(),
+                (_, Some(n)) if !n.is_empty() => n,
+                _ => return plain(StatusCode::BAD_REQUEST, "a file part needs a filename (its path) or ?path=".into()),
+            };
+            let path = resolve(&user, &target);
+            let stream = field.map(|r| r.map_err(|e| e.to_string()));
+            match write_from(&app, &id, &path, false, Box::pin(stream)).await {
+                Ok(_) => done.push(path),
+                Err(e) => return plain(host_status(&e), e.to_string()),
+            }
+        }
+        if done.is_empty() {
+            return plain(StatusCode::BAD_REQUEST, "the multipart body has no file part".into());
+        }
+        return written(&done);
+    }
+    let Some(p) = q.path.as_deref() else {
+        return plain(StatusCode::BAD_REQUEST, "path is required for an application/octet-stream upload".into());
+    };
+    let path = resolve(&user, p);
+    let stream = req.into_body().into_data_stream().map(|r| r.map_err(|e| e.to_string()));
+    match write_from(&app, &id, &path, gzip, Box::pin(stream)).await {
+        Ok(_) => written(&[path]),
+        Err(e) => plain(host_status(&e), e.to_string()),
+    }
+}
+
+// ---- Connect services ----------------------------------------------------------------------------------------
+
+/// A process selector: `{"pid": n}` or `{"tag": "..."}`.
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct Selector {
+    pid: Option<u32>,
+    tag: Option<String>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct Size {
+    cols: u16,
+    rows: u16,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct Pty {
+    size: Option<Size>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct ProcessConfig {
+    cmd: String,
+    args: Vec<String>,
+    envs: BTreeMap<String, String>,
+    cwd: Option<String>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default)]
+struct Input {
+    stdin: Option<String>,
+    pty: Option<String>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default, rename_all = "camelCase")]
+struct ProcReq {
+    process: Option<Value>,
+    pty: Option<Pty>,
+    tag: Option<String>,
+    stdin: Option<bool>,
+    input: Option<Input>,
+    signal: Option<Value>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(default, rename_all = "camelCase")]
+struct FsReq {
+    path: String,
+    depth: Option<u32>,
+    source: String,
+    destination: String,
+    recursive: bool,
+    #[serde(alias = "include_entry")]
+    include_entry: bool,
+    #[serde(alias = "watcher_id")]
+    watcher_id: String,
+}
+
+fn rpc<T>(r: Result<T, HostError>) -> Result<T, RpcError> {
+    r.map_err(RpcError::from)
+}
+
+async fn call<H: Host, T: Send + 'static>(
+    app: &Arc<App<H>>,
+    f: impl FnOnce(&H) -> Result<T, HostError> + Send + 'static,
+) -> Result<T, RpcError> {
+    rpc(app.blocking(f).await.and_then(|r| r))
+}
+
+fn rpc_user_err(m: String) -> RpcError {
+    RpcError::new(Code::Unauthenticated, m)
+}
+
+/// A process selector's pid.
+async fn pid_of<H: Host>(app: &Arc<App<H>>, id: &str, sel: Option<&Value>) -> Result<u32, RpcError> {
+    let sel: Selector = sel
+        .cloned()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("bad process selector: {e}")))?
+        .unwrap_or_default();
+    if let Some(pid) = sel.pid {
+        return Ok(pid);
+    }
+    let Some(tag) = sel.tag else { return Err(RpcError::new(Code::InvalidArgument, "select a process by pid or tag")) };
+    let i = id.to_string();
+    let procs = call(app, move |h| h.proc_list(&i)).await?;
+    procs
+        .into_iter()
+        .find(|p| p.tag.as_deref() == Some(tag.as_str()))
+        .map(|p| p.pid)
+        .ok_or_else(|| RpcError::new(Code::NotFound, format!("process with tag {tag} not found")))
+}
+
+fn signal_of(v: Option<&Value>) -> Result<i32, RpcError> {
+    match v {
+        Some(Value::Number(n)) => {
+            n.as_i64().map(|n| n as i32).ok_or_else(|| RpcError::new(Code::InvalidArgument, "bad signal"))
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "SIGNAL_SIGKILL" => Ok(9),
+            "SIGNAL_SIGTERM" => Ok(15),
+            other => Err(RpcError::new(Code::InvalidArgument, format!("unsupported signal {other}"))),
+        },
+        _ => Err(RpcError::new(Code::InvalidArgument, "a signal is required (SIGNAL_SIGTERM or SIGNAL_SIGKILL)")),
+    }
+}
+
+async fn process<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<String>, req: Request) -> Response {
+    let h = req.headers().clone();
+    let streaming = connect::is_streaming(h.get(header::CONTENT_TYPE));
+    let id = match sandbox_of(&app, &h).await {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
+    if method == "StreamInput" {
+        return stream_input(app, id, req).await;
+    }
+    let body = match axum::body::to_bytes(req.into_body(), connect::MAX_MESSAGE).await {
+        Ok(b) => b,
+        Err(e) => {
+            return connect::unary(Err(RpcError::new(Code::InvalidArgument, format!("reading the request: {e}"))))
+        }
+    };
+    let r: ProcReq = match connect::decode_request(streaming, &body) {
+        Ok(r) => r,
+        Err(e) => return if streaming { connect::stream_error(e) } else { connect::unary(Err(e)) },
+    };
+    let keepalive = header_str(&h, "keepalive-ping-interval").and_then(|s| s.parse::<u64>().ok()).filter(|s| *s > 0);
+    match method.as_str() {
+        "Start" => {
+            let user = match user_of(&app, &id, &h, None).await {
+                Ok(u) => u,
+                Err(m) => return connect::stream_error(rpc_user_err(m)),
+            };
+            let cfg: ProcessConfig = match r.process.map(serde_json::from_value).transpose() {
+                Ok(c) => c.unwrap_or_default(),
+                Err(e) => {
+                    return connect::stream_error(RpcError::new(Code::InvalidArgument, format!("bad process: {e}")))
+                }
+            };
+            if cfg.cmd.is_empty() {
+                return connect::stream_error(RpcError::new(Code::InvalidArgument, "process.cmd is empty"));
+            }
+            let pty = r.pty.and_then(|p| p.size).map(|s| (s.rows.max(1), s.cols.max(1)));
+            let mut argv = vec![cfg.cmd];
+            argv.extend(cfg.args);
+            let spec = ProcSpec {
+                argv,
+                env: cfg.envs,
+                cwd: Some(cfg.cwd.filter(|c| !c.is_empty()).map(|c| resolve(&user, &c)).unwrap_or(user.home.clone())),
+                user: Some(user.name),
+                pty,
+                stdin: r.stdin.unwrap_or(true),
+                tag: r.tag,
+            };
+            let i = id.clone();
+            match call(&app, move |h| h.proc_start(&i, spec)).await {
+                Ok((pid, events)) => proc_stream(pid, events, pty.is_some(), keepalive),
+                Err(e) => connect::stream_error(e),
+            }
+        }
+        "Connect" => {
+            let pid = match pid_of(&app, &id, r.process.as_ref()).await {
+                Ok(p) => p,
+                Err(e) => return connect::stream_error(e),
+            };
+            let i = id.clone();
+            match call(&app, move |h| h.proc_connect(&i, pid)).await {
+                Ok(events) => proc_stream(pid, events, false, keepalive),
+                Err(e) => connect::stream_error(e),
+            }
+        }
+        "List" => {
+            let i = id.clone();
+            connect::unary(call(&app, move |h| h.proc_list(&i)).await.map(|procs| {
+                let v: Vec<Value> = procs
+                    .into_iter()
+                    .map(|p| {
+                        let mut args = p.argv;
+                        let cmd = if args.is_empty() { String::new() } else { args.remove(0) };
+                        let mut cfg = json!({"cmd": cmd, "args": args, "envs": p.env});
+                        if let Some(c) = p.cwd {
+                            cfg["cwd"] = json!(c);
+                        }
+                        let mut o = json!({"config": cfg, "pid": p.pid});
+                        if let Some(t) = p.tag {
+                            o["tag"] = json!(t);
+                        }
+                        o
+                    })
+                    .collect();
+                json!({"processes": v})
+            }))
+        }
+        "SendInput" => {
+            let res = async {
+                let pid = pid_of(&app, &id, r.process.as_ref()).await?;
+                let data = input_bytes(r.input.as_ref())?;
+                let i = id.clone();
+                call(&app, move |h| h.proc_input(&i, pid, &data)).await
+            };
+            connect::unary(res.await.map(|_| json!({})))
+        }
+        "CloseStdin" => {
+            let res = async {
+                let pid = pid_of(&app, &id, r.process.as_ref()).await?;
+                let i = id.clone();
+                call(&app, move |h| h.proc_close_stdin(&i, pid)).await
+            };
+            connect::unary(res.await.map(|_| json!({})))
+        }
+        "SendSignal" => {
+            let res = async {
+                let pid = pid_of(&app, &id, r.process.as_ref()).await?;
+                let sig = signal_of(r.signal.as_ref())?;
+                let i = id.clone();
+                call(&app, move |h| h.proc_signal(&i, pid, sig)).await
+            };
+            connect::unary(res.await.map(|_| json!({})))
+        }
+        "Update" => {
+            let res = async {
+                let pid = pid_of(&app, &id, r.process.as_ref()).await?;
+                let Some(size) = r.pty.and_then(|p| p.size) else { return Ok(()) };
+                let i = id.clone();
+                call(&app, move |h| h.proc_resize(&i, pid, size.rows.max(1), size.cols.max(1))).await
+            };
+            connect::unary(res.await.map(|_| json!({})))
+        }
+        other => {
+            let e = RpcError::new(Code::Unimplemented, format!("process.Process/{other} is not implemented"));
+            if streaming {
+                connect::stream_error(e)
+            } else {
+                connect::unary(Err(e))
+            }
+        }
+    }
+}
+
+fn input_bytes(i: Option<&Input>) -> Result<Vec<u8>, RpcError> {
+    let Some(i) = i else { return Ok(Vec::new()) };
+    let s = i.stdin.as_deref().or(i.pty.as_deref()).unwrap_or("");
+    B64.decode(s).map_err(|e| RpcError::new(Code::InvalidArgument, format!("input is not base64: {e}")))
+}
+
+/// The events of a process as a Connect server stream: start, data, end (and keepalives).
+fn proc_stream(pid: u32, events: crate::host::ProcStream, pty: bool, keepalive: Option<u64>) -> Response {
+    let (tx, rx) = mpsc::channel::<ProcEvent>(64);
+    tokio::task::spawn_blocking(move || {
+        for ev in events {
+            if tx.blocking_send(ev).is_err() {
+                return; // the client went away: dropping `events` detaches, the process runs on
+            }
+        }
+    });
+    let start = json!({"event": {"start": {"pid": pid}}});
+    let every = Duration::from_secs(keepalive.unwrap_or(3600));
+    let s = futures_util::stream::unfold((Some(start), rx, false), move |(first, mut rx, done)| async move {
+        if let Some(f) = first {
+            return Some((Ok(f), (None, rx, false)));
+        }
+        if done {
+            return None;
+        }
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = tokio::time::sleep(every) => {
+                return Some((Ok(json!({"event": {"keepalive": {}}})), (None, rx, false)));
+            }
+        };
+        let msg = match ev {
+            Some(ProcEvent::Stdout(d)) => {
+                let k = if pty { "pty" } else { "stdout" };
+                json!({"event": {"data": {k: B64.encode(d)}}})
+            }
+            Some(ProcEvent::Stderr(d)) => json!({"event": {"data": {"stderr": B64.encode(d)}}}),
+            Some(ProcEvent::Exit { code, signal }) => {
+                let (exit_code, exited, status) = match (code, signal) {
+                    (Some(c), _) => (c, true, format!("exit status {c}")),
+                    (None, Some(s)) => (-1, false, format!("signal: {}", signal_name(s))),
+                    (None, None) => (-1, false, "unknown".to_string()),
+                };
+                let end = json!({"event": {"end": {"exitCode": exit_code, "exited": exited, "status": status}}});
+                return Some((Ok(end), (None, rx, true)));
+            }
+            Some(ProcEvent::Error(m)) => {
+                return Some((Err(RpcError::new(Code::Unavailable, m)), (None, rx, true)));
+            }
+            None => {
+                let e = RpcError::new(Code::Unavailable, "the process stream ended without an exit");
+                return Some((Err(e), (None, rx, true)));
+            }
+        };
+        Some((Ok(msg), (None, rx, false)))
+    });
+    connect::server_stream(s)
+}
+
+fn signal_name(s: i32) -> String {
+    match s {
+        9 => "killed".into(),
+        15 => "terminated".into(),
+        2 => "interrupt".into(),
+        1 => "hangup".into(),
+        6 => "aborted".into(),
+        11 => "segmentation fault".into(),
+        13 => "broken pipe".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// `StreamInput`: a client stream of `start{process}`, `data{input}`, `keepalive` envelopes.
+async fn stream_input<H: Host>(app: Arc<App<H>>, id: String, req: Request) -> Response {
+    let mut body = req.into_body().into_data_stream();
+    let mut buf = BytesMut::new();
+    let mut pid: Option<u32> = None;
+    let result: Result<(), RpcError> = async {
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| RpcError::new(Code::Canceled, format!("the input stream broke: {e}")))?;
+            buf.extend_from_slice(&chunk);
+            for (flags, msg) in connect::take_envelopes(&mut buf)? {
+                if flags & connect::FLAG_END != 0 {
+                    continue;
+                }
+                let v: Value = serde_json::from_slice(&msg)
+                    .map_err(|e| RpcError::new(Code::InvalidArgument, format!("bad input message: {e}")))?;
+                if let Some(s) = v.get("start") {
+                    pid = Some(pid_of(&app, &id, s.get("process")).await?);
+                } else if let Some(d) = v.get("data") {
+                    let Some(p) = pid else {
+                        return Err(RpcError::new(Code::FailedPrecondition, "data before start in StreamInput"));
+                    };
+                    let input: Input = d
+                        .get("input")
+                        .cloned()
+                        .map(serde_json::from_value)
+                        .transpose()
+                        .ok()
+                        .flatten()
+                        .unwrap_or_default();
+                    let data = input_bytes(Some(&input))?;
+                    let i = id.clone();
+                    call(&app, move |h| h.proc_input(&i, p, &data)).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+    .await;
+    let msgs = match result {
+        Ok(()) => vec![Ok(json!({}))],
+        Err(e) => vec![Err(e)],
+    };
+    connect::server_stream(futures_util::stream::iter(msgs))
+}
+
+fn perm_string(kind: Kind, mode: u32) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        Kind::Dir => 'd',
+        Kind::Symlink => 'L',
+        _ => '-',
+    });
+    for shift in [6u32, 3, 0] {
+        let b = (mode >> shift) & 7;
+        s.push(if b & 4 != 0 { 'r' } else { '-' });
+        s.push(if b & 2 != 0 { 'w' } else { '-' });
+        s.push(if b & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+fn entry_json(e: &Entry, users: &Users) -> Value {
+    let kind = match e.kind {
+        Kind::File => "FILE_TYPE_FILE",
+        Kind::Dir => "FILE_TYPE_DIRECTORY",
+        Kind::Symlink => "FILE_TYPE_SYMLINK",
+        Kind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    let name = if e.path == "/" { "/" } else { e.path.trim_end_matches('/').rsplit('/').next().unwrap_or("") };
+    let mut v = json!({
+        "name": name, "type": kind, "path": e.path, "size": e.size.to_string(), "mode": e.mode,
+        "permissions": perm_string(e.kind, e.mode), "owner": users.owner(e.uid), "group": users.group(e.gid),
+        "modifiedTime": rfc3339_ns(e.mtime_ns),
+    });
+    if let Some(t) = &e.link_target {
+        v["symlinkTarget"] = json!(t);
+    }
+    v
+}
+
+async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<String>, req: Request) -> Response {
+    let h = req.headers().clone();
+    let streaming = connect::is_streaming(h.get(header::CONTENT_TYPE));
+    let id = match sandbox_of(&app, &h).await {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
+    let body = match axum::body::to_bytes(req.into_body(), connect::MAX_MESSAGE).await {
+        Ok(b) => b,
+        Err(e) => {
+            return connect::unary(Err(RpcError::new(Code::InvalidArgument, format!("reading the request: {e}"))))
+        }
+    };
+    let r: FsReq = match connect::decode_request(streaming, &body) {
+        Ok(r) => r,
+        Err(e) => return if streaming { connect::stream_error(e) } else { connect::unary(Err(e)) },
+    };
+    let user = match user_of(&app, &id, &h, None).await {
+        Ok(u) => u,
+        Err(m) => {
+            let e = rpc_user_err(m);
+            return if streaming { connect::stream_error(e) } else { connect::unary(Err(e)) };
+        }
+    };
+    let users = users_of(&app, &id).await;
+    let i = id.clone();
+    match method.as_str() {
+        "Stat" => {
+            let p = resolve(&user, &r.path);
+            connect::unary(call(&app, move |h| h.stat(&i, &p)).await.map(|e| json!({"entry": entry_json(&e, &users)})))
+        }
+        "ListDir" => {
+            let p = resolve(&user, &r.path);
+            let depth = r.depth.unwrap_or(1).max(1);
+            let res = async {
+                let pp = p.clone();
+                let st = call(&app, {
+                    let i = i.clone();
+                    move |h| h.stat(&i, &pp)
+                })
+                .await?;
+                if st.kind != Kind::Dir {
+                    return Err(RpcError::new(Code::InvalidArgument, format!("path {p} is not a directory")));
+                }
+                call(&app, move |h| h.list_dir(&i, &p, depth)).await
+            };
+            connect::unary(
+                res.await.map(|es| json!({"entries": es.iter().map(|e| entry_json(e, &users)).collect::<Vec<_>>()})),
+            )
+        }
+        "MakeDir" => {
+            let p = resolve(&user, &r.path);
+            let res = async {
+                let pp = p.clone();
+                let created = call(&app, {
+                    let i = i.clone();
+                    move |h| h.mkdir(&i, &pp)
+                })
+                .await?;
+                if !created {
+                    return Err(RpcError::new(Code::AlreadyExists, format!("directory {p} already exists")));
+                }
+                call(&app, move |h| h.stat(&i, &p)).await
+            };
+            connect::unary(res.await.map(|e| json!({"entry": entry_json(&e, &users)})))
+        }
+        "Move" => {
+            let (from, to) = (resolve(&user, &r.source), resolve(&user, &r.destination));
+            let res = async {
+                let (f, t) = (from.clone(), to.clone());
+                call(&app, {
+                    let i = i.clone();
+                    move |h| h.rename(&i, &f, &t)
+                })
+                .await?;
+                call(&app, move |h| h.stat(&i, &to)).await
+            };
+            connect::unary(res.await.map(|e| json!({"entry": entry_json(&e, &users)})))
+        }
+        "Remove" => {
+            let p = resolve(&user, &r.path);
+            connect::unary(call(&app, move |h| h.remove(&i, &p)).await.map(|_| json!({})))
+        }
+        "WatchDir" => {
+            let p = resolve(&user, &r.path);
+            match Watcher::start(&app, &id, &p, r.recursive).await {
+                Ok(w) => watch_stream(app.clone(), w, users),
+                Err(e) => connect::stream_error(e),
+            }
+        }
+        "CreateWatcher" => {
+            let p = resolve(&user, &r.path);
+            connect::unary(match Watcher::start(&app, &id, &p, r.recursive).await {
+                Ok(w) => {
+                    let wid = random_hex(8);
+                    lock(&app.watchers).insert(wid.clone(), w);
+                    Ok(json!({"watcherId": wid}))
+                }
+                Err(e) => Err(e),
+            })
+        }
+        "GetWatcherEvents" => {
+            let w = lock(&app.watchers).remove(&r.watcher_id);
+            let Some(mut w) = w else {
+                return connect::unary(Err(RpcError::new(
+                    Code::NotFound,
+                    format!("watcher {} not found", r.watcher_id),
+                )));
+            };
+            let evs = w.poll(&app).await;
+            lock(&app.watchers).insert(r.watcher_id.clone(), w);
+            connect::unary(evs.map(|evs| json!({"events": evs.iter().map(|e| e.json(&users)).collect::<Vec<_>>()})))
+        }
+        "RemoveWatcher" => {
+            lock(&app.watchers).remove(&r.watcher_id);
+            connect::unary(Ok(json!({})))
+        }
+        other => {
+            let e = RpcError::new(Code::Unimplemented, format!("filesystem.Filesystem/{other} is not implemented"));
+            if streaming {
+                connect::stream_error(e)
+            } else {
+                connect::unary(Err(e))
+            }
+        }
+    }
+}
+
+/// A polling directory watch: the previous listing, diffed against each new one.
+pub struct Watcher {
+    sandbox: String,
+    path: String,
+    depth: u32,
+    seen: HashMap<String, Entry>,
+}
+
+struct FsEvent {
+    name: String,
+    kind: &'static str,
+}
+
+impl FsEvent {
+    fn json(&self, _u: &Users) -> Value {
+        json!({"name": self.name, "type": self.kind})
+    }
+}
+
+impl Watcher {
+    async fn listing<H: Host>(
+        app: &Arc<App<H>>,
+        sandbox: &str,
+        path: &str,
+        depth: u32,
+    ) -> Result<HashMap<String, Entry>, RpcError> {
+        let (i, p) = (sandbox.to_string(), path.to_string());
+        let es = call(app, move |h| h.list_dir(&i, &p, depth)).await?;
+        Ok(es.into_iter().map(|e| (e.path.clone(), e)).collect())
+    }
+
+    async fn start<H: Host>(
+        app: &Arc<App<H>>,
+        sandbox: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<Watcher, RpcError> {
+        let (i, p) = (sandbox.to_string(), path.to_string());
+        let st = call(app, move |h| h.stat(&i, &p)).await?;
+        if st.kind != Kind::Dir {
+            return Err(RpcError::new(Code::InvalidArgument, format!("path {path} is not a directory")));
+        }
+        let depth = if recursive { 32 } else { 1 };
+        let seen = Self::listing(app, sandbox, path, depth).await?;
+        Ok(Watcher { sandbox: sandbox.into(), path: path.trim_end_matches('/').to_string(), depth, seen })
+    }
+
+    async fn poll<H: Host>(&mut self, app: &Arc<App<H>>) -> Result<Vec<FsEvent>, RpcError> {
+        let now = Self::listing(app, &self.sandbox, &self.path, self.depth).await?;
+        let rel = |p: &str| p.strip_prefix(&format!("{}/", self.path)).unwrap_or(p).to_string();
+        let mut out = Vec::new();
+        for (p, e) in &now {
+            match self.seen.get(p) {
+                None => out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CREATE" }),
+                Some(old) => {
+                    if old.kind != Kind::Dir && (old.size != e.size || old.mtime_ns != e.mtime_ns) {
+                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_WRITE" });
+                    }
+                    if old.mode != e.mode {
+                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CHMOD" });
+                    }
+                }
+            }
+        }
+        for p in self.seen.keys() {
+            if !now.contains_key(p) {
+                out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_REMOVE" });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        self.seen = now;
+        Ok(out)
+    }
+}
+
+fn watch_stream<H: Host>(app: Arc<App<H>>, w: Watcher, users: Arc<Users>) -> Response {
+    let start = json!({"start": {}});
+    let s = futures_util::stream::unfold(
+        (Some(start), w, std::collections::VecDeque::<Value>::new(), false),
+        move |(first, mut w, mut queue, done)| {
+            let app = app.clone();
+            let users = users.clone();
+            async move {
+                if let Some(f) = first {
+                    return Some((Ok(f), (None, w, queue, false)));
+                }
+                if done {
+                    return None;
+                }
+                loop {
+                    if let Some(v) = queue.pop_front() {
+                        return Some((Ok(v), (None, w, queue, false)));
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    match w.poll(&app).await {
+                        Ok(evs) => queue.extend(evs.iter().map(|e| json!({"filesystem": e.json(&users)}))),
+                        Err(e) => return Some((Err(e), (None, w, queue, true))),
+                    }
+                }
+            }
+        },
+    );
+    connect::server_stream(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_users_permissions() {
+        let u = Users::parse("root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/sh\n", "root:x:0:\n");
+        let user = u.by_name("user").unwrap().clone();
+        assert_eq!(resolve(&user, "a.txt"), "/home/user/a.txt");
+        assert_eq!(resolve(&user, "~/b"), "/home/user/b");
+        assert_eq!(resolve(&user, "/etc/x"), "/etc/x");
+        assert_eq!(u.owner(0), "root");
+        assert_eq!(u.group(1000), "1000");
+        assert_eq!(perm_string(Kind::Dir, 0o755), "drwxr-xr-x");
+        assert_eq!(perm_string(Kind::File, 0o640), "-rw-r-----");
+        assert_eq!(signal_of(Some(&json!("SIGNAL_SIGKILL"))).unwrap(), 9);
+        assert_eq!(signal_of(Some(&json!(15))).unwrap(), 15);
+        assert!(signal_of(None).is_err());
+    }
+}

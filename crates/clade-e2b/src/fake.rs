@@ -1,0 +1,340 @@
+//! An in-memory [`Host`] for the protocol layer's unit tests only (the real proof runs the SDKs against clade):
+//! files in a map, `echo` as the only program, sandboxes as ids.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::sync::Mutex;
+
+use crate::host::*;
+
+#[derive(Default)]
+pub struct Fake {
+    pub sandboxes: Mutex<HashMap<String, Status>>,
+    pub files: Mutex<BTreeMap<(String, String), Vec<u8>>>,
+    next: Mutex<u32>,
+}
+
+impl Fake {
+    fn live(&self, id: &str) -> HostResult<()> {
+        match self.sandboxes.lock().unwrap().get(id) {
+            Some(Status::Running) => Ok(()),
+            _ => Err(HostError::NotFound(format!("no sandbox {id}"))),
+        }
+    }
+    fn started(&self) -> Started {
+        let mut n = self.next.lock().unwrap();
+        *n += 1;
+        let id = format!("sb-{n}");
+        self.sandboxes.lock().unwrap().insert(id.clone(), Status::Running);
+        let mut f = self.files.lock().unwrap();
+        f.insert((id.clone(), "/etc/passwd".into()), b"root:x:0:0:root:/root:/bin/sh\n".to_vec());
+        f.insert((id.clone(), "/etc/group".into()), b"root:x:0:\n".to_vec());
+        Started { id, template_id: "base".into(), cpu_count: 1, memory_mb: 256, disk_mb: 1024 }
+    }
+}
+
+fn entry(path: &str, kind: Kind, size: u64) -> Entry {
+    Entry { path: path.into(), kind, size, mode: 0o644, uid: 0, gid: 0, mtime_ns: 0, link_target: None }
+}
+
+impl Host for Fake {
+    fn check_key(&self, key: &str) -> bool {
+        key == "e2b_good"
+    }
+    fn create(&self, template: &str, _envs: &BTreeMap<String, String>) -> HostResult<Started> {
+        if template != "base" {
+            return Err(HostError::NotFound(format!("template '{template}' not found")));
+        }
+        Ok(self.started())
+    }
+    fn status(&self, id: &str) -> Status {
+        self.sandboxes.lock().unwrap().get(id).copied().unwrap_or(Status::Gone)
+    }
+    fn kill(&self, id: &str) -> HostResult<()> {
+        self.sandboxes.lock().unwrap().insert(id.into(), Status::Gone);
+        Ok(())
+    }
+    fn pause(&self, id: &str) -> HostResult<()> {
+        self.sandboxes.lock().unwrap().insert(id.into(), Status::Paused);
+        Ok(())
+    }
+    fn resume(&self, id: &str) -> HostResult<()> {
+        self.sandboxes.lock().unwrap().insert(id.into(), Status::Running);
+        Ok(())
+    }
+    fn fork(&self, id: &str, count: u32) -> HostResult<Vec<Started>> {
+        self.live(id)?;
+        Ok((0..count).map(|_| self.started()).collect())
+    }
+    fn snapshot(&self, id: &str, _name: Option<&str>) -> HostResult<Snapshot> {
+        self.live(id)?;
+        Ok(Snapshot { id: format!("mk-{id}") })
+    }
+    fn proc_start(&self, id: &str, spec: ProcSpec) -> HostResult<(u32, ProcStream)> {
+        self.live(id)?;
+        if spec.argv.first().map(String::as_str) != Some("echo") {
+            return Err(HostError::NotFound(format!("{:?}: no such program in the fake", spec.argv)));
+        }
+        let out = format!("{}\n", spec.argv[1..].join(" ")).into_bytes();
+        let evs = vec![ProcEvent::Stdout(out), ProcEvent::Exit { code: Some(0), signal: None }];
+        Ok((42, Box::new(evs.into_iter())))
+    }
+    fn proc_connect(&self, id: &str, pid: u32) -> HostResult<ProcStream> {
+        self.live(id)?;
+        Err(HostError::NotFound(format!("process {pid} not found")))
+    }
+    fn proc_list(&self, id: &str) -> HostResult<Vec<ProcInfo>> {
+        self.live(id)?;
+        Ok(Vec::new())
+    }
+    fn proc_input(&self, id: &str, _pid: u32, _data: &[u8]) -> HostResult<()> {
+        self.live(id)
+    }
+    fn proc_close_stdin(&self, id: &str, _pid: u32) -> HostResult<()> {
+        self.live(id)
+    }
+    fn proc_signal(&self, id: &str, _pid: u32, _signal: i32) -> HostResult<()> {
+        self.live(id)
+    }
+    fn proc_resize(&self, id: &str, _pid: u32, _rows: u16, _cols: u16) -> HostResult<()> {
+        self.live(id)
+    }
+    fn stat(&self, id: &str, path: &str) -> HostResult<Entry> {
+        self.live(id)?;
+        let f = self.files.lock().unwrap();
+        if let Some(d) = f.get(&(id.to_string(), path.to_string())) {
+            return Ok(entry(path, Kind::File, d.len() as u64));
+        }
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        if path == "/" || f.keys().any(|(s, p)| s == id && p.starts_with(&prefix)) {
+            return Ok(entry(path, Kind::Dir, 0));
+        }
+        Err(HostError::NotFound(format!("{path}: no such file or directory")))
+    }
+    fn list_dir(&self, id: &str, path: &str, _depth: u32) -> HostResult<Vec<Entry>> {
+        self.live(id)?;
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        let f = self.files.lock().unwrap();
+        Ok(f.iter()
+            .filter(|((s, p), _)| s == id && p.starts_with(&prefix) && !p[prefix.len()..].contains('/'))
+            .map(|((_, p), d)| entry(p, Kind::File, d.len() as u64))
+            .collect())
+    }
+    fn mkdir(&self, id: &str, _path: &str) -> HostResult<bool> {
+        self.live(id)?;
+        Ok(true)
+    }
+    fn rename(&self, id: &str, from: &str, to: &str) -> HostResult<()> {
+        self.live(id)?;
+        let mut f = self.files.lock().unwrap();
+        let d = f.remove(&(id.into(), from.into())).ok_or_else(|| HostError::NotFound(from.into()))?;
+        f.insert((id.into(), to.into()), d);
+        Ok(())
+    }
+    fn remove(&self, id: &str, path: &str) -> HostResult<()> {
+        self.live(id)?;
+        self.files.lock().unwrap().remove(&(id.into(), path.into()));
+        Ok(())
+    }
+    fn read_file(&self, id: &str, path: &str) -> HostResult<(u64, Box<dyn Read + Send>)> {
+        self.live(id)?;
+        let d = self
+            .files
+            .lock()
+            .unwrap()
+            .get(&(id.into(), path.into()))
+            .cloned()
+            .ok_or_else(|| HostError::NotFound(format!("{path}: no such file")))?;
+        Ok((d.len() as u64, Box::new(std::io::Cursor::new(d))))
+    }
+    fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64> {
+        self.live(id)?;
+        let mut d = Vec::new();
+        src.read_to_end(&mut d).map_err(|e| HostError::Internal(e.to_string()))?;
+        let n = d.len() as u64;
+        self.files.lock().unwrap().insert((id.into(), path.into()), d);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use serde_json::{json, Value};
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::{api, connect, envd, App, Config};
+
+    async fn send(r: axum::Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+        let resp = r.oneshot(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        (parts.status, parts.headers, body.collect().await.unwrap().to_bytes().to_vec())
+    }
+
+    fn post(uri: &str, key: &str, body: Value) -> Request<Body> {
+        Request::post(uri)
+            .header("x-api-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn control_plane_and_envd_over_the_fake() {
+        let app = App::new(Arc::new(Fake::default()), Config::default());
+        let a = api::router(app.clone());
+        let e = envd::router(app.clone());
+
+        let (st, _, b) = send(a.clone(), post("/v2/sandboxes", "e2b_bad", json!({"templateID": "base"}))).await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["code"], 401);
+
+        let (st, _, b) = send(a.clone(), post("/v2/sandboxes", "e2b_good", json!({"templateID": "nope"}))).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["code"], 404);
+        assert!(v["message"].as_str().unwrap().contains("nope"));
+
+        let meta = json!({"templateID": "base", "metadata": {"team": "a b"}, "timeout": 60});
+        let (st, _, b) = send(a.clone(), post("/v2/sandboxes", "e2b_good", meta)).await;
+        assert_eq!(st, StatusCode::CREATED);
+        let sb: Value = serde_json::from_slice(&b).unwrap();
+        let id = sb["sandboxID"].as_str().unwrap().to_string();
+        let token = sb["envdAccessToken"].as_str().unwrap().to_string();
+        send(a.clone(), post("/v2/sandboxes", "e2b_good", json!({"templateID": "base"}))).await;
+
+        // List with a metadata filter the way the SDK encodes it (a query string inside the parameter).
+        let req = Request::get("/v2/sandboxes?metadata=team%3Da%2520b&limit=1")
+            .header("x-api-key", "e2b_good")
+            .body(Body::empty())
+            .unwrap();
+        let (st, h, b) = send(a.clone(), req).await;
+        assert_eq!(st, StatusCode::OK);
+        let l: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(l.as_array().unwrap().len(), 1, "{l}");
+        assert_eq!(l[0]["sandboxID"], id.as_str());
+        assert!(h.get("x-next-token").is_none());
+        let req = Request::get("/v2/sandboxes?limit=1").header("x-api-key", "e2b_good").body(Body::empty()).unwrap();
+        let (_, h, _) = send(a.clone(), req).await;
+        assert!(h.get("x-next-token").is_some(), "two sandboxes, pages of one");
+
+        // envd: a streamed Start.
+        let start = json!({"process": {"cmd": "echo", "args": ["hi"]}});
+        let req = Request::post("/process.Process/Start")
+            .header("content-type", "application/connect+json")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::from(connect::envelope(0, start.to_string().as_bytes())))
+            .unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!(st, StatusCode::OK);
+        let mut buf = bytes::BytesMut::from(&b[..]);
+        let msgs = connect::take_envelopes(&mut buf).unwrap();
+        let vals: Vec<Value> = msgs.iter().map(|(_, m)| serde_json::from_slice(m).unwrap()).collect();
+        assert_eq!(vals[0]["event"]["start"]["pid"], 42);
+        assert_eq!(vals[1]["event"]["data"]["stdout"], "aGkK");
+        assert_eq!(vals[2]["event"]["end"]["exitCode"], 0);
+        assert_eq!(msgs.last().unwrap().0, connect::FLAG_END);
+
+        // A wrong token, a missing sandbox.
+        let req = Request::get("/files?path=/etc/passwd")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", "x")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(send(e.clone(), req).await.0, StatusCode::UNAUTHORIZED);
+        let req = Request::get("/files?path=/x").header("e2b-sandbox-id", "sb-none").body(Body::empty()).unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        assert!(String::from_utf8_lossy(&b).contains("was not found"));
+
+        // Files: octet-stream up, down; a relative path lands in the user's home.
+        let req = Request::post("/files?path=notes.txt")
+            .header("content-type", "application/octet-stream")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::from("hello"))
+            .unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()[0]["path"], "/root/notes.txt");
+        let req = Request::get("/files?path=/root/notes.txt")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::empty())
+            .unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!((st, b.as_slice()), (StatusCode::OK, &b"hello"[..]));
+
+        // Unary ListDir and a NotFound Stat.
+        let req = Request::post("/filesystem.Filesystem/ListDir")
+            .header("content-type", "application/json")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::from(r#"{"path":"/root","depth":1}"#))
+            .unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!(st, StatusCode::OK);
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["entries"][0]["name"], "notes.txt");
+        assert_eq!(v["entries"][0]["type"], "FILE_TYPE_FILE");
+        let req = Request::post("/filesystem.Filesystem/Stat")
+            .header("content-type", "application/json")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::from(r#"{"path":"/nope"}"#))
+            .unwrap();
+        let (st, _, b) = send(e.clone(), req).await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["code"], "not_found");
+
+        // Pause twice: 204 then 409; envd of a paused sandbox is refused.
+        let (st, _, _) = send(a.clone(), post(&format!("/sandboxes/{id}/pause"), "e2b_good", json!({}))).await;
+        assert_eq!(st, StatusCode::NO_CONTENT);
+        let (st, _, _) = send(a.clone(), post(&format!("/sandboxes/{id}/pause"), "e2b_good", json!({}))).await;
+        assert_eq!(st, StatusCode::CONFLICT);
+        let (st, _, b) =
+            send(a.clone(), post(&format!("/v2/sandboxes/{id}/connect"), "e2b_good", json!({"timeout": 30}))).await;
+        assert_eq!(st, StatusCode::CREATED, "{}", String::from_utf8_lossy(&b));
+
+        // Fork and snapshot.
+        let (st, _, b) = send(a.clone(), post(&format!("/sandboxes/{id}/fork"), "e2b_good", json!({"count": 2}))).await;
+        assert_eq!(st, StatusCode::CREATED);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap().as_array().unwrap().len(), 2);
+        let (st, _, b) =
+            send(a.clone(), post(&format!("/sandboxes/{id}/snapshots"), "e2b_good", json!({"name": "s1"}))).await;
+        assert_eq!(st, StatusCode::CREATED);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["names"][0], "s1");
+
+        // Kill, then everything about it is 404.
+        let req =
+            Request::delete(format!("/sandboxes/{id}")).header("x-api-key", "e2b_good").body(Body::empty()).unwrap();
+        assert_eq!(send(a.clone(), req).await.0, StatusCode::NO_CONTENT);
+        let req = Request::get(format!("/sandboxes/{id}")).header("x-api-key", "e2b_good").body(Body::empty()).unwrap();
+        assert_eq!(send(a.clone(), req).await.0, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn timeouts_are_reaped() {
+        let host = Arc::new(Fake::default());
+        let app = App::new(host.clone(), Config::default());
+        let a = api::router(app.clone());
+        let (_, _, b) =
+            send(a.clone(), post("/sandboxes", "e2b_good", json!({"templateID": "base", "timeout": 0}))).await;
+        let id = serde_json::from_slice::<Value>(&b).unwrap()["sandboxID"].as_str().unwrap().to_string();
+        let (_, _, b) = send(
+            a.clone(),
+            post("/sandboxes", "e2b_good", json!({"templateID": "base", "timeout": 0, "autoPause": true})),
+        )
+        .await;
+        let id2 = serde_json::from_slice::<Value>(&b).unwrap()["sandboxID"].as_str().unwrap().to_string();
+        api::reap(&app).await;
+        assert_eq!(host.status(&id), Status::Gone);
+        assert_eq!(host.status(&id2), Status::Paused);
+    }
+}

@@ -1,0 +1,121 @@
+//! E2B's two faces over any sandbox host: the control plane (E2B's `openapi.yml`: create, list, get, kill,
+//! timeout, pause, resume/connect, fork, snapshots) and envd (the in-sandbox daemon's Connect-RPC
+//! `process.Process` and `filesystem.Filesystem` services, `/files` and `/health`). Both are axum routers over
+//! an [`App`], which is generic over [`Host`]: the official E2B SDKs, pointed here with `E2B_API_URL` and
+//! `E2B_SANDBOX_URL`, drive whatever implements it.
+//!
+//! envd requests name their sandbox with the `E2b-Sandbox-Id` header (or a `49983-<id>.<domain>` host) and
+//! carry the `X-Access-Token` the create call returned.
+
+pub mod api;
+pub mod connect;
+pub mod envd;
+pub mod host;
+pub mod state;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use host::{
+    Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
+};
+
+/// Settings of the E2B layer.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The envd version reported to SDKs: it selects their code paths (0.5.7: default user, stdin, octet-stream
+    /// uploads, no file metadata).
+    pub envd_version: String,
+    /// The user processes and files run as when a request names none.
+    pub default_user: String,
+    /// Seconds a sandbox lives when create names no timeout.
+    pub default_timeout_s: u64,
+    /// Where E2B's own records are kept across restarts (None: memory only).
+    pub state_file: Option<PathBuf>,
+    /// `clientID` in answers.
+    pub client_id: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            envd_version: "0.5.7".into(),
+            default_user: "root".into(),
+            default_timeout_s: 300,
+            state_file: None,
+            client_id: "clade".into(),
+        }
+    }
+}
+
+/// The shared state of both routers.
+pub struct App<H: Host> {
+    pub host: Arc<H>,
+    pub state: state::State,
+    pub cfg: Config,
+    users: Mutex<HashMap<String, Arc<envd::Users>>>,
+    watchers: Mutex<HashMap<String, envd::Watcher>>,
+}
+
+impl<H: Host> App<H> {
+    pub fn new(host: Arc<H>, cfg: Config) -> Arc<App<H>> {
+        let state = state::State::open(cfg.state_file.clone());
+        Arc::new(App { host, state, cfg, users: Mutex::new(HashMap::new()), watchers: Mutex::new(HashMap::new()) })
+    }
+
+    /// Run `f` on the host from tokio's blocking pool.
+    pub async fn blocking<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&H) -> T + Send + 'static,
+    ) -> Result<T, HostError> {
+        let host = self.host.clone();
+        tokio::task::spawn_blocking(move || f(&host))
+            .await
+            .map_err(|e| HostError::Internal(format!("a host call failed: {e}")))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Ends sandboxes whose timeout passed (pausing those created with auto-pause), every `every`.
+pub fn spawn_reaper<H: Host>(app: Arc<App<H>>, every: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            api::reap(&app).await;
+        }
+    })
+}
+
+/// Bind both listeners, then serve them (and the reaper) as tokio tasks. Returns once both are bound.
+pub async fn spawn<H: Host>(
+    app: Arc<App<H>>,
+    api_addr: std::net::SocketAddr,
+    envd_addr: std::net::SocketAddr,
+) -> std::io::Result<(std::net::SocketAddr, std::net::SocketAddr)> {
+    let api_l = tokio::net::TcpListener::bind(api_addr).await?;
+    let envd_l = tokio::net::TcpListener::bind(envd_addr).await?;
+    let (a, e) = (api_l.local_addr()?, envd_l.local_addr()?);
+    let api_r = api::router(app.clone());
+    let envd_r = envd::router(app.clone());
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(api_l, api_r).await {
+            eprintln!("e2b api server on {a} ended: {err}");
+        }
+    });
+    tokio::spawn(async move {
+        if let Err(err) = axum::serve(envd_l, envd_r).await {
+            eprintln!("e2b envd server on {e} ended: {err}");
+        }
+    });
+    spawn_reaper(app, Duration::from_secs(1));
+    Ok((a, e))
+}
+
+#[cfg(test)]
+mod fake;
