@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod pool;
+pub mod procs;
 pub mod protocol;
 pub mod server;
 
