@@ -198,7 +198,7 @@ fn simulate(a: SimArgs) -> anyhow::Result<i32> {
     let get = |k: &str| src.get(k).cloned().unwrap_or_default();
     println!("  resume  {:<28} from {}", stats(&costs.resume_ms), get("resume_ms"));
     println!("  suspend {:<28} from {}", stats(&costs.suspend_ms), get("suspend_ms"));
-    let mib = |b: Option<f64>| b.map(|b| format!("{:.1} MiB", b / 1048576.0)).unwrap_or_else(|| "-".into());
+    let mib = |b: Option<f64>| b.map(|b| format!("{:.2} MiB", b / 1048576.0)).unwrap_or_else(|| "-".into());
     println!("  suspend writes {:<21} from {}", mib(costs.suspend_bytes), get("suspend_bytes"));
     println!("  resume fetches {:<21} {}", mib(costs.resume_bytes_or_suspend()), get("resume_bytes"));
     println!();
@@ -351,10 +351,10 @@ fn clade_json(args: &[&str]) -> anyhow::Result<(serde_json::Value, f64)> {
         ));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let v = text
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    // One object, pretty-printed or on one line (the last JSON line if other lines come first).
+    let v = serde_json::from_str::<serde_json::Value>(text.trim())
+        .ok()
+        .or_else(|| text.lines().rev().find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()))
         .ok_or_else(|| anyhow!("clade {} printed no JSON: {text}", args.join(" ")))?;
     Ok((v, took))
 }
@@ -371,9 +371,9 @@ fn measure(home: &CladeHome, a: &SimArgs) -> anyhow::Result<Measured> {
     let (base, _) = clade_json(&["base", "build", &a.template, "--backend", "ct", "--json"])?;
     let mark = base["mark"].as_str().ok_or_else(|| anyhow!("base build gave no mark: {base}"))?.to_string();
     let (run, _) = clade_json(&["run", &mark, "--backend", "ct", "--json"])?;
-    let sbx = run["sandbox"]
+    let sbx = run["sandboxes"][0]["sandbox"]
         .as_str()
-        .or_else(|| run["id"].as_str())
+        .or_else(|| run["sandbox"].as_str())
         .ok_or_else(|| anyhow!("run gave no sandbox id: {run}"))?
         .to_string();
     let result = (|| -> anyhow::Result<Measured> {
