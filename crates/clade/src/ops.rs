@@ -81,6 +81,27 @@ pub struct ExecOutput {
     pub stderr: Vec<u8>,
 }
 
+/// One thing a streamed command produced.
+#[derive(Debug, Clone)]
+pub enum ExecEvent {
+    Pid(u32),
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exit { code: i32, signal: Option<i32> },
+}
+
+impl ExecEvent {
+    /// One NDJSON line of the HTTP API's streamed exec.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            ExecEvent::Pid(p) => serde_json::json!({"pid": p}),
+            ExecEvent::Stdout(d) => serde_json::json!({"stdout": String::from_utf8_lossy(d)}),
+            ExecEvent::Stderr(d) => serde_json::json!({"stderr": String::from_utf8_lossy(d)}),
+            ExecEvent::Exit { code, signal } => serde_json::json!({"exit": {"code": code, "signal": signal}}),
+        }
+    }
+}
+
 /// Output bytes shown as text (invalid UTF-8 replaced) in JSON; scripts wanting bytes use the files routes.
 mod lossy {
     pub fn serialize<S: serde::Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
@@ -167,6 +188,66 @@ impl Ops {
         let signal = body["signal"].as_i64().map(|s| s as i32);
         let code = body["code"].as_i64().map(|c| c as i32).unwrap_or_else(|| 128 + signal.unwrap_or(0));
         Ok(ExecOutput { code, signal, stdout, stderr })
+    }
+
+    /// Start a command and stream its events as they come: `Pid`, output chunks, then `Exit`. Dropping the
+    /// iterator detaches; the process keeps running.
+    pub fn exec_stream(
+        &self,
+        sandbox: &str,
+        req: ExecRequest,
+    ) -> anyhow::Result<impl Iterator<Item = anyhow::Result<ExecEvent>> + Send + 'static> {
+        use crate::supervisor::protocol::{ProcSpec, StreamEvent};
+        check_id(sandbox)?;
+        if req.argv.is_empty() {
+            return Err(invalid("argv: exec needs a command"));
+        }
+        let spec = ProcSpec {
+            argv: req.argv,
+            env: req.env,
+            cwd: req.cwd,
+            stdin: req.stdin.is_some(),
+            stream: true,
+            ..Default::default()
+        };
+        let (pid, events) = client::open_stream(self.home(), sandbox, &Request::ProcStart(spec))?;
+        if let Some(data) = req.stdin {
+            let b64 = base64::engine::general_purpose::STANDARD;
+            client::call(self.home(), sandbox, &Request::ProcInput { pid, data_b64: b64.encode(data.as_bytes()) })?;
+            client::call(self.home(), sandbox, &Request::ProcCloseStdin { pid })?;
+        }
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let rest = events.map(move |ev| {
+            Ok(match ev? {
+                StreamEvent::Start { pid } => ExecEvent::Pid(pid),
+                StreamEvent::Stdout { data_b64 } => ExecEvent::Stdout(b64.decode(data_b64).unwrap_or_default()),
+                StreamEvent::Stderr { data_b64 } => ExecEvent::Stderr(b64.decode(data_b64).unwrap_or_default()),
+                StreamEvent::Exit { code, signal } => {
+                    ExecEvent::Exit { code: code.unwrap_or_else(|| 128 + signal.unwrap_or(0)), signal }
+                }
+                StreamEvent::Error { code, message } => return Err(anyhow!(ExitCoded::new(code, message))),
+            })
+        });
+        Ok(std::iter::once(Ok(ExecEvent::Pid(pid))).chain(rest))
+    }
+
+    /// A file of the sandbox as a stream: its size, and a reader of its bytes.
+    pub fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, impl std::io::Read + Send + 'static)> {
+        check_id(sandbox)?;
+        client::read_stream(self.home(), sandbox, path)
+    }
+
+    /// Write a file of the sandbox from a stream (created or replaced whole: a failed upload leaves the old
+    /// file); the bytes written.
+    pub fn write_file_from(
+        &self,
+        sandbox: &str,
+        path: &str,
+        mode: Option<u32>,
+        src: &mut dyn std::io::Read,
+    ) -> anyhow::Result<u64> {
+        check_id(sandbox)?;
+        client::write_stream(self.home(), sandbox, path, mode, src)
     }
 
     pub fn read_file(&self, sandbox: &str, path: &str) -> anyhow::Result<Vec<u8>> {

@@ -169,12 +169,50 @@ fn wake(a: &App, id: &str) -> anyhow::Result<()> {
 }
 
 async fn exec(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Body<ExecRequest>) -> Reply {
+    if req.stream {
+        return exec_stream(app, id, req).await;
+    }
     let out = blocking(&app, "exec", move |a| {
         wake(a, &id)?;
         a.ops.exec(&id, req)
     })
     .await?;
     Ok(json(out))
+}
+
+/// NDJSON lines as the command runs: `{"pid"}`, `{"stdout"}`/`{"stderr"}` chunks, `{"exit"}` (or `{"error"}`).
+/// A client that hangs up detaches; the command keeps running.
+async fn exec_stream(app: Arc<App>, id: String, req: ExecRequest) -> Reply {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+    let events = blocking(&app, "exec_start", move |a| {
+        wake(a, &id)?;
+        a.ops.exec_stream(&id, req)
+    })
+    .await?;
+    tokio::task::spawn_blocking(move || {
+        for ev in events {
+            let line = match ev {
+                Ok(ev) => ev.to_json(),
+                Err(e) => {
+                    let err: ApiError = e.into();
+                    serde_json::json!({"error": {"code": err.code, "message": err.message}})
+                }
+            };
+            let mut b = serde_json::to_vec(&line).unwrap_or_default();
+            b.push(b'\n');
+            if tx.blocking_send(Ok(Bytes::from(b))).is_err() {
+                return; // the client went away: detach
+            }
+        }
+    });
+    let body = axum::body::Body::from_stream(tokio_stream_of(rx));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+}
+
+fn tokio_stream_of<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[derive(Deserialize)]
@@ -194,18 +232,49 @@ fn check_path(p: &str) -> Result<(), ApiError> {
 
 async fn read_file(State(app): State<Arc<App>>, Path(id): Path<String>, Query(q): Query<FileQuery>) -> Reply {
     check_path(&q.path)?;
-    let data = blocking(&app, "read_file", move |a| {
+    let (size, mut reader) = blocking(&app, "read_file", move |a| {
         wake(a, &id)?;
-        a.ops.read_file(&id, &q.path)
+        a.ops.open_file(&id, &q.path)
     })
     .await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut left = size;
+        while left > 0 {
+            let mut buf = vec![0u8; (256 * 1024).min(left as usize)];
+            match reader.read(&mut buf) {
+                Ok(0) => {
+                    let _ = tx.blocking_send(Err(std::io::Error::other("the file ended early")));
+                    return;
+                }
+                Ok(n) => {
+                    buf.truncate(n);
+                    left -= n as u64;
+                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    });
+    let body = axum::body::Body::from_stream(tokio_stream_of(rx));
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream".to_string()), (header::CONTENT_LENGTH, size.to_string())],
+        body,
+    )
+        .into_response())
 }
 
 async fn write_file(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
+    headers: axum::http::HeaderMap,
     body: axum::body::Body,
 ) -> Reply {
     check_path(&q.path)?;
@@ -214,32 +283,83 @@ async fn write_file(
         Some(Ok(m)) if m <= 0o7777 => Some(m),
         Some(_) => return Err(ApiError::bad_request("mode: an octal permission such as 644")),
     };
-    let data = read_bounded(body, app.max_upload).await?;
-    let out = blocking(&app, "write_file", move |a| {
-        wake(a, &id)?;
-        a.ops.write_file(&id, &q.path, &data, mode)
-    })
-    .await?;
-    Ok(json(serde_json::json!({"bytes": out})))
+    use futures_util::StreamExt;
+    let limit = app.max_upload;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("upload larger than the limit of {} MiB (clade serve --max-upload-mib)", limit >> 20),
+        )
+    };
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    // The bytes go to the sandbox as they arrive: async body -> channel -> a blocking reader for the supervisor.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Bytes, String>>(8);
+    let writer = {
+        let app = app.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut src = ChannelReader { rx, cur: Bytes::new() };
+            wake(&app, &id)?;
+            app.ops.write_file_from(&id, &q.path, mode, &mut src)
+        })
+    };
+    let mut stream = body.into_data_stream();
+    let mut seen = 0u64;
+    let mut refused = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                refused = Some(ApiError::bad_request(format!("upload: {e}")));
+                break;
+            }
+        };
+        seen += chunk.len() as u64;
+        if seen > limit {
+            refused = Some(too_large());
+            break;
+        }
+        let tx2 = tx.clone();
+        if tokio::task::spawn_blocking(move || tx2.send(Ok(chunk))).await.ok().and_then(|r| r.ok()).is_none() {
+            break; // the writer stopped early: its answer says why
+        }
+    }
+    if let Some(e) = &refused {
+        let _ = tx.send(Err(e.message.clone()));
+    }
+    drop(tx);
+    let out = writer.await?;
+    if let Some(e) = refused {
+        return Err(e);
+    }
+    Ok(json(serde_json::json!({"bytes": out?})))
 }
 
-/// Collects an upload, refusing (413) once it passes `limit` bytes, without reading the rest.
-async fn read_bounded(body: axum::body::Body, limit: u64) -> Result<Bytes, ApiError> {
-    use futures_util::StreamExt;
-    let mut stream = body.into_data_stream();
-    let mut buf = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("upload: {e}")))?;
-        if buf.len() as u64 + chunk.len() as u64 > limit {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                format!("upload larger than the limit of {} MiB (clade serve --max-upload-mib)", limit >> 20),
-            ));
+/// A blocking `Read` over chunks sent from the async side; an `Err` chunk fails the read (the upload is
+/// abandoned and the sandbox's file is left as it was).
+struct ChannelReader {
+    rx: std::sync::mpsc::Receiver<Result<Bytes, String>>,
+    cur: Bytes,
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.recv() {
+                Ok(Ok(b)) => self.cur = b,
+                Ok(Err(why)) => return Err(std::io::Error::other(why)),
+                Err(_) => return Ok(0),
+            }
         }
-        buf.extend_from_slice(&chunk);
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        self.cur = self.cur.slice(n..);
+        Ok(n)
     }
-    Ok(Bytes::from(buf))
 }
 
 #[derive(Deserialize, Default)]
