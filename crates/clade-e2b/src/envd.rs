@@ -31,7 +31,7 @@ const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STA
 
 pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
     Router::new()
-        .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/health", get(health::<H>))
         .route("/envs", get(envs::<H>))
         .route("/init", post(init::<H>))
         .route("/files", get(download::<H>).post(upload::<H>))
@@ -197,6 +197,22 @@ fn resolve(user: &User, p: &str) -> String {
         p.to_string()
     } else {
         format!("{home}/{p}")
+    }
+}
+
+/// 204 while the named sandbox runs; otherwise 502 "was not found", as E2B's proxy answers (the SDKs read that
+/// as "not running").
+async fn health<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap) -> Response {
+    let Some(id) = header_str(&h, "e2b-sandbox-id").map(str::to_owned) else {
+        return StatusCode::NO_CONTENT.into_response();
+    };
+    let known = app.state.get(&id).is_some();
+    let i = id.clone();
+    let s = app.blocking(move |h| h.status(&i)).await.unwrap_or(Status::Gone);
+    if known && s == Status::Running {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        plain(StatusCode::BAD_GATEWAY, format!("The sandbox {id} was not found"))
     }
 }
 

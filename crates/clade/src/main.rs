@@ -41,6 +41,9 @@ enum Command {
     /// Warm pools: prepared restores of a mark waiting for a fork.
     #[command(subcommand)]
     Pool(cmd::pool::Command),
+    /// E2B compatibility: API keys for `clade serve --e2b-api`.
+    #[command(subcommand)]
+    E2b(cmd::e2b::Command),
     /// Start one sandbox from a mark, or from a template's base (`--backend vm|ct`).
     Run(cmd::sandbox::RunArgs),
     /// Start N sibling sandboxes from one mark (or a template's base).
@@ -87,6 +90,7 @@ fn main() {
         Command::Template(c) => cmd::template::run(c),
         Command::Base(c) => cmd::base::run(c),
         Command::Pool(c) => cmd::pool::run(c),
+        Command::E2b(c) => cmd::e2b::run(c),
         Command::Run(a) => cmd::sandbox::run(a),
         Command::Fork(a) => cmd::sandbox::fork(a),
         Command::Exec(a) => cmd::sandbox::exec(a),

@@ -3,6 +3,7 @@
 pub mod base;
 pub mod demo;
 pub mod doctor;
+pub mod e2b;
 pub mod fleet;
 pub mod nbd;
 pub mod pool;

@@ -49,21 +49,11 @@ fn read_response(r: &mut impl BufRead, sandbox: &str) -> anyhow::Result<serde_js
     }
 }
 
-/// The supervisor's error code carried by an error of this module (1 when it has none).
-pub fn error_code(e: &anyhow::Error) -> i32 {
-    e.downcast_ref::<ExitCoded>().map(|c| c.code).unwrap_or(1)
-}
-
 /// A process's events as the supervisor streams them (`proc_start` with `stream`, or `proc_connect`).
 /// Dropping it detaches; the process keeps running.
 pub struct EventStream {
     r: BufReader<UnixStream>,
     done: bool,
-}
-
-impl EventStream {
-    /// Ends the stream now (the process keeps running).
-    pub fn detach(self) {}
 }
 
 impl Iterator for EventStream {
