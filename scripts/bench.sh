@@ -14,7 +14,7 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct) what+=("$a") ;;
+    store|nbd|agent|vm|ct|e2b) what+=("$a") ;;
     *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct; --quick)" >&2; exit 2 ;;
   esac
 done
@@ -41,6 +41,9 @@ for w in "${what[@]}"; do
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
+    e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # needs the minimal base on both backends and the e2b SDK (./x setup)
+      run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
+      run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
   esac
 done
 grep -h '"pass"' "$out"/*.jsonl 2>/dev/null | python3 -c '

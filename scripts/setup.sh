@@ -159,5 +159,28 @@ if ! py_ok; then
   py_ok || die "moto_server missing after install"
 fi
 
+# ---- 4b. The official E2B SDKs for the E2B-compatibility tests (issue 11): Python e2b in the venv above; Node 20
+# (the machine's when it is >= 20.18, else the `node` package from the npm registry) and the JS e2b package
+# under $CLADE_HOME/node. Versions pinned to the ones the tests ran with (both within e2b >=2.7,<3).
+e2b_py="e2b==2.63.0"
+if ! "$py/bin/python" -c 'import e2b' 2>/dev/null; then
+  say "installing the E2B Python SDK ($e2b_py) into $py"
+  "$py/bin/pip" install -q "$e2b_py" || die "pip could not install $e2b_py: PyPI must be reachable"
+fi
+node_dir="$CLADE_HOME/node"
+node_ok() { local v; v=$("$1" --version 2>/dev/null | sed 's/^v//'); [ -n "$v" ] && printf '20.18.1\n%s\n' "$v" | sort -V -C; }
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null || die "apt-get could not install nodejs/npm"
+fi
+mkdir -p "$node_dir"
+if ! node_ok "$(command -v node)" && ! node_ok "$node_dir/node_modules/.bin/node"; then
+  say "installing Node 20 from the npm registry into $node_dir"
+  npm install --silent --no-audit --no-fund --prefix "$node_dir" node@20 || die "npm could not install node@20"
+fi
+if [ ! -f "$node_dir/node_modules/e2b/package.json" ]; then
+  say "installing the E2B JS SDK (e2b@2.51.0) into $node_dir"
+  npm install --silent --no-audit --no-fund --prefix "$node_dir" e2b@2.51.0 || die "npm could not install e2b@2.51.0"
+fi
+
 end=$(date +%s.%N)
 info "everything is installed under $CLADE_HOME ($(awk "BEGIN{printf \"%.1f\", $end-$start}") s)"

@@ -76,6 +76,9 @@ enum Command {
     /// The vm backend's benchmark figures (run by `./x bench vm`).
     #[command(hide = true, name = "bench-vm")]
     BenchVm(bench::vm::Args),
+    /// E2B SDK vs library: create to first command (run by `./x bench e2b`).
+    #[command(hide = true, name = "bench-e2b")]
+    BenchE2b(bench::e2b::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -107,6 +110,7 @@ fn main() {
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),
         Command::BenchVm(a) => bench::vm::run(a),
+        Command::BenchE2b(a) => bench::e2b::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

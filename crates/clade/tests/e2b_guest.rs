@@ -1,0 +1,214 @@
+//! The official E2B SDKs against `clade serve --e2b-api --e2b-sandbox`, with real supervisors and real sandboxes:
+//! the Python SDK's whole flow (tests/e2b/sdk_flow.py: create, commands, streaming, files, a cut stream and
+//! Connect, stdin, list with metadata, timeout, pause/resume, fork, snapshot and create from it, unknown template,
+//! wrong key, envd of a killed sandbox) on `ct`, the JS SDK's smoke test (tests/e2b/smoke.mjs) on `ct`, and the
+//! Python flow once on `vm`. The base is the `minimal` template, built in a temp home that borrows the real
+//! home's kernel, CRIU and debootstrap caches.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn real_home() -> PathBuf {
+    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn clade(home: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_clade")).args(args).env("CLADE_HOME", home).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(home: &Path, args: &[&str]) -> String {
+    let (code, out, err) = clade(home, args);
+    assert_eq!(code, 0, "clade {args:?} failed: {err}{out}");
+    out
+}
+
+struct Serve {
+    child: Child,
+    api: String,
+    envd: String,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(home: &Path) -> Serve {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clade"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--e2b-api", "127.0.0.1:0", "--e2b-sandbox", "127.0.0.1:0"])
+        .env("CLADE_HOME", home)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let (mut api, mut envd) = (None, None);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        eprint!("serve: {line}");
+        if let Some(rest) = line.trim().strip_prefix("clade serve: E2B API on ") {
+            // "http://A, envd on http://B (keys: ...)"
+            let mut parts = rest.split(", envd on ");
+            api = parts.next().map(str::to_owned);
+            envd = parts.next().and_then(|s| s.split_whitespace().next()).map(str::to_owned);
+        }
+        if line.contains("ready") {
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        let mut l = String::new();
+        while err.read_line(&mut l).map(|n| n > 0).unwrap_or(false) {
+            eprint!("serve: {l}");
+            l.clear();
+        }
+    });
+    Serve { child, api: api.expect("clade serve printed the E2B API address"), envd: envd.expect("envd address") }
+}
+
+/// A temp home borrowing the real one's kernel, CRIU, accelerator probe and pristine debootstraps.
+fn test_home() -> tempfile::TempDir {
+    let real = real_home();
+    let t = tempfile::Builder::new().prefix("clade-e2b").tempdir_in("/var/tmp").unwrap();
+    for d in ["kernel", "criu"] {
+        if real.join(d).exists() {
+            std::os::unix::fs::symlink(real.join(d), t.path().join(d)).unwrap();
+        }
+    }
+    std::fs::create_dir_all(t.path().join("cache")).unwrap();
+    let _ = std::fs::copy(real.join("cache/accel.json"), t.path().join("cache/accel.json"));
+    let tdir = t.path().join("templates");
+    std::fs::create_dir_all(&tdir).unwrap();
+    if let Ok(rd) = std::fs::read_dir(real.join("templates")) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().to_string();
+            if n.starts_with("debootstrap-") || n.starts_with("packages-") {
+                let _ = std::os::unix::fs::symlink(e.path(), tdir.join(&n));
+            }
+        }
+    }
+    t
+}
+
+fn python() -> Option<PathBuf> {
+    let py = real_home().join("py/bin/python");
+    let ok = Command::new(&py).args(["-c", "import e2b"]).status().map(|s| s.success()).unwrap_or(false);
+    ok.then_some(py)
+}
+
+fn node_modules() -> Option<PathBuf> {
+    let m = real_home().join("node/node_modules");
+    m.join("e2b/package.json").exists().then_some(m)
+}
+
+fn node() -> PathBuf {
+    let private = real_home().join("node/node_modules/.bin/node");
+    if private.exists() {
+        private
+    } else {
+        PathBuf::from("node")
+    }
+}
+
+fn run_sdk(mut cmd: Command, s: &Serve, key: &str, template: &str, what: &str) {
+    let t = Instant::now();
+    let out = cmd
+        .env("E2B_API_KEY", key)
+        .env("E2B_API_URL", format!("http://{}", s.api.trim_start_matches("http://")))
+        .env("E2B_SANDBOX_URL", format!("http://{}", s.envd.trim_start_matches("http://")))
+        .env("E2B_TEMPLATE", template)
+        .current_dir(repo().join("crates/clade/tests/e2b"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{what} ({:.1} s):\n{stdout}{}", t.elapsed().as_secs_f64(), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("all passed"), "{what} failed");
+    assert!(!stdout.contains("FAIL"), "{what} reported a failure");
+}
+
+fn build_base(h: &Path, backend: &str) {
+    let spec = repo().join("templates/minimal/template.toml");
+    let t = Instant::now();
+    ok(h, &["base", "build", spec.to_str().unwrap(), "--backend", backend]);
+    eprintln!("minimal base on {backend} built in {:.1} s", t.elapsed().as_secs_f64());
+}
+
+fn nothing_left(h: &Path) {
+    let (_, out, _) = clade(h, &["ls"]);
+    let live: Vec<&str> = out.lines().skip(1).filter(|l| l.contains("running")).collect();
+    assert!(live.is_empty(), "sandboxes left running: {live:?}");
+}
+
+fn can_run(backend: &str) -> Option<PathBuf> {
+    let Some(py) = python() else {
+        eprintln!("skip: no e2b Python SDK in {} (run ./x setup)", real_home().join("py").display());
+        return None;
+    };
+    if backend == "ct" && !real_home().join("criu").exists() {
+        eprintln!("skip: no CRIU (run ./x setup)");
+        return None;
+    }
+    if backend == "vm"
+        && (clade_vm::qemu::qemu_binary().is_none() || !real_home().join("kernel/current/vmlinux").exists())
+    {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return None;
+    }
+    Some(py)
+}
+
+#[test]
+fn guest_e2b_python_and_js_sdks_on_ct() {
+    let Some(py) = can_run("ct") else { return };
+    let t = test_home();
+    let h = t.path();
+    build_base(h, "ct");
+    let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
+    assert!(key.starts_with("e2b_") && key.len() == 44, "{key}");
+    let s = serve(h);
+    let mut c = Command::new(py);
+    c.arg("sdk_flow.py");
+    run_sdk(c, &s, &key, "minimal:ct", "python sdk on ct");
+    match node_modules() {
+        Some(m) => {
+            let mut c = Command::new(node());
+            c.arg("smoke.mjs").env("NODE_PATH", m);
+            run_sdk(c, &s, &key, "minimal:ct", "js sdk on ct");
+        }
+        None => panic!("no e2b npm package under {}/node (run ./x setup)", real_home().display()),
+    }
+    drop(s);
+    nothing_left(h);
+}
+
+#[test]
+fn guest_e2b_python_sdk_on_vm() {
+    let Some(py) = can_run("vm") else { return };
+    let t = test_home();
+    let h = t.path();
+    build_base(h, "vm");
+    let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
+    let s = serve(h);
+    let mut c = Command::new(py);
+    // The whole flow; under TCG each restore is seconds, so this is the slow one.
+    c.arg("sdk_flow.py");
+    run_sdk(c, &s, &key, "minimal:vm", "python sdk on vm");
+    drop(s);
+    nothing_left(h);
+}
