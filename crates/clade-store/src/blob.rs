@@ -10,6 +10,7 @@
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use object_store::path::Path as BlobPath;
@@ -137,4 +138,42 @@ impl Blob {
         })?;
         r.map_err(|e| berr("list", prefix, e))
     }
+
+    /// Keys under `prefix` with their size and age (for gc's grace period).
+    pub fn list_meta(&self, prefix: &str) -> Result<Vec<BlobMeta>, StoreError> {
+        let p = BlobPath::from(prefix);
+        let r = self.block_on(prefix, async {
+            let mut out = Vec::new();
+            let mut s = self.store.list(Some(&p));
+            while let Some(m) = s.next().await {
+                let m = m?;
+                let age = (now_millis() - m.last_modified.timestamp_millis()).max(0) as u64;
+                out.push(BlobMeta { key: m.location.to_string(), size: m.size, age: Duration::from_millis(age) });
+            }
+            Ok::<_, object_store::Error>(out)
+        })?;
+        r.map_err(|e| berr("list", prefix, e))
+    }
+
+    /// Delete a key (a missing key is not an error).
+    pub fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let p = BlobPath::from(key);
+        match self.block_on(key, self.store.delete(&p))? {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(berr("delete", key, e)),
+        }
+    }
+}
+
+/// A key of the blob tier, its size and how long ago it was last written.
+#[derive(Clone, Debug)]
+pub(crate) struct BlobMeta {
+    pub key: String,
+    pub size: u64,
+    pub age: Duration,
+}
+
+/// Milliseconds since the epoch, now.
+fn now_millis() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }

@@ -154,30 +154,39 @@ impl Store {
         Ok((live, stale))
     }
 
-    /// Unpublish a manifest: it is no longer a gc root. It stays readable (from `trash/`) until the next gc,
-    /// and after it for as long as a lease names it; gc frees the data nothing else uses. Returns false if it
-    /// was not published.
+    /// Unpublish a manifest: it is no longer a gc root, in either tier (with a blob tier, its copy there is
+    /// deleted too, even if only the blob tier had it). It stays readable here (from `trash/`) until the next
+    /// gc, and after it for as long as a lease names it; gc frees the data nothing else uses. Returns false
+    /// if it was not published.
     pub fn delete_manifest(&self, id: &ManifestId) -> Result<bool, StoreError> {
         let path = self.manifest_path(id);
-        if !path.exists() {
-            return Ok(false);
-        }
         let trash = self.inner.trash.join(format!("{id}.manifest"));
-        std::fs::rename(&path, &trash).ctx("move to trash", &path)?;
-        fsutil::sync_dir(&self.inner.trash)?;
+        let found = self.unpublish(&path, &trash)?;
         self.inner.manifest_cache.lock().unwrap_or_else(|p| p.into_inner()).pop(id);
-        Ok(true)
+        Ok(found)
     }
 
     /// Unpublish a tree (as [`Store::delete_manifest`]).
     pub fn delete_tree(&self, id: &TreeId) -> Result<bool, StoreError> {
         let path = self.tree_path(id);
-        if !path.exists() {
-            return Ok(false);
-        }
         let trash = self.inner.trash.join(format!("{id}.tree"));
-        std::fs::rename(&path, &trash).ctx("move to trash", &path)?;
-        fsutil::sync_dir(&self.inner.trash)?;
+        self.unpublish(&path, &trash)
+    }
+
+    /// Move a published root to the trash (local tier) and delete its blob copy.
+    fn unpublish(&self, path: &Path, trash: &Path) -> Result<bool, StoreError> {
+        let key = crate::store::blob_key(path, &self.inner.dir);
+        if path.exists() {
+            std::fs::rename(path, trash).ctx("move to trash", path)?;
+            fsutil::sync_dir(&self.inner.trash)?;
+        } else {
+            let Some(blob) = &self.inner.blob else { return Ok(false) };
+            let Some(bytes) = blob.get(&key)? else { return Ok(false) };
+            fsutil::write_atomic(&self.inner.tmp, trash, &bytes)?;
+        }
+        if let Some(blob) = &self.inner.blob {
+            blob.delete(&key)?;
+        }
         Ok(true)
     }
 }

@@ -11,9 +11,11 @@
 //! The API is synchronous. From async code call it through `spawn_blocking`; never on a runtime worker
 //! thread (the blob tier blocks on its own private runtime and refuses to run inside another one).
 
-#![forbid(unsafe_code)]
+// `unsafe` only in map.rs (read-only maps of immutable packs), documented there.
+#![deny(unsafe_code)]
 
 mod blob;
+mod blobgc;
 mod codec;
 mod error;
 mod fsutil;
@@ -23,6 +25,8 @@ mod index;
 mod lease;
 mod maint;
 mod manifest;
+#[allow(unsafe_code)]
+mod map;
 mod pack;
 mod reader;
 mod statcache;
@@ -31,6 +35,7 @@ mod tree;
 mod writer;
 
 pub use blob::BlobConfig;
+pub use blobgc::BlobGcReport;
 pub use error::StoreError;
 pub use ids::{FrameId, ManifestId, ObjectId, PackId, TreeId};
 pub use lease::{Lease, Root};
@@ -70,8 +75,10 @@ impl Store {
         let md = f.metadata().ctx("stat", path)?;
         let size = md.len();
         let mut b = self.derive(None, size)?.kind(kind);
-        // A reader thread fills the next buffer while this one is hashed and stored.
-        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(1);
+        // A reader thread reads and hashes the next buffer while this one is deduplicated and stored (and a
+        // pack thread writes new frames): three stages, no thread pool spinning between them.
+        type Hashed = (Vec<u8>, Vec<Option<ObjectId>>);
+        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<std::io::Result<Hashed>>(1);
         let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u8>>();
         std::thread::scope(|scope| -> Result<(), StoreError> {
             scope.spawn(move || {
@@ -81,10 +88,11 @@ impl Store {
                     let want = (left as usize).min(PUT_CHUNK);
                     let r = tree::read_full(&mut f, &mut buf, want).map(|n| {
                         buf.truncate(n);
-                        buf
+                        let ids = hash::hash_blocks(&buf);
+                        (buf, ids)
                     });
-                    let stop = !matches!(&r, Ok(b) if !b.is_empty());
-                    left -= r.as_ref().map(|b| b.len() as u64).unwrap_or(0);
+                    let stop = !matches!(&r, Ok((b, _)) if !b.is_empty());
+                    left -= r.as_ref().map(|(b, _)| b.len() as u64).unwrap_or(0);
                     if full_tx.send(r).is_err() || stop {
                         break;
                     }
@@ -92,14 +100,14 @@ impl Store {
             });
             let mut off = 0u64;
             while off < size {
-                let buf = match full_rx.recv() {
+                let (buf, ids) = match full_rx.recv() {
                     Ok(r) => r.ctx("read", path)?,
-                    Err(_) => Vec::new(),
+                    Err(_) => (Vec::new(), Vec::new()),
                 };
                 if buf.is_empty() {
                     return Err(StoreError::Invalid(format!("{} shrank while being stored; retry", path.display())));
                 }
-                b.write(off, &buf)?;
+                b.write_hashed(off, &buf, ids)?;
                 off += buf.len() as u64;
                 let _ = empty_tx.send(buf);
             }

@@ -39,6 +39,12 @@ pub struct GcReport {
     pub packs_deleted: u64,
     /// Packs rewritten without their dead frames.
     pub packs_repacked: u64,
+    /// Packs kept as they are (all live, mostly live, or younger than the grace period).
+    pub packs_kept: u64,
+    /// Of those, packs kept only because they are younger than the grace period.
+    pub packs_kept_young: u64,
+    /// Bytes of pack files kept (including the repacked ones' new packs).
+    pub bytes_kept: u64,
     /// Crash leftovers removed (temp files, packs without index).
     pub leftovers_deleted: u64,
     /// Deleted manifests/trees purged from the trash.
@@ -115,6 +121,19 @@ impl Store {
         Ok(fsutil::list_fanout(&self.inner.trees, "")?.iter().filter_map(|p| fsutil::stem(p).parse().ok()).collect())
     }
 
+    /// Tell other handles (other processes) that packs went away: they resync before their next write.
+    pub(crate) fn bump_gc_gen(&self) -> Result<(), StoreError> {
+        let g = self.read_gc_gen() + 1;
+        fsutil::write_atomic(&self.inner.tmp, &self.inner.dir.join("gcgen"), g.to_string().as_bytes())?;
+        *self.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = g;
+        Ok(())
+    }
+
+    /// Every published tree id (local tier).
+    pub fn trees(&self) -> Result<Vec<TreeId>, StoreError> {
+        self.list_trees()
+    }
+
     /// Every published manifest id.
     pub fn manifests(&self) -> Result<Vec<ManifestId>, StoreError> {
         self.list_manifests()
@@ -179,23 +198,31 @@ impl Store {
         for (pid, frames) in packs {
             let ppath = pack::pack_path(&self.inner.packs, &pid);
             let ipath = pack::idx_path(&self.inner.packs, &pid);
-            if !is_older_than(&ipath, grace) {
-                continue;
-            }
             let live_bytes: u64 = frames.iter().filter(|f| f.2).map(|f| f.1).sum();
             let dead = frames.iter().filter(|f| !f.2).count() as u64;
             let size = std::fs::metadata(&ppath).map(|m| m.len()).unwrap_or(0);
+            if !is_older_than(&ipath, grace) {
+                rep.packs_kept += 1;
+                rep.packs_kept_young += 1;
+                rep.bytes_kept += size;
+                continue;
+            }
             if dead == 0 {
+                rep.packs_kept += 1;
+                rep.bytes_kept += size;
                 continue;
             }
             if live_bytes == 0 {
                 rep.packs_deleted += 1;
             } else if live_bytes * 2 < size {
                 rep.packs_repacked += 1;
+                rep.bytes_kept += live_bytes;
                 if !dry_run {
                     self.repack(&pid, &live)?;
                 }
             } else {
+                rep.packs_kept += 1;
+                rep.bytes_kept += size;
                 continue;
             }
             rep.frames_deleted += dead;
@@ -207,14 +234,14 @@ impl Store {
                 std::fs::remove_file(&ipath).map_err(|e| StoreError::io("delete", &ipath, e))?;
                 std::fs::remove_file(&ppath).map_err(|e| StoreError::io("delete", &ppath, e))?;
                 self.write_index().remove_pack(&pid);
+                // A copy in the blob tier may still be named by manifests of other hosts: let it load again.
+                self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.blob_key_of(&ipath));
             }
         }
 
         if !dry_run && (rep.packs_deleted > 0 || rep.packs_repacked > 0) {
             // Tell other handles (other processes) that packs went away.
-            let g = self.read_gc_gen() + 1;
-            fsutil::write_atomic(&self.inner.tmp, &self.inner.dir.join("gcgen"), g.to_string().as_bytes())?;
-            *self.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = g;
+            self.bump_gc_gen()?;
         }
 
         // Crash leftovers: packs without index, temp files.

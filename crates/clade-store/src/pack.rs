@@ -188,18 +188,19 @@ pub(crate) fn read_trailer(path: &Path) -> Result<Vec<u8>, StoreError> {
 /// Decode a frame's stored bytes and verify every block against its object id. Corruption is named
 /// (frame, object, location) and the bytes are never returned.
 pub(crate) fn decode_frame(
-    mut stored: Vec<u8>,
+    stored: Vec<u8>,
     entry: &FrameEntry,
     location: &dyn Fn() -> String,
 ) -> Result<Vec<u8>, StoreError> {
     let mut scratch = Vec::new();
-    decode_frame_in(&mut stored, &mut scratch, entry, location)?;
+    decode_frame_slice(&stored, &mut scratch, entry, location)?;
     Ok(if entry.codec == Codec::Raw { stored } else { scratch })
 }
 
-/// As [`decode_frame`], reusing buffers: the plain bytes are `stored` (raw frames) or `scratch`.
-pub(crate) fn decode_frame_in<'a>(
-    stored: &'a mut Vec<u8>,
+/// Decode a frame from its stored bytes (borrowed, e.g. from a pack map) and verify every block. Returns the
+/// plain bytes: `stored` itself for a raw frame, else `scratch`.
+pub(crate) fn decode_frame_slice<'a>(
+    stored: &'a [u8],
     scratch: &'a mut Vec<u8>,
     entry: &FrameEntry,
     location: &dyn Fn() -> String,
@@ -219,7 +220,7 @@ pub(crate) fn decode_frame_in<'a>(
             scratch.clear();
             scratch.reserve(entry.raw_len as usize);
             zstd::bulk::Decompressor::new()
-                .and_then(|mut d| d.decompress_to_buffer(stored.as_slice(), scratch))
+                .and_then(|mut d| d.decompress_to_buffer(stored, scratch))
                 .map_err(|e| corrupt(entry.id().to_hex(), "frame", format!("zstd: {e}")))?;
             scratch
         }
@@ -239,13 +240,15 @@ pub(crate) fn decode_frame_in<'a>(
 
 /// Check each block of `raw` against `objects`; on mismatch, the block index and the hash found.
 pub(crate) fn verify_blocks(raw: &[u8], objects: &[ObjectId]) -> Result<(), (usize, ObjectId)> {
-    let got = crate::hash::hash_blocks(raw);
+    let got = crate::hash::hash_every_block(raw);
     for (i, (g, want)) in got.iter().zip(objects).enumerate() {
-        // A zero block is never stored, so a block that hashes as "zero" is corrupt too.
-        let g = g.unwrap_or_else(|| ObjectId::of(&raw[i * BLOCK..((i + 1) * BLOCK).min(raw.len())]));
-        if &g != want {
-            return Err((i, g));
+        if g != want {
+            return Err((i, *g));
         }
+    }
+    if got.len() != objects.len() {
+        let i = got.len().min(objects.len());
+        return Err((i, got.get(i).copied().unwrap_or(ObjectId([0u8; 32]))));
     }
     Ok(())
 }

@@ -1,16 +1,18 @@
 //! Reading images: random access for the NBD server and memory loaders ([`ImageReader`]), and whole-image
 //! restore into a file ([`Store::get_file`]), both verifying every block they return.
 
+use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
 use crate::error::IoCtx;
-use crate::ids::ManifestId;
+use crate::ids::{ManifestId, PackId};
 use crate::manifest::Manifest;
+use crate::map::PackMap;
 use crate::store::Store;
 use crate::{fsutil, StoreError};
 
@@ -138,20 +140,31 @@ impl Store {
     }
 
     fn write_image_to(&self, m: &Manifest, f: &std::fs::File, path: &Path) -> Result<(), StoreError> {
-        // Runs of consecutive extents that use the same frame: one frame load each, in parallel.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        let mut uses = vec![0u32; m.frames.len()];
+        // The extents of each frame, frames in order of first use: every frame is loaded once, in parallel.
+        let mut first = vec![u32::MAX; m.frames.len()];
+        let mut groups: Vec<Vec<u32>> = Vec::new();
         for (i, x) in m.extents.iter().enumerate() {
-            match runs.last_mut() {
-                Some((_, e)) if m.extents[*e - 1].frame == x.frame => *e = i + 1,
-                _ => {
-                    runs.push((i, i + 1));
-                    uses[x.frame as usize] += 1;
+            let fi = x.frame as usize;
+            let g = match first.get(fi) {
+                Some(&g) if g != u32::MAX => g as usize,
+                Some(_) => {
+                    first[fi] = groups.len() as u32;
+                    groups.push(Vec::new());
+                    groups.len() - 1
                 }
-            }
+                None => {
+                    return Err(StoreError::Corrupt {
+                        kind: "manifest",
+                        id: m.id().to_hex(),
+                        location: "extent table".into(),
+                        detail: format!("extent {x:?} names frame {fi} of {}", m.frames.len()),
+                    })
+                }
+            };
+            groups[g].push(i as u32);
         }
-        let write_run = |frame: &[u8], a: usize, b: usize| -> Result<(), StoreError> {
-            for x in &m.extents[a..b] {
+        let write_run = |frame: &[u8], xs: &[u32]| -> Result<(), StoreError> {
+            for x in xs.iter().map(|&i| &m.extents[i as usize]) {
                 let s = x.frame_offset as usize;
                 let src = frame.get(s..s + x.len as usize).ok_or_else(|| StoreError::Corrupt {
                     kind: "manifest",
@@ -163,22 +176,92 @@ impl Store {
             }
             Ok(())
         };
-        let work = |(stored, scratch): &mut (Vec<u8>, Vec<u8>), &(a, b): &(usize, usize)| -> Result<(), StoreError> {
-            let fi = m.extents[a].frame as usize;
+        // Frames are read and verified in parallel; one writer thread does every pwrite (parallel writes
+        // into one file only contend on its inode lock), so verification and writing overlap.
+        let load = |pool: &Mutex<Vec<(Vec<u8>, Vec<u8>)>>, maps: &Maps, xs: &[u32]| -> Result<Loaded, StoreError> {
+            let fi = m.extents[xs[0] as usize].frame as usize;
             let fid = &m.frames[fi];
             if let Some(fr) = self.cached_frame(fid) {
-                return write_run(&fr, a, b);
-            }
-            if uses[fi] > 1 {
-                let fr = self.frame(fid, true)?;
-                return write_run(&fr, a, b);
+                return Ok(Loaded::Shared(fr));
             }
             let loc = self.frame_loc(fid)?;
-            let location = self.read_stored(&loc, stored)?;
-            let raw = crate::pack::decode_frame_in(stored, scratch, &loc.entry, &|| location.clone())?;
-            write_run(raw, a, b)
+            let (mut stored, mut scratch) = pool.lock().unwrap_or_else(|p| p.into_inner()).pop().unwrap_or_default();
+            if let Some(map) = self.pack_map(maps, &loc.pack)? {
+                // Verified straight from the page cache (no copy into a buffer), written from there.
+                let e = &loc.entry;
+                let path = || crate::pack::pack_path(&self.inner.packs, &loc.pack).display().to_string();
+                let bytes = map.get(e.offset, e.stored_len as usize).unwrap_or_default();
+                crate::pack::decode_frame_slice(bytes, &mut scratch, e, &path)?;
+                if e.codec == crate::pack::Codec::Raw {
+                    pool.lock().unwrap_or_else(|p| p.into_inner()).push((stored, scratch));
+                    return Ok(Loaded::Mapped(map, e.offset as usize, e.stored_len as usize));
+                }
+                return Ok(Loaded::Own { stored, scratch, in_stored: false });
+            }
+            let location = self.read_stored(&loc, &mut stored)?;
+            crate::pack::decode_frame_slice(&stored, &mut scratch, &loc.entry, &|| location.clone())?;
+            let in_stored = loc.entry.codec == crate::pack::Codec::Raw;
+            Ok(Loaded::Own { stored, scratch, in_stored })
         };
-        runs.par_iter().try_for_each_init(|| (Vec::new(), Vec::new()), work)
+        let pool = Mutex::new(Vec::new());
+        let maps = Mutex::new(HashMap::new());
+        if groups.len() <= 2 {
+            return groups.iter().try_for_each(|xs| write_run(load(&pool, &maps, xs)?.bytes(), xs));
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(Loaded, &[u32])>(2 * rayon::current_num_threads());
+        std::thread::scope(|scope| {
+            let writer = scope.spawn(|| -> Result<(), StoreError> {
+                for (l, xs) in rx {
+                    write_run(l.bytes(), xs)?;
+                    if let Loaded::Own { stored, scratch, .. } = l {
+                        pool.lock().unwrap_or_else(|p| p.into_inner()).push((stored, scratch));
+                    }
+                }
+                Ok(())
+            });
+            let read = groups.par_iter().try_for_each_with(tx, |tx, xs| {
+                let l = load(&pool, &maps, xs)?;
+                tx.send((l, xs.as_slice())).map_err(|_| StoreError::Invalid("the writer thread stopped".into()))
+            });
+            let wrote = writer.join().unwrap_or_else(|_| Err(StoreError::Invalid("the writer thread panicked".into())));
+            // The writer's error explains a reader's "stopped".
+            wrote.and(read)
+        })
+    }
+}
+
+/// A verified frame on its way to the writer thread.
+enum Loaded {
+    /// Read for this restore only: the plain bytes are `stored` (raw frame) or `scratch` (decompressed).
+    Own { stored: Vec<u8>, scratch: Vec<u8>, in_stored: bool },
+    /// From the shared cache.
+    Shared(Arc<Vec<u8>>),
+    /// A raw frame, verified in place in a pack map: (map, offset, length).
+    Mapped(Arc<PackMap>, usize, usize),
+}
+
+type Maps = Mutex<HashMap<PackId, Option<Arc<PackMap>>>>;
+
+impl Store {
+    /// The map of a local pack, made once per restore (`None`: not in the local tier).
+    fn pack_map(&self, maps: &Maps, pack: &PackId) -> Result<Option<Arc<PackMap>>, StoreError> {
+        if let Some(m) = maps.lock().unwrap_or_else(|p| p.into_inner()).get(pack) {
+            return Ok(m.clone());
+        }
+        let m = PackMap::open(&crate::pack::pack_path(&self.inner.packs, pack))?.map(Arc::new);
+        maps.lock().unwrap_or_else(|p| p.into_inner()).insert(*pack, m.clone());
+        Ok(m)
+    }
+}
+
+impl Loaded {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Loaded::Own { stored, in_stored: true, .. } => stored,
+            Loaded::Own { scratch, .. } => scratch,
+            Loaded::Shared(f) => f,
+            Loaded::Mapped(m, off, len) => m.get(*off as u64, *len).unwrap_or_default(),
+        }
     }
 }
 

@@ -216,11 +216,17 @@ impl Store {
         if *seen == now {
             return Ok(());
         }
+        if self.inner.blob.is_some() {
+            // A gc of either tier ran: frames may have lost a pack here or there; load both tiers afresh.
+            *seen = now;
+            drop(seen);
+            return self.rebuild_index();
+        }
         let gone: Vec<PackId> = self
             .read_index()
             .packs
             .keys()
-            .filter(|p| !pack::idx_path(&self.inner.packs, p).exists() && self.inner.blob.is_none())
+            .filter(|p| !pack::idx_path(&self.inner.packs, p).exists())
             .copied()
             .collect();
         let mut idx = self.write_index();

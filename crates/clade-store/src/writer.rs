@@ -21,6 +21,9 @@ use crate::pack::{Codec, PackWriter};
 use crate::store::Store;
 use crate::{fsutil, StoreError, BLOCK};
 
+/// Bytes hashed per parallel task (a multiple of [`BLOCK`]).
+const HASH_SLICE: usize = 1 << 20;
+
 /// What a put did.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct PutReport {
@@ -120,9 +123,26 @@ impl Session {
 
     /// Store blocks (each 4 KiB, the last maybe shorter), returning their slots in order.
     pub fn put_blocks(&mut self, data: &[u8], out: &mut Vec<Slot>) -> Result<(), StoreError> {
-        let zero = [0u8; BLOCK];
-        let hashes: Vec<Option<ObjectId>> =
-            data.par_chunks(BLOCK).map(|b| if b == &zero[..b.len()] { None } else { Some(ObjectId::of(b)) }).collect();
+        // Zero check and batched SIMD hashing (hash.rs), in slices spread over the cores.
+        let hashes: Vec<Option<ObjectId>> = if data.len() <= HASH_SLICE {
+            crate::hash::hash_blocks(data)
+        } else {
+            let parts: Vec<Vec<Option<ObjectId>>> = data.par_chunks(HASH_SLICE).map(crate::hash::hash_blocks).collect();
+            parts.concat()
+        };
+        self.put_hashed(data, hashes, out)
+    }
+
+    /// As [`Session::put_blocks`], with the blocks' ids (`None` = all zero) already computed.
+    pub fn put_hashed(
+        &mut self,
+        data: &[u8],
+        hashes: Vec<Option<ObjectId>>,
+        out: &mut Vec<Slot>,
+    ) -> Result<(), StoreError> {
+        if hashes.len() != data.len().div_ceil(BLOCK) {
+            return Err(StoreError::Invalid("one id per block is needed".into()));
+        }
         let found: Vec<Option<(FrameId, u16)>> = {
             let idx = self.store.read_index();
             hashes.iter().map(|h| h.and_then(|h| idx.blocks.get(&h).copied())).collect()
@@ -389,10 +409,24 @@ impl ImageState {
     }
 
     pub fn write(&mut self, s: &mut Session, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        self.write_maybe_hashed(s, offset, data, None)
+    }
+
+    /// Write blocks whose ids (`None` = zero block) were computed by the caller (with `hash::hash_blocks`).
+    pub fn write_maybe_hashed(
+        &mut self,
+        s: &mut Session,
+        offset: u64,
+        data: &[u8],
+        hashes: Option<Vec<Option<ObjectId>>>,
+    ) -> Result<(), StoreError> {
         self.check(offset, data.len() as u64)?;
         let mut slots = std::mem::take(&mut self.scratch);
         slots.clear();
-        s.put_blocks(data, &mut slots)?;
+        match hashes {
+            Some(h) => s.put_hashed(data, h, &mut slots)?,
+            None => s.put_blocks(data, &mut slots)?,
+        }
         let first = offset / BLOCK as u64;
         for (i, slot) in slots.iter().enumerate() {
             self.overlay.insert(first + i as u64, *slot);
@@ -523,6 +557,16 @@ impl ManifestBuilder {
     /// Write `data` at `offset` (4 KiB aligned; a multiple of 4 KiB long unless it ends the image).
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
         self.image.write(&mut self.session, offset, data)
+    }
+
+    /// Write blocks already hashed by `hash::hash_blocks` (the file reader thread does that).
+    pub(crate) fn write_hashed(
+        &mut self,
+        offset: u64,
+        data: &[u8],
+        hashes: Vec<Option<ObjectId>>,
+    ) -> Result<(), StoreError> {
+        self.image.write_maybe_hashed(&mut self.session, offset, data, Some(hashes))
     }
 
     /// Make `offset..offset+len` zeros (4 KiB aligned).

@@ -106,6 +106,11 @@ fn truncated_pack_is_a_clear_error_and_nothing_is_deleted() {
     let mut buf = vec![0u8; data.len()];
     let err = s.image(&id).unwrap().read_at(0, &mut buf).unwrap_err();
     assert!(err.to_string().contains("truncated"), "{err}");
+    // A restore reads packs through a memory map: a short pack is an error there too, never a fault.
+    let out = d.path().join("out");
+    let err = s.get_file(&id, &out).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+    assert!(!out.exists(), "no partial output left behind");
     let before = count_files(&dir);
     s.gc(false).unwrap();
     assert_eq!(count_files(&dir), before);
@@ -190,4 +195,28 @@ fn corrupted_pack_index_is_reported_not_fatal() {
     let f = s.fsck().unwrap();
     assert!(!f.ok && f.errors.iter().any(|e| e.contains("pack index")), "{f:?}");
     assert!(s.image(&id).unwrap().read_at(0, &mut [0u8; 4096 * 50]).is_err());
+}
+
+#[test]
+fn restore_of_many_frames_detects_a_corrupted_block_among_them() {
+    // Enough frames for the parallel restore (frames verified on the pool, written by one writer thread).
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("s");
+    let cfg = clade_store::StoreConfig { compression_level: None, ..cfg() };
+    let s = clade_store::Store::open(&dir, cfg.clone()).unwrap();
+    let data = pages(22, 4000);
+    let id = s.put_bytes(&data, ImageKind::Mem).unwrap().id.unwrap();
+    let out = d.path().join("out");
+    s.get_file(&id, &out).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), data);
+    std::fs::remove_file(&out).unwrap();
+    let packs = files(&dir.join("packs"), ".pack");
+    assert!(packs.len() > 1, "{packs:?}");
+    let pack = &packs[packs.len() / 2];
+    flip_byte(pack, 8 + 3 * 4096 + 17);
+    let s = clade_store::Store::open(&dir, cfg).unwrap();
+    let err = s.get_file(&id, &out).unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { kind: "object", .. }), "{err}");
+    assert!(err.to_string().contains(&pack.display().to_string()), "names the pack: {err}");
+    assert!(!out.exists(), "no partial output left behind");
 }

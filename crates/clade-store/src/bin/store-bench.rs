@@ -175,6 +175,29 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             None => Vec::new(),
         }
     };
+    if let Some(file) = arg("--make-image") {
+        // For profiling: just write the synthetic image.
+        let mib: usize = arg("--size-mib").map(|s| s.parse()).transpose()?.unwrap_or(1024);
+        make_image(Path::new(&file), mib << 20)?;
+        return Ok(());
+    }
+    if let Some(file) = arg("--get-only") {
+        // For profiling: FILE is stored once into FILE.store (kept), then got into FILE.out.
+        let d = PathBuf::from(format!("{file}.get-store"));
+        let fresh = !d.exists();
+        let s = Store::open(&d, StoreConfig { compression_level: None, ..Default::default() })?;
+        let id = s.put_file(Path::new(&file), ImageKind::Mem)?.id.ok_or("no id")?;
+        if fresh {
+            return Ok(());
+        }
+        let out = PathBuf::from(format!("{file}.out"));
+        let c0 = cpu().0;
+        let (t, r) = secs(|| s.get_file(&id, &out));
+        r?;
+        emit(serde_json::json!({"figure": "get_only", "secs": t, "cpu_secs": cpu().0 - c0}));
+        let _ = std::fs::remove_file(&out);
+        return Ok(());
+    }
     if let Some(file) = arg("--put-only") {
         // For profiling: one put of FILE into a fresh store next to it, zstd off.
         let d = PathBuf::from(format!("{file}.store"));

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clade_store::{ImageKind, ManifestId, Store, StoreConfig, TreeId};
+use clade_store::{BlobConfig, ImageKind, ManifestId, Store, StoreConfig, TreeId};
 use clap::{Args, Subcommand};
 
 #[derive(Args, Clone)]
@@ -15,15 +15,48 @@ pub struct StoreOpt {
     /// zstd level for new data (0 = off; default 1).
     #[arg(long, global = true)]
     zstd: Option<i32>,
+    /// Blob tier: `file:///DIR` or `s3://BUCKET` (S3 keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).
+    #[arg(long, global = true)]
+    blob: Option<String>,
+    /// S3 endpoint of an S3-compatible server, e.g. http://127.0.0.1:9000 (default: AWS).
+    #[arg(long, global = true)]
+    blob_endpoint: Option<String>,
+    /// S3 region.
+    #[arg(long, global = true, default_value = "us-east-1")]
+    blob_region: String,
 }
 
 impl StoreOpt {
+    fn blob(&self) -> anyhow::Result<Option<BlobConfig>> {
+        let Some(url) = &self.blob else { return Ok(None) };
+        if let Some(dir) = url.strip_prefix("file://") {
+            return Ok(Some(BlobConfig::Local { root: PathBuf::from(dir) }));
+        }
+        let Some(bucket) = url.strip_prefix("s3://") else {
+            anyhow::bail!("--blob {url}: use file:///DIR or s3://BUCKET");
+        };
+        let key =
+            |name: &str| std::env::var(name).with_context(|| format!("--blob {url} needs {name} in the environment"));
+        Ok(Some(BlobConfig::S3 {
+            bucket: bucket.trim_end_matches('/').to_string(),
+            endpoint: self.blob_endpoint.clone(),
+            region: self.blob_region.clone(),
+            access_key_id: key("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: key("AWS_SECRET_ACCESS_KEY")?,
+            allow_http: self.blob_endpoint.as_deref().is_some_and(|e| e.starts_with("http://")),
+        }))
+    }
+
     fn open(&self) -> anyhow::Result<Store> {
+        self.open_with(StoreConfig::default())
+    }
+
+    fn open_with(&self, mut cfg: StoreConfig) -> anyhow::Result<Store> {
         let dir = self.store.clone().unwrap_or_else(|| clade_core::CladeHome::from_env().store_dir());
-        let mut cfg = StoreConfig::default();
         if let Some(l) = self.zstd {
             cfg.compression_level = (l > 0).then_some(l);
         }
+        cfg.blob = self.blob()?;
         Store::open(&dir, cfg).with_context(|| format!("opening the store at {}", dir.display()))
     }
 }
@@ -85,6 +118,12 @@ pub struct GcArgs {
     /// Say what would be deleted, delete nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Also collect the blob tier (--blob): run it on one host at a time (leases are per host).
+    #[arg(long = "include-blob")]
+    include_blob: bool,
+    /// Leave packs and temp files younger than this alone (writers in flight); default 3600.
+    #[arg(long, default_value_t = 3600)]
+    grace_secs: u64,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -187,24 +226,60 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             Ok(if r.ok { 0 } else { 1 })
         }
         Command::Gc(a) => {
-            let store = a.opt.open()?;
+            let cfg = StoreConfig { gc_grace: std::time::Duration::from_secs(a.grace_secs), ..Default::default() };
+            let store = a.opt.open_with(cfg)?;
             let r = store.gc(a.dry_run)?;
+            let b = if a.include_blob { Some(store.gc_blob(a.dry_run)?) } else { None };
             if a.json {
-                println!("{}", serde_json::to_string(&r)?);
+                // The local report, plus the blob tier's under "blob" when it was collected too.
+                let mut v = serde_json::to_value(&r)?;
+                if let (Some(b), Some(o)) = (&b, v.as_object_mut()) {
+                    o.insert("blob".into(), serde_json::to_value(b)?);
+                }
+                println!("{v}");
             } else {
+                let dry = if r.dry_run { "dry run: " } else { "" };
                 println!(
-                    "{}kept {} manifests, {} trees, {} leases ({} frames); deleted {} packs, repacked {}, {} frames, {} leftovers; freed {}",
-                    if r.dry_run { "dry run: " } else { "" },
+                    "{dry}local: kept {} manifests, {} trees, {} leases ({} frames) in {} packs ({}; {} younger than the grace period); \
+                     deleted {} packs, repacked {}, {} frames, {} leftovers, {} trash entries, {} stale leases; freed {}",
                     r.live_manifests,
                     r.live_trees,
                     r.live_leases,
                     r.live_frames,
+                    r.packs_kept,
+                    mib(r.bytes_kept),
+                    r.packs_kept_young,
                     r.packs_deleted,
                     r.packs_repacked,
                     r.frames_deleted,
                     r.leftovers_deleted,
+                    r.trash_purged,
+                    r.stale_leases,
                     mib(r.bytes_freed)
                 );
+                if let Some(b) = &b {
+                    println!(
+                        "{dry}blob {}: kept {} packs ({}; {} younger than the grace period) for {} manifests, {} trees, {} leases; \
+                         deleted {} packs ({} frames), {} leftovers; freed {}",
+                        b.blob,
+                        b.packs_kept,
+                        mib(b.bytes_kept),
+                        b.packs_kept_young,
+                        b.live_manifests,
+                        b.live_trees,
+                        b.live_leases,
+                        b.packs_deleted,
+                        b.frames_deleted,
+                        b.leftovers_deleted,
+                        mib(b.bytes_freed)
+                    );
+                    for k in &b.deleted {
+                        println!("  deleted {k}");
+                    }
+                    for w in &b.warnings {
+                        println!("warning: {w}");
+                    }
+                }
             }
             Ok(0)
         }
@@ -259,6 +334,18 @@ mod tests {
         cmd: Command,
     }
 
+    fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.path().is_dir() {
+                out.extend(walk(&e.path()));
+            } else {
+                out.push(e.path());
+            }
+        }
+        out
+    }
+
     fn run_args(args: &[&str]) -> anyhow::Result<i32> {
         let t = T::try_parse_from(std::iter::once("store").chain(args.iter().copied()))?;
         run(t.cmd)
@@ -282,6 +369,20 @@ mod tests {
         assert_eq!(run_args(&["stats", "--store", s]).unwrap(), 0);
         assert_eq!(run_args(&["rm", &id.to_hex(), "--store", s]).unwrap(), 0);
         assert_eq!(run_args(&["gc", "--dry-run", "--json", "--store", s]).unwrap(), 0);
+        // With a blob tier (a directory here): put writes through, gc collects both tiers.
+        let blob = format!("file://{}", d.path().join("blob").display());
+        let s = d.path().join("s2");
+        let s = s.to_str().unwrap();
+        assert_eq!(run_args(&["put", f.to_str().unwrap(), "--kind", "mem", "--store", s, "--blob", &blob]).unwrap(), 0);
+        assert!(!walk(&d.path().join("blob/packs")).is_empty(), "packs written through to the blob tier");
+        assert_eq!(run_args(&["rm", &id.to_hex(), "--store", s, "--blob", &blob]).unwrap(), 0);
+        assert!(walk(&d.path().join("blob/manifests")).is_empty(), "rm unpublishes in the blob tier too");
+        assert!(run_args(&["gc", "--include-blob", "--store", s]).is_err(), "no blob tier given: a clear error");
+        let args = ["gc", "--include-blob", "--grace-secs", "0", "--json", "--store", s, "--blob", &blob];
+        assert_eq!(run_args(&args).unwrap(), 0);
+        let left: Vec<_> = walk(&d.path().join("blob/packs"));
+        assert!(left.is_empty(), "blob packs of the removed image collected: {left:?}");
+        assert!(run_args(&["put", "x", "--store", s, "--blob", "ftp://nope"]).is_err());
         assert!(run_args(&["get", "nothex", "x", "--store", s]).is_err());
         assert!(run_args(&["put", "/nonexistent/file", "--store", s]).is_err());
     }
