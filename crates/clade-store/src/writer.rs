@@ -24,6 +24,15 @@ use crate::{fsutil, StoreError, BLOCK};
 /// Bytes hashed per parallel task (a multiple of [`BLOCK`]).
 const HASH_SLICE: usize = 1 << 20;
 
+/// Zero check and batched SIMD hashing (hash.rs) of 4 KiB blocks, in slices spread over the cores.
+pub(crate) fn hash_parallel(data: &[u8]) -> Vec<Option<ObjectId>> {
+    if data.len() <= HASH_SLICE {
+        return crate::hash::hash_blocks(data);
+    }
+    let parts: Vec<Vec<Option<ObjectId>>> = data.par_chunks(HASH_SLICE).map(crate::hash::hash_blocks).collect();
+    parts.concat()
+}
+
 /// What a put did.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct PutReport {
@@ -123,13 +132,7 @@ impl Session {
 
     /// Store blocks (each 4 KiB, the last maybe shorter), returning their slots in order.
     pub fn put_blocks(&mut self, data: &[u8], out: &mut Vec<Slot>) -> Result<(), StoreError> {
-        // Zero check and batched SIMD hashing (hash.rs), in slices spread over the cores.
-        let hashes: Vec<Option<ObjectId>> = if data.len() <= HASH_SLICE {
-            crate::hash::hash_blocks(data)
-        } else {
-            let parts: Vec<Vec<Option<ObjectId>>> = data.par_chunks(HASH_SLICE).map(crate::hash::hash_blocks).collect();
-            parts.concat()
-        };
+        let hashes = hash_parallel(data);
         self.put_hashed(data, hashes, out)
     }
 

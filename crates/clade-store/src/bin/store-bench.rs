@@ -85,6 +85,24 @@ fn make_image(path: &Path, size: usize) -> std::io::Result<()> {
     f.flush()
 }
 
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+}
+
 fn secs<T>(f: impl FnOnce() -> T) -> (f64, T) {
     let t = Instant::now();
     let r = f();
@@ -260,33 +278,37 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
     // Warm the page cache, then b3sum (all cores) vs put (compression off).
     sh(Command::new("cat").arg(&img).stdout(std::process::Stdio::null()))?;
     let _ = &data_dir;
-    // Alternate b3sum and a put into a fresh store, three times each; keep the best of each (the least
-    // disturbed by other load on the machine), and the CPU seconds each used.
-    let (mut b3, mut b3_cpu, mut t_put1, mut put_cpu) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    // Alternate b3sum and a put into a fresh store, `--reps` times (default 5): the machine is shared, so
+    // each figure is the median of the per-round ratios, with their spread.
+    let reps: usize = arg("--reps").map(|s| s.parse()).transpose()?.unwrap_or(5).max(1);
+    let (mut b3s, mut b3_cpus, mut puts, mut put_cpus, mut put_ratios) = (vec![], vec![], vec![], vec![], vec![]);
     let mut r1 = None;
-    for _ in 0..3 {
+    for _ in 0..reps {
         let c0 = cpu();
         let (t, r) = secs(|| sh(Command::new("b3sum").arg(&img).stdout(std::process::Stdio::null())));
         r?;
         let c1 = cpu();
-        b3 = b3.min(t);
-        b3_cpu = b3_cpu.min(c1.1 - c0.1);
+        b3s.push(t);
+        b3_cpus.push(c1.1 - c0.1);
         let _ = std::fs::remove_dir_all(&data_dir);
         let s = Store::open(&data_dir, cfg.clone())?;
         let c0 = cpu();
-        let (t, r) = secs(|| s.put_file_rehash(&img, ImageKind::Mem));
+        let (tp, r) = secs(|| s.put_file_rehash(&img, ImageKind::Mem));
         let c1 = cpu();
-        t_put1 = t_put1.min(t);
-        put_cpu = put_cpu.min(c1.0 - c0.0);
+        puts.push(tp);
+        put_cpus.push(c1.0 - c0.0);
+        put_ratios.push(t / tp);
         r1 = Some(r?);
     }
+    let (b3, b3_cpu, t_put1, put_cpu) = (median(&b3s), median(&b3_cpus), median(&puts), median(&put_cpus));
     let r1 = r1.ok_or("no put")?;
     let store = Store::open(&data_dir, cfg)?;
     let stored1 = du(&data_dir);
     emit(serde_json::json!({
         "figure": "put_vs_b3sum", "bytes": size, "b3sum_secs": b3, "put_secs": t_put1,
         "b3sum_mb_s": size as f64 / b3 / 1e6, "put_mb_s": size as f64 / t_put1 / 1e6,
-        "ratio": b3 / t_put1, "bar": 0.7, "compression": "off",
+        "ratio": median(&put_ratios), "ratio_min": min(&put_ratios), "ratio_max": max(&put_ratios), "reps": reps,
+        "bar": 0.7, "compression": "off",
         "b3sum_cpu_secs": b3_cpu, "put_cpu_secs": put_cpu, "cpu_ratio": b3_cpu / put_cpu,
         "bytes_new": r1.bytes_new, "bytes_zero": r1.bytes_zero, "bytes_dedup": r1.bytes_dedup,
         "manifest_bytes": r1.manifest_bytes, "store_bytes": stored1, "store_dir": data_dir.display().to_string(),
@@ -368,27 +390,30 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
     let id = r3.id.ok_or("no id")?;
     let dest_cp = work.join("cp.out");
     let dest_get = work.join("get.out");
-    let mut t_cp = f64::MAX;
-    let mut t_get = f64::MAX;
-    let (mut cp_cpu, mut get_cpu) = (f64::MAX, f64::MAX);
-    for _ in 0..3 {
+    let (mut cps, mut gets, mut cp_cpus, mut get_cpus, mut get_ratios) = (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..reps {
         let _ = std::fs::remove_file(&dest_cp);
         let _ = std::fs::remove_file(&dest_get);
         let c0 = cpu();
         let (t, r) = secs(|| sh(Command::new("cp").arg(&copy).arg(&dest_cp)));
         r?;
         let c1 = cpu();
-        t_cp = t_cp.min(t);
-        cp_cpu = cp_cpu.min(c1.1 - c0.1);
+        cps.push(t);
+        cp_cpus.push(c1.1 - c0.1);
         let fresh = Store::open(&data_dir, StoreConfig { compression_level: None, ..Default::default() })?;
-        let (t, r) = secs(|| fresh.get_file(&id, &dest_get));
+        let c1 = cpu();
+        let (tg, r) = secs(|| fresh.get_file(&id, &dest_get));
         r?;
-        get_cpu = get_cpu.min(cpu().0 - c1.0);
-        t_get = t_get.min(t);
+        get_cpus.push(cpu().0 - c1.0);
+        gets.push(tg);
+        get_ratios.push(t / tg);
     }
+    let (t_cp, t_get, cp_cpu, get_cpu) = (median(&cps), median(&gets), median(&cp_cpus), median(&get_cpus));
     let same = std::fs::read(&dest_get)? == std::fs::read(&copy)?;
     emit(serde_json::json!({
-        "figure": "get_vs_cp", "bytes": size, "cp_secs": t_cp, "get_secs": t_get, "ratio": t_cp / t_get, "bar": 0.8, "cp_cpu_secs": cp_cpu, "get_cpu_secs": get_cpu,
+        "figure": "get_vs_cp", "bytes": size, "cp_secs": t_cp, "get_secs": t_get, "ratio": median(&get_ratios),
+        "ratio_min": min(&get_ratios), "ratio_max": max(&get_ratios), "reps": reps,
+        "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(), "bar": 0.8, "cp_cpu_secs": cp_cpu, "get_cpu_secs": get_cpu,
         "identical": same,
     }));
     let _ = std::fs::remove_file(&dest_cp);
