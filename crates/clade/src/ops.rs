@@ -250,24 +250,6 @@ impl Ops {
         client::write_stream(self.home(), sandbox, path, mode, src)
     }
 
-    pub fn read_file(&self, sandbox: &str, path: &str) -> anyhow::Result<Vec<u8>> {
-        check_id(sandbox)?;
-        let body = client::call(self.home(), sandbox, &Request::ReadFile { path: path.into() })?;
-        let b64 = base64::engine::general_purpose::STANDARD;
-        b64.decode(body["data_b64"].as_str().unwrap_or("")).context("the supervisor's file bytes")
-    }
-
-    pub fn write_file(&self, sandbox: &str, path: &str, data: &[u8], mode: Option<u32>) -> anyhow::Result<u64> {
-        check_id(sandbox)?;
-        let b64 = base64::engine::general_purpose::STANDARD;
-        let body = client::call(
-            self.home(),
-            sandbox,
-            &Request::WriteFile { path: path.into(), data_b64: b64.encode(data), mode },
-        )?;
-        Ok(body["bytes"].as_u64().unwrap_or(0))
-    }
-
     pub fn mark(
         &self,
         sandbox: &str,
@@ -320,8 +302,20 @@ impl Ops {
     pub fn kill(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
         check_id(sandbox)?;
         let home = self.home();
+        let sup = self.engine.ledger().sandbox(&SandboxId::new(sandbox)).ok().and_then(|r| r.supervisor_pid);
         match client::call(home, sandbox, &Request::Kill) {
-            Ok(body) => Ok(body),
+            Ok(body) => {
+                // The supervisor answers, then ends the sandbox: return once it has (so a `ls` right after
+                // never shows it running), or after 15 s saying so.
+                let start = Instant::now();
+                while sup.is_some_and(supervisor_alive) {
+                    if start.elapsed() > Duration::from_secs(15) {
+                        return Err(anyhow!("sandbox {sandbox}'s supervisor did not end within 15 s of a kill"));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(body)
+            }
             Err(e) => {
                 let id = SandboxId::new(sandbox);
                 let rec =
@@ -437,7 +431,7 @@ pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, gene
     let log = std::fs::File::create(crate::supervisor::log_file(home, sandbox.as_str()))?;
     let exe = std::env::current_exe().context("locate the clade binary")?;
     use std::os::unix::process::CommandExt;
-    Command::new(exe)
+    let mut child = Command::new(exe)
         .args(["supervise", "--sandbox", sandbox.as_str(), "--mark", mark.id.as_str()])
         .arg("--generation")
         .arg(generation.to_string())
@@ -448,6 +442,9 @@ pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, gene
         .process_group(0)
         .spawn()
         .context("start the supervisor")?;
+    // A long-lived parent (the daemon) reaps its supervisors when they end, so none lingers as a zombie; a
+    // CLI that exits first hands them to init.
+    std::thread::Builder::new().name("reap-supervisor".into()).spawn(move || child.wait()).ok();
     Ok(())
 }
 

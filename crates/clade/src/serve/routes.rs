@@ -21,6 +21,7 @@ use super::App;
 use crate::ops::ExecRequest;
 
 /// Every route of the native API: (method, path in OpenAPI's `{param}` form).
+#[cfg_attr(not(test), allow(dead_code))]
 pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/openapi.json"),
     ("get", "/metrics"),
@@ -157,14 +158,16 @@ async fn kill(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
 
 /// Resume a suspended sandbox before a request that needs it running (idle suspend is invisible to callers).
 fn wake(a: &App, id: &str) -> anyhow::Result<()> {
-    a.idle.touch(id);
-    let rec = a.ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id));
-    if let Ok(r) = rec {
-        if r.state == clade_ledger::SandboxState::Suspended && a.idle.was_idle_suspended(id) {
-            a.ops.resume(id)?;
-            a.idle.touch(id);
+    if a.idle.was_idle_suspended(id) {
+        let rec = a.ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id));
+        if rec.is_ok_and(|r| r.state == clade_ledger::SandboxState::Suspended) {
+            let r = a.ops.resume(id)?;
+            if !r["ok"].as_bool().unwrap_or(false) {
+                return Err(anyhow::anyhow!("resuming idle sandbox {id}: {}", r["error"]));
+            }
         }
     }
+    a.idle.touch(id);
     Ok(())
 }
 
