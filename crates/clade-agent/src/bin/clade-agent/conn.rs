@@ -23,11 +23,13 @@ pub struct Conn {
     /// The same stream as an fd for `sendfile` (file reads skip a copy through user space).
     fd: Option<OwnedFd>,
     sendfile_ok: AtomicBool,
+    /// The boot id as of this connection's start ([`sys::boot_id`]).
+    boot_id: String,
 }
 
 impl Conn {
     pub fn new(w: Box<dyn Write + Send>, fd: Option<OwnedFd>) -> Conn {
-        Conn { w: Mutex::new(w), fd, sendfile_ok: AtomicBool::new(true) }
+        Conn { w: Mutex::new(w), fd, sendfile_ok: AtomicBool::new(true), boot_id: sys::boot_id() }
     }
 
     /// Sends `n` bytes of `f` from `off` as one `Data` frame on [`Chan::File`]: `sendfile` where the
@@ -116,9 +118,15 @@ fn guarded(f: impl FnOnce() -> Response) -> Response {
     })
 }
 
+/// The connection's read buffer.
+const READ_BUF: usize = 64 * 1024;
+
 /// Serves one connection until the host closes it.
-pub fn serve(agent: &Arc<Agent>, mut r: impl Read, w: Box<dyn Write + Send>, fd: Option<OwnedFd>) {
+pub fn serve(agent: &Arc<Agent>, r: impl Read, w: Box<dyn Write + Send>, fd: Option<OwnedFd>) {
     let conn = Arc::new(Conn::new(w, fd));
+    // One read syscall per small frame instead of three (length, header, body); under TCG each guest
+    // syscall costs microseconds. Bulk data frames bigger than the buffer are read straight into place.
+    let mut r = std::io::BufReader::with_capacity(READ_BUF, r);
     let mut writes: HashMap<u32, fsops::PendingWrite> = HashMap::new();
     let mut buf = Vec::new();
     loop {
@@ -201,7 +209,7 @@ fn dispatch(
 ) {
     let a = agent.clone();
     match req {
-        Request::Hello => conn.reply(id, &guarded(|| Ok(Reply::Hello(sys::hello(agent))))),
+        Request::Hello => conn.reply(id, &guarded(|| Ok(Reply::Hello(sys::hello(agent, &conn.boot_id))))),
         Request::Exec(spec) => {
             let started = catch_unwind(AssertUnwindSafe(|| procs::spawn(agent, conn, spec)))
                 .unwrap_or_else(|_| Err(AgentError::Failed { detail: "the agent hit a bug starting it".into() }));

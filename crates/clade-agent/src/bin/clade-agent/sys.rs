@@ -43,12 +43,19 @@ pub fn clock_shift(by_ns: i64) -> Result<ClockReading, AgentError> {
     clock_read()
 }
 
-pub fn hello(agent: &Agent) -> Hello {
+/// The kernel's boot id. Read once per connection, not per `hello`: under TCG the open, read and close of
+/// this procfs file cost ~90 us, most of a round trip (docs/agent.md). It can change under a running agent
+/// only when CRIU restores it onto another boot, and the host connects anew after every restore.
+pub fn boot_id() -> String {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+pub fn hello(agent: &Agent, boot_id: &str) -> Hello {
     Hello {
         wire_version: clade_agent::WIRE_VERSION,
         agent_version: env!("CARGO_PKG_VERSION").into(),
         role: agent.role.into(),
-        boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default(),
+        boot_id: boot_id.to_owned(),
         uptime_ms: ns(ClockId::CLOCK_BOOTTIME).map(|n| n as u64 / 1_000_000).unwrap_or(0),
         generation: agent.generation.load(Ordering::Relaxed),
         pid: std::process::id(),
