@@ -333,6 +333,9 @@ impl Builder {
                         stage.display()
                     ),
                 );
+                // A cached stage may be reached through a symlink (a test home borrowing the real cache):
+                // link its contents, not the link.
+                let stage = std::fs::canonicalize(&stage).unwrap_or(stage);
                 rootfs::link_tree("rootfs: link the stage", &stage, &root)?;
                 steps.note("copy", "stage hard-linked");
             }
