@@ -9,7 +9,6 @@
 //! restarts loses nothing.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
@@ -422,29 +421,18 @@ fn row_of(s: &clade_ledger::SandboxRecord) -> serde_json::Value {
     })
 }
 
-/// Start a supervisor for `sandbox` restoring `mark`, detached from this process (its own process group, so
-/// it outlives the CLI and the daemon).
+/// Start a supervisor for `sandbox` restoring `mark`, detached ([`crate::supervisor::spawn_detached`]).
 pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<()> {
     let dir = sup_dir(home, sandbox.as_str());
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let _ = std::fs::remove_file(ready_file(home, sandbox.as_str()));
     let log = std::fs::File::create(crate::supervisor::log_file(home, sandbox.as_str()))?;
-    let exe = std::env::current_exe().context("locate the clade binary")?;
-    use std::os::unix::process::CommandExt;
-    let mut child = Command::new(exe)
-        .args(["supervise", "--sandbox", sandbox.as_str(), "--mark", mark.id.as_str()])
-        .arg("--generation")
-        .arg(generation.to_string())
-        .env("CLADE_HOME", home.root())
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .context("start the supervisor")?;
-    // A long-lived parent (the daemon) reaps its supervisors when they end, so none lingers as a zombie; a
-    // CLI that exits first hands them to init.
-    std::thread::Builder::new().name("reap-supervisor".into()).spawn(move || child.wait()).ok();
+    let generation = generation.to_string();
+    crate::supervisor::spawn_detached(
+        home,
+        &["--sandbox", sandbox.as_str(), "--mark", mark.id.as_str(), "--generation", &generation],
+        log,
+    )?;
     Ok(())
 }
 

@@ -29,3 +29,25 @@ pub fn ready_file(home: &CladeHome, sandbox: &str) -> PathBuf {
 pub fn log_file(home: &CladeHome, sandbox: &str) -> PathBuf {
     sup_dir(home, sandbox).join("supervisor.log")
 }
+
+/// Start `clade supervise ARGS...` detached: its own process group (it outlives the CLI and the daemon),
+/// stdin closed, output to `log`, `CLADE_HOME` passed on. A long-lived parent (the daemon) reaps it when it
+/// ends, so none lingers as a zombie; a CLI that exits first hands it to init. Returns its pid.
+pub fn spawn_detached(home: &CladeHome, args: &[&str], log: std::fs::File) -> anyhow::Result<u32> {
+    use anyhow::Context;
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().context("locate the clade binary")?;
+    let mut child = std::process::Command::new(exe)
+        .arg("supervise")
+        .args(args)
+        .env("CLADE_HOME", home.root())
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("start a supervisor")?;
+    let pid = child.id();
+    std::thread::Builder::new().name("reap-supervisor".into()).spawn(move || child.wait()).ok();
+    Ok(pid)
+}

@@ -10,7 +10,6 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,17 +72,8 @@ pub fn spawn_member(home: &CladeHome, mark: &str) -> anyhow::Result<()> {
     let dir = pool_dir(home, mark);
     std::fs::create_dir_all(&dir)?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("pool.log"))?;
-    let exe = std::env::current_exe().context("locate the clade binary")?;
-    use std::os::unix::process::CommandExt;
-    let child = Command::new(exe)
-        .args(["supervise", "--pool", "--mark", mark, "--sandbox", "-"])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .context("start a pool member")?;
-    std::fs::write(dir.join(format!("{}.starting", child.id())), child.id().to_string())?;
+    let pid = super::spawn_detached(home, &["--pool", "--mark", mark, "--sandbox", "-"], log)?;
+    std::fs::write(dir.join(format!("{pid}.starting")), pid.to_string())?;
     Ok(())
 }
 
