@@ -2,7 +2,7 @@
 //! `clade fork --count 3`, `exec` (distinct hostnames, exit codes passed through), `mark`, `retake`, `suspend`,
 //! `resume`, a supervisor killed with SIGKILL reported as lost and cleaned up by `kill`, and nothing left behind.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -12,18 +12,8 @@ use clade_core::CladeHome;
 use clade_ledger::TemplateId;
 use clade_store::ImageKind;
 
-fn real_home() -> PathBuf {
-    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
-}
-
-fn clade(home: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_clade")).args(args).env("CLADE_HOME", home).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::{clade, real_home};
 
 fn ok(home: &Path, args: &[&str]) -> String {
     let (code, out, err) = clade(home, args);

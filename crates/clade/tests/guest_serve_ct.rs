@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,9 +13,8 @@ use clade_core::engine::Engine;
 use clade_core::CladeHome;
 use clade_ledger::TemplateId;
 
-fn real_home() -> PathBuf {
-    PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
-}
+mod common;
+use common::real_home;
 
 struct Serve {
     child: Child,
@@ -65,17 +64,10 @@ fn serve(home: &Path) -> Serve {
 
 /// The CLI through the daemon.
 fn clade(home: &Path, host: Option<&str>, args: &[&str]) -> (i32, String, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_clade"));
-    c.args(args).env("CLADE_HOME", home);
-    if let Some(h) = host {
-        c.env("CLADE_HOST", h);
+    match host {
+        Some(h) => common::clade_with(home, &[("CLADE_HOST", h)], args),
+        None => common::clade(home, args),
     }
-    let out = c.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 fn ok(home: &Path, host: &str, args: &[&str]) -> serde_json::Value {
