@@ -169,6 +169,7 @@ impl VmBackend {
             vmgenid: true,
             incoming,
             devstate_only,
+            net: None,
         }
     }
 
@@ -231,7 +232,7 @@ impl Backend for VmBackend {
         let leases = vec![self.lease(disk_manifest)?];
         let ram = self.inner.shm.join("run").join(format!("{}.ram", id.sandbox_id));
         let agent_sock = run.path.join("agent.sock");
-        let spec = self.spec(
+        let mut spec = self.spec(
             &image.shape,
             RamBacking { path: ram.clone(), share: true },
             disk.socket(),
@@ -239,6 +240,7 @@ impl Backend for VmBackend {
             false,
             false,
         );
+        crate::net::apply(&mut spec, image.egress);
         let qemu_dir = run.path.join("qemu");
         let vm = Vm::spawn(&self.inner.qemu, spec, &qemu_dir).map_err(failed)?;
         let guard = RamGuard(Some(ram.clone()));
@@ -259,6 +261,7 @@ impl Backend for VmBackend {
             run,
             generation: 0,
             last_mark: None,
+            egress: image.egress,
         }))
     }
 
@@ -280,6 +283,7 @@ impl VmBackend {
             return Err(failed("not a vm mark"));
         }
         check_compat(&mark.compat, &self.compat(&mark.shape))?;
+        let egress = crate::net::mark_egress(mark)?;
         let store = &self.inner.store;
         let root = manifest(mark, role::RAM_ROOT)?.to_string();
         let disk_manifest = manifest(mark, role::DISK)?;
@@ -305,7 +309,7 @@ impl VmBackend {
         };
         let disk = self.inner.disks.export(disk_manifest, &run.path.join("disk.sock")).map_err(failed)?;
         let agent_sock = run.path.join("agent.sock");
-        let spec = self.spec(
+        let mut spec = self.spec(
             &mark.shape,
             RamBacking { path: ram_file.clone(), share: false },
             disk.socket(),
@@ -313,6 +317,7 @@ impl VmBackend {
             true,
             devstate_only,
         );
+        crate::net::apply(&mut spec, egress);
         let vm = Vm::spawn(&self.inner.qemu, spec, &run.path.join("qemu")).map_err(failed)?;
         crate::templating::write_mark_pages(&vm, &pages, &data).map_err(failed)?;
         Ok(VmPrepared {
@@ -328,6 +333,7 @@ impl VmBackend {
             leases,
             run,
             generation: id.generation,
+            egress,
         })
     }
 }
@@ -346,6 +352,7 @@ pub struct VmPrepared {
     leases: Vec<Lease>,
     run: RunDir,
     generation: u64,
+    egress: bool,
 }
 
 impl VmBackend {
@@ -379,6 +386,7 @@ impl VmPrepared {
             run: self.run,
             generation: self.generation,
             last_mark: None,
+            egress: self.egress,
         })
     }
 }
@@ -473,6 +481,8 @@ pub struct VmSandbox {
     run: RunDir,
     generation: u64,
     last_mark: Option<MarkStats>,
+    /// `network = "egress"`: a user-mode NIC (crate::net), recorded in every mark.
+    egress: bool,
 }
 
 /// What the last mark of a sandbox changed, for benches: the truth the stored bytes are held against.
@@ -532,6 +542,7 @@ impl VmSandbox {
         manifests.insert(role::RAM.to_string(), root.clone());
         manifests.insert(role::DEVSTATE.to_string(), put_id(&dev)?);
         manifests.insert(role::DISK.to_string(), disk);
+        crate::net::record(&mut manifests, self.egress);
         let mark = MarkState {
             backend: BackendKind::Vm,
             manifests,
@@ -543,7 +554,7 @@ impl VmSandbox {
             clean: !opts.not_clean,
         };
         // Go on as a clone of the mark (same guest state; a new QEMU mapping the root privately).
-        let spec = self.backend.spec(
+        let mut spec = self.backend.spec(
             &self.shape,
             RamBacking { path: root_file.clone(), share: false },
             self.disk.socket(),
@@ -551,6 +562,7 @@ impl VmSandbox {
             true,
             false,
         );
+        crate::net::apply(&mut spec, self.egress);
         let (vm, _) =
             crate::templating::restore(&self.backend.inner.qemu, spec, &state_path, &self.run.path.join("qemu"))
                 .map_err(failed)?;
@@ -608,6 +620,7 @@ impl VmSandbox {
         manifests.insert(role::RAM_PAGES.to_string(), put_id(&pages)?);
         manifests.insert(role::DEVSTATE_ONLY.to_string(), put_id(&dev)?);
         manifests.insert(role::DISK.to_string(), disk);
+        crate::net::record(&mut manifests, self.egress);
         Ok(MarkState {
             backend: BackendKind::Vm,
             manifests,

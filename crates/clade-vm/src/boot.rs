@@ -33,7 +33,8 @@ pub fn wanted_modules(machine: MachineType) -> Vec<&'static str> {
         MachineType::Microvm => "virtio_mmio",
     };
     // tcp_diag (with inet_diag): the agent destroys stale connections after a restore through sock_diag.
-    vec![transport, "virtio_blk", "virtio_console", "virtio_rng", "crc32c_generic", "ext4", "tcp_diag"]
+    // virtio_net: the NIC of `network = "egress"` guests (crate::net); loaded always, configured only when asked.
+    vec![transport, "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "crc32c_generic", "ext4", "tcp_diag"]
 }
 
 /// Module name (`virtio_blk`) -> (relative path, dependencies' relative paths), from `modules.dep`.
@@ -151,14 +152,19 @@ $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
 $B mount -t devtmpfs dev /dev
 for m in {modules}; do $B insmod /lib/modules/$m.ko 2>/dev/null || $B grep -q "^$m " /proc/modules || fail "insmod $m"; done
-root=/dev/vda; init={agent}; rootflags=rw
+root=/dev/vda; init={agent}; rootflags=rw; net=
 for arg in $($B cat /proc/cmdline); do
   case "$arg" in
     clade.root=*) root=${{arg#clade.root=}} ;;
     clade.init=*) init=${{arg#clade.init=}} ;;
     clade.rootflags=*) rootflags=${{arg#clade.rootflags=}} ;;
+    clade.net=*) net=${{arg#clade.net=}} ;;
   esac
 done
+# network = "egress" (crate::net): eth0 ADDR/LEN with a default route via GATEWAY; no word, no route.
+if [ -n "$net" ]; then
+  $B ip link set eth0 up && $B ip addr add ${{net%,*}} dev eth0 && $B ip route add default via ${{net#*,}} || fail "network $net"
+fi
 # What udev would do: name the virtio-serial ports (/dev/virtio-ports/NAME), so the agent finds its channel.
 $B mkdir -p /dev/virtio-ports
 for p in /sys/class/virtio-ports/*; do

@@ -10,6 +10,7 @@ pub mod boot;
 pub mod disks;
 pub mod initramfs;
 pub mod machine;
+pub mod net;
 pub mod qemu;
 pub mod qmp;
 pub mod ramdiff;

@@ -58,6 +58,9 @@ pub struct VmSpec {
     /// The incoming state is device state alone (`xen-save-devices-state` of a clone): it has no configuration
     /// section and no vmdescription trailer, and the loader must be told so.
     pub devstate_only: bool,
+    /// User-mode networking (`network = "egress"`); `None`: no network device (crate::net).
+    #[serde(default)]
+    pub net: Option<crate::net::UserNet>,
 }
 
 impl VmSpec {
@@ -116,6 +119,9 @@ impl VmSpec {
                 "-device".into(),
                 format!("virtserialport,bus=vser0.0,chardev=agent,name={}", clade_agent::VM_PORT_NAME),
             ]);
+        }
+        if let Some(net) = &self.net {
+            a.extend(net.qemu_args(self.machine));
         }
         if self.vmgenid && self.machine == MachineType::Q35 {
             a.extend(["-device".into(), "vmgenid,guid=auto".into()]);

@@ -57,6 +57,7 @@ fn guest_agent_answers_over_virtio_serial_and_survives_a_clone() {
         vmgenid: true,
         incoming,
         devstate_only: false,
+        net: None,
     };
     let boot = Instant::now();
     let base_sock = w.join("base-agent.sock");

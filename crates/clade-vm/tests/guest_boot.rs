@@ -74,6 +74,7 @@ fn boot_root(machine: MachineType) {
         vmgenid: false,
         incoming: false,
         devstate_only: false,
+        net: None,
     };
     let vm = Vm::spawn(&qemu, spec, &w.join("run")).unwrap();
     let t = Instant::now();

@@ -42,6 +42,7 @@ fn spec(kernel: &Path, initrd: &Path, ram: &Path, share: bool, incoming: bool) -
         vmgenid: true,
         incoming,
         devstate_only: false,
+        net: None,
     }
 }
 

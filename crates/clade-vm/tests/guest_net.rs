@@ -1,0 +1,188 @@
+//! Guest networking of the `vm` backend with real guests (docs/net.md): a guest of an `egress` template reaches a
+//! TCP listener on the host through QEMU's user-mode network (10.0.2.2 is the host's loopback); two siblings
+//! restored at once from its mark, both with the mark's address 10.0.2.15, reach it concurrently and each gets
+//! its own answer; a guest without network has no NIC and no route and cannot connect; after kill no QEMU is
+//! left.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clade_agent::proto::ExecSpec;
+use clade_core::backend::{Backend, MarkOptions, Sandbox, Shape, TemplateImage};
+use clade_core::hygiene;
+use clade_store::{ImageKind, Store, StoreConfig};
+use common::*;
+
+/// Exit code, stdout and stderr of a shell line in the guest.
+fn sh(sbx: &dyn Sandbox, script: &str) -> (i32, String, String) {
+    let out = sbx
+        .agent()
+        .run(ExecSpec { argv: vec!["/bin/sh".into(), "-c".into(), script.into()], ..Default::default() })
+        .unwrap();
+    (
+        out.status.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    )
+}
+
+/// A host listener that answers each connection's first line with `pong <line>` and records the lines.
+fn listener() -> (u16, Arc<Mutex<Vec<String>>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming().flatten() {
+            let seen = seen2.clone();
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                if r.read_line(&mut line).is_ok() {
+                    let line = line.trim().to_string();
+                    let mut w = conn;
+                    let _ = writeln!(w, "pong {line}");
+                    seen.lock().unwrap().push(line);
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// Exit code, stdout, stderr.
+type Answer = (i32, String, String);
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+}
+
+#[test]
+fn guest_vm_net_egress_siblings_and_none() {
+    let Some(agent) = agent_binary() else {
+        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+        return;
+    };
+    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return;
+    }
+    let work = tempfile::Builder::new().prefix("clade-vmnet").tempdir_in("/dev/shm").unwrap();
+    let w = work.path();
+    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
+    let img = w.join("root.img");
+    busybox_root_image(w, &agent, &img, 64);
+    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
+    let home = clade_core::CladeHome::at(home());
+    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
+    let image = |egress| TemplateImage {
+        name: "busybox-net".into(),
+        hash: "test".into(),
+        rootfs: w.join("root"),
+        disk_manifest: Some(disk.clone()),
+        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
+        egress,
+    };
+    let (port, seen) = listener();
+    let tag = std::process::id();
+    let connect = |who: &str| format!("echo {who} | /bin/busybox nc -w 5 10.0.2.2 {port}");
+
+    // Egress: the guest is configured by the initramfs and reaches the host.
+    let t = Instant::now();
+    let mut cold = backend.cold_start(&image(true), &hygiene::new_identity(&format!("t{tag}ncold"), 0)).unwrap();
+    eprintln!("cold start with network: {:?}", t.elapsed());
+    let (_, addr, _) = sh(cold.as_ref(), "/bin/busybox ip -4 addr show eth0");
+    assert!(addr.contains("inet 10.0.2.15/24"), "eth0: {addr}");
+    let (_, route, _) = sh(cold.as_ref(), "/bin/busybox ip route");
+    assert!(route.contains("default via 10.0.2.2"), "routes: {route}");
+    let (code, out, err) = sh(cold.as_ref(), &connect("cold"));
+    assert_eq!((code, out.as_str()), (0, "pong cold"), "{err}");
+    let mark = cold.mark(&MarkOptions::default()).unwrap();
+    assert_eq!(mark.manifests.get(clade_vm::net::ROLE_NETWORK).map(String::as_str), Some("egress"));
+    // The marked sandbox runs on as a clone, still networked.
+    assert_eq!(sh(cold.as_ref(), &connect("after-mark")).1, "pong after-mark");
+
+    // Two siblings restored at once; both keep 10.0.2.15 and connect concurrently.
+    let sibs: Vec<(Box<dyn Sandbox>, Duration)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|i| {
+                let (backend, mark) = (&backend, &mark);
+                s.spawn(move || {
+                    let id = hygiene::new_identity(&format!("t{tag}ns{i}"), 1);
+                    let t = Instant::now();
+                    let sbx = backend.restore(mark, &id).unwrap();
+                    let took = t.elapsed();
+                    hygiene::apply(sbx.agent(), &id, true).unwrap();
+                    (sbx, took)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (_, took)) in sibs.iter().enumerate() {
+        eprintln!("sibling {i} restored with network in {took:?}");
+    }
+    // Each sibling's connection runs on its own thread, all at once (the sandbox moves there and back).
+    let (sibs, answers): (Vec<Box<dyn Sandbox>>, Vec<Answer>) = std::thread::scope(|s| {
+        let hs: Vec<_> = sibs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (sbx, _))| {
+                let script = format!(
+                    "/bin/busybox ip -4 addr show eth0 | /bin/busybox grep -q 'inet 10.0.2.15/' && {}",
+                    connect(&format!("sib{i}"))
+                );
+                s.spawn(move || {
+                    let r = sh(sbx.as_ref(), &script);
+                    (sbx, r)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).unzip()
+    });
+    for (i, (code, out, err)) in answers.iter().enumerate() {
+        assert_eq!((*code, out.as_str()), (0, format!("pong sib{i}").as_str()), "sibling {i}: {err}");
+    }
+    {
+        let seen = seen.lock().unwrap();
+        for who in ["cold", "after-mark", "sib0", "sib1"] {
+            assert!(seen.iter().any(|l| l == who), "the listener saw {seen:?}");
+        }
+    }
+    let mut pids: Vec<u32> = cold.pids();
+    for s in &sibs {
+        pids.extend(s.pids());
+    }
+    assert_eq!(pids.len(), 3);
+    for s in sibs {
+        s.kill().unwrap();
+    }
+    cold.kill().unwrap();
+
+    // No network: no NIC, no route, the connection fails.
+    let none = backend.cold_start(&image(false), &hygiene::new_identity(&format!("t{tag}nnone"), 0)).unwrap();
+    let (_, links, _) = sh(none.as_ref(), "/bin/busybox ip -o link");
+    assert!(!links.contains("eth0"), "a guest without network has a NIC: {links}");
+    let (_, route, _) = sh(none.as_ref(), "/bin/busybox ip route");
+    assert!(!route.contains("default"), "routes: {route}");
+    let (code, out, _) = sh(none.as_ref(), &connect("none"));
+    assert!(code != 0 && !out.contains("pong"), "a guest without network connected: {code} {out}");
+    pids.extend(none.pids());
+    none.kill().unwrap();
+    assert!(!seen.lock().unwrap().iter().any(|l| l == "none"));
+
+    // Nothing left: every QEMU ended, no run dir.
+    let t = Instant::now();
+    while pids.iter().any(|p| alive(*p)) && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(pids.iter().all(|p| !alive(*p)), "QEMU processes left: {pids:?}");
+    for id in ["ncold", "ns0", "ns1", "nnone"] {
+        assert!(!home.run_dir().join(format!("t{tag}{id}")).exists(), "run dir of {id} left");
+    }
+}
