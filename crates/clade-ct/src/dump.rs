@@ -17,6 +17,9 @@ pub struct DumpSpec<'a> {
     pub upper_copy: PathBuf,
     pub leave_running: bool,
     pub log: PathBuf,
+    /// The inode of the sandbox's network namespace when clade made it (egress, crate::net): CRIU leaves it
+    /// out of the images and a restore is handed a fresh one.
+    pub external_net: Option<u64>,
 }
 
 /// What a dump took.
@@ -49,6 +52,9 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
         .arg(&script);
     if spec.leave_running {
         cmd.arg("--leave-running");
+    }
+    if let Some(ino) = spec.external_net {
+        cmd.arg("--external").arg(format!("net[{ino}]:{}", crate::net::EXT_KEY));
     }
     if let Ok(kdat) = crate::criu::kdat_dir() {
         use std::os::unix::process::CommandExt;

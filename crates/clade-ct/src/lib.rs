@@ -14,6 +14,7 @@
 pub mod audit;
 pub mod criu;
 pub mod dump;
+pub mod net;
 pub mod resources;
 pub mod restore;
 pub mod sandbox;
@@ -88,6 +89,8 @@ pub enum FailPoint {
     Files,
     /// The cgroup exists.
     Cgroup,
+    /// The network namespace, veth pair and NAT entry exist (egress only; no-op otherwise).
+    Network,
     /// The processes run (CRIU restored them / the init exec'd).
     Processes,
     /// The agent answered.
@@ -95,8 +98,14 @@ pub enum FailPoint {
 }
 
 impl FailPoint {
-    pub const ALL: [FailPoint; 5] =
-        [FailPoint::RunDir, FailPoint::Files, FailPoint::Cgroup, FailPoint::Processes, FailPoint::Agent];
+    pub const ALL: [FailPoint; 6] = [
+        FailPoint::RunDir,
+        FailPoint::Files,
+        FailPoint::Cgroup,
+        FailPoint::Network,
+        FailPoint::Processes,
+        FailPoint::Agent,
+    ];
 }
 
 /// The `ct` backend.

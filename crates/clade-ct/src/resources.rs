@@ -92,12 +92,14 @@ pub struct Resources {
     pub init: Option<u32>,
     /// A CRIU helper serving the sandbox (lazy-pages daemon).
     pub helper: Option<std::process::Child>,
+    /// The sandbox's network namespace, veth pair and NAT entry (`network = "egress"`, crate::net).
+    pub net: Option<crate::net::SandboxNet>,
     released: bool,
 }
 
 impl Resources {
     pub fn new(run_dir: PathBuf) -> Resources {
-        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, helper: None, released: false }
+        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, helper: None, net: None, released: false }
     }
 
     pub fn rw(&self) -> PathBuf {
@@ -121,6 +123,12 @@ impl Resources {
         if let Some(mut h) = self.helper.take() {
             let _ = h.kill();
             let _ = h.wait();
+        }
+        // After the processes: nothing holds the namespace any more, deleting the host link removes both ends.
+        if let Some(mut net) = self.net.take() {
+            if let Err(e) = net.release() {
+                errors.push(e);
+            }
         }
         if let Some(cg) = &self.cgroup {
             if let Err(e) = cg.remove() {

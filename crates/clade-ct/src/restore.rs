@@ -85,6 +85,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         });
     }
     check_compat(&mark.compat, &b.host_compat())?;
+    let egress = crate::net::mark_egress(mark)?;
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     let lower =
         mark.manifests.get(ROLE_ROOTFS).cloned().ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
@@ -119,6 +120,10 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let procs = cg.procs_file();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
+    if egress {
+        res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
+    }
+    b.check_fail(FailPoint::Network)?;
     let overlay = format!("lowerdir={lower},upperdir={},workdir={}", upper.display(), work.display());
     let pages: u64 = std::fs::read_dir(&img)
         .map(|rd| {
@@ -191,12 +196,32 @@ impl CtPrepared {
         let ksm = self.ksm;
         let root2 = root.clone();
         let kdat2 = kdat.clone();
+        // Egress: the fresh namespace made in prepare goes to CRIU as the mark's external one (crate::net).
+        let netns = match &res.net {
+            Some(net) => {
+                let f = std::fs::File::open(net.netns_path())
+                    .map_err(|e| failed(format!("open {}: {e}", net.netns_path().display())))?;
+                cmd.arg("--inherit-fd").arg(format!("fd[{}]:{}", crate::net::INHERIT_FD, crate::net::EXT_KEY));
+                Some(f)
+            }
+            None => None,
+        };
+        let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
-        // an open+write of the cgroup file, prctl) on data prepared before the fork.
+        // an open+write of the cgroup file, prctl, dup2) on data prepared before the fork.
         unsafe {
-            cmd.pre_exec(move || child_setup(&root2, &overlay, &procs, ksm, &kdat2));
+            cmd.pre_exec(move || {
+                if let Some(fd) = netns_fd {
+                    // dup2 clears close-on-exec on the new descriptor: CRIU inherits it.
+                    if libc::dup2(fd, crate::net::INHERIT_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                child_setup(&root2, &overlay, &procs, ksm, &kdat2)
+            });
         }
         let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
+        drop(netns);
         let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
         res.init = pid;
         if !out.success() || pid.is_none() {

@@ -76,6 +76,10 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     b.check_fail(FailPoint::Files)?;
     res.cgroup = Some(Cgroup::create(&id.sandbox_id, limit_bytes(&image.shape)).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
+    if image.egress {
+        res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
+    }
+    b.check_fail(FailPoint::Network)?;
     let spec = crate::spawn::InitSpec {
         lower: lower.clone(),
         upper,
@@ -83,6 +87,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         root,
         hostname: id.hostname.clone(),
         cgroup_procs: res.cgroup.as_ref().map(Cgroup::procs_file),
+        netns: res.net.as_ref().map(crate::net::SandboxNet::netns_path),
     };
     res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
     b.check_fail(FailPoint::Processes)?;
@@ -162,6 +167,11 @@ impl CtSandbox {
     /// The sandbox's run directory (CRIU logs: `restore.log`, `dump-N.log`).
     pub fn run_dir(&self) -> &Path {
         &self.res.run_dir
+    }
+
+    /// The sandbox's network (`network = "egress"`): namespace, veth pair, addresses.
+    pub fn net(&self) -> Option<&crate::net::SandboxNet> {
+        self.res.net.as_ref()
     }
 
     /// The agent's console output (last lines).
@@ -253,6 +263,10 @@ impl CtSandbox {
             return Err(e);
         }
         let criu = self.criu.clone();
+        let external_net = match &self.res.net {
+            Some(_) => Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?),
+            None => None,
+        };
         let spec = dump::DumpSpec {
             criu: &criu,
             pid: self.init_pid(),
@@ -261,6 +275,7 @@ impl CtSandbox {
             upper_copy: stage.join("upper"),
             leave_running,
             log: self.res.run_dir.join(format!("dump-{}.log", self.dumps)),
+            external_net,
         };
         let dumped = dump::dump(&spec);
         if leave_running || dumped.is_err() {
@@ -278,12 +293,15 @@ impl CtSandbox {
         })();
         let _ = std::fs::remove_dir_all(&stage);
         let (img, upper) = stored.map_err(|e| failed(format!("store the mark: {e}")))?;
-        let manifests: BTreeMap<String, String> = [
+        let mut manifests: BTreeMap<String, String> = [
             (ROLE_CRIU.to_string(), img.id.to_hex()),
             (ROLE_UPPER.to_string(), upper.id.to_hex()),
             (ROLE_ROOTFS.to_string(), self.lower.clone()),
         ]
         .into();
+        if self.res.net.is_some() {
+            manifests.insert(crate::net::ROLE_NETWORK.to_string(), crate::net::EGRESS.to_string());
+        }
         Ok(MarkState {
             backend: BackendKind::Ct,
             manifests,

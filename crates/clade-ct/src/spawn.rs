@@ -34,6 +34,8 @@ pub struct InitSpec {
     pub root: PathBuf,
     pub hostname: String,
     pub cgroup_procs: Option<PathBuf>,
+    /// Join this network namespace (made by crate::net) instead of unsharing a new one.
+    pub netns: Option<PathBuf>,
 }
 
 /// Start the sandbox's init; returns its host pid once it has exec'd the agent.
@@ -110,11 +112,19 @@ fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err
             return fail(format!("join cgroup {}: {e}", procs.display()));
         }
     }
-    let flags = CloneFlags::CLONE_NEWPID
-        | CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWNET
-        | CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWIPC;
+    let mut flags =
+        CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC;
+    match &spec.netns {
+        None => flags |= CloneFlags::CLONE_NEWNET,
+        Some(path) => {
+            let joined = std::fs::File::open(path)
+                .map_err(|e| e.to_string())
+                .and_then(|f| nix::sched::setns(f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string()));
+            if let Err(e) = joined {
+                return fail(format!("join network namespace {}: {e}", path.display()));
+            }
+        }
+    }
     if let Err(e) = unshare(flags) {
         return fail(format!("unshare: {e}"));
     }
