@@ -14,7 +14,7 @@ cargo build --workspace --all-targets
 run_tier() {
   local name=$1; shift
   echo "=== test tier: $name"
-  cargo test --workspace -q -- "$@"
+  cargo test --workspace --no-fail-fast -q -- "$@"
 }
 case "$tier" in
   unit) run_tier unit --skip privileged --skip guest "$@" ;;

@@ -101,7 +101,9 @@ pub struct Restored {
 impl Engine {
     /// Open (creating when missing) the store and ledger under `home`.
     pub fn open(home: &CladeHome) -> Result<Engine> {
-        let store = Store::open(&home.store_dir(), StoreConfig::default())?;
+        // The blob tier other hosts share, when this home names one (`CLADE_BLOB`, docs/roam.md).
+        let blob = home.blob_config().map_err(EngineError::Invalid)?;
+        let store = Store::open(&home.store_dir(), StoreConfig { blob, ..StoreConfig::default() })?;
         let ledger = Ledger::open(home.ledger_path())?;
         Ok(Engine { home: home.clone(), store, ledger: ReentrantMutex::new(ledger) })
     }
@@ -134,6 +136,12 @@ impl Engine {
             if let Some(m) = l.mark_by_label(&b.id, spec)? {
                 return Ok(m);
             }
+        }
+        if l.collecting(spec)?.is_some() {
+            return Err(EngineError::Conflict(format!(
+                "mark '{spec}' is being collected (`clade gc` let it go and is sweeping its objects); \
+                 fork another mark"
+            )));
         }
         Err(EngineError::NotFound(format!(
             "no mark, label or template named '{spec}' (see `clade marks`, `clade template ls`)"

@@ -55,4 +55,28 @@ impl CladeHome {
     pub fn tmp_dir(&self) -> PathBuf {
         self.root.join("tmp")
     }
+
+    /// The blob tier this home shares with other hosts (docs/roam.md), from the environment:
+    /// `CLADE_BLOB` = `s3://BUCKET` (with `CLADE_BLOB_ENDPOINT`, `CLADE_BLOB_REGION`, `AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY`) or `file:///DIR`. `None` when unset: the store is local only.
+    pub fn blob_config(&self) -> Result<Option<clade_store::BlobConfig>, String> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let Some(url) = var("CLADE_BLOB") else { return Ok(None) };
+        if let Some(dir) = url.strip_prefix("file://") {
+            return Ok(Some(clade_store::BlobConfig::Local { root: PathBuf::from(dir) }));
+        }
+        let Some(bucket) = url.strip_prefix("s3://").map(|b| b.trim_end_matches('/')).filter(|b| !b.is_empty()) else {
+            return Err(format!("CLADE_BLOB={url}: use s3://BUCKET or file:///DIR"));
+        };
+        let key = |k: &str| var(k).ok_or_else(|| format!("CLADE_BLOB={url} needs {k} in the environment"));
+        let endpoint = var("CLADE_BLOB_ENDPOINT");
+        Ok(Some(clade_store::BlobConfig::S3 {
+            bucket: bucket.to_string(),
+            allow_http: endpoint.as_deref().is_some_and(|e| e.starts_with("http://")),
+            endpoint,
+            region: var("CLADE_BLOB_REGION").unwrap_or_else(|| "us-east-1".into()),
+            access_key_id: key("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: key("AWS_SECRET_ACCESS_KEY")?,
+        }))
+    }
 }

@@ -111,6 +111,39 @@ fn in_scope(tx: &Connection, only: Option<&BranchId>) -> Result<Vec<Branch>> {
 }
 
 impl Ledger {
+    /// When a mark (by id or label) was deleted by a collection whose store sweep has not finished
+    /// ([`Ledger::finish_collecting`]): a restore of it must be refused as a conflict, not a miss.
+    pub fn collecting(&self, id_or_label: &str) -> Result<Option<UnixMillis>> {
+        use rusqlite::OptionalExtension;
+        Ok(self
+            .conn_ref()
+            .query_row(
+                "SELECT since_ms FROM collecting WHERE mark = ?1 OR label = ?1 ORDER BY since_ms DESC LIMIT 1",
+                [id_or_label],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// Manifests of marks being collected that no mark or lease names any more: what the store must
+    /// unpublish to finish the collections so far (including one killed before it did).
+    pub fn collecting_manifests(&self) -> Result<Vec<ManifestId>> {
+        let conn = self.conn_ref();
+        let mut st = conn.prepare(
+            "SELECT DISTINCT j.value FROM collecting, json_each(collecting.manifests) AS j \
+             WHERE NOT EXISTS (SELECT 1 FROM mark_manifests WHERE manifest = j.value) \
+             AND NOT EXISTS (SELECT 1 FROM leases WHERE manifest = j.value) ORDER BY 1",
+        )?;
+        let rows = st.query_map([], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The store has swept what the collections so far let go: forget the marks being collected
+    /// (they are unknown from now on). Returns how many were forgotten.
+    pub fn finish_collecting(&self) -> Result<usize> {
+        self.write(|tx| Ok(tx.execute("DELETE FROM collecting", [])?))
+    }
+
     /// Runs retention over every branch (or one) and deletes what it lets go; see the module docs.
     pub fn collect(&self, opts: &CollectOptions) -> Result<CollectReport> {
         let started = std::time::Instant::now();
@@ -164,6 +197,11 @@ impl Ledger {
         }
         for d in &report.deleted {
             tx.execute("DELETE FROM marks WHERE id = ?1", [&d.mark])?;
+            let manifests: Vec<&ManifestId> = d.manifests.values().collect();
+            tx.execute(
+                "INSERT OR REPLACE INTO collecting (mark, label, manifests, since_ms) VALUES (?1, ?2, ?3, ?4)",
+                params![d.mark, d.label, serde_json::to_string(&manifests).unwrap_or_else(|_| "[]".into()), now],
+            )?;
             report.bytes_freed = report.bytes_freed.saturating_add(d.stored_bytes);
         }
         let named: BTreeSet<&ManifestId> = report.deleted.iter().flat_map(|d| d.manifests.values()).collect();

@@ -27,10 +27,23 @@ pub struct Migration {
 
 /// The schema this build writes: every migration, oldest first. Never edit a released entry;
 /// append a new one.
-pub const MIGRATIONS: &[Migration] = &[Migration { name: "initial schema", sql: V1 }];
+pub const MIGRATIONS: &[Migration] =
+    &[Migration { name: "initial schema", sql: V1 }, Migration { name: "marks being collected", sql: V2 }];
 
 /// The schema version this build knows (the number of migrations).
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Marks a collection deleted whose store objects may not be gone yet: a fork of one is refused as a
+/// conflict ("being collected"), not as unknown, until the collection's store sweep has finished.
+const V2: &str = r#"
+CREATE TABLE collecting (
+    mark       TEXT PRIMARY KEY,
+    label      TEXT,
+    manifests  TEXT NOT NULL DEFAULT '[]' CHECK (json_valid(manifests)),
+    since_ms   INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX collecting_label ON collecting(label);
+"#;
 
 const V1: &str = r#"
 CREATE TABLE templates (

@@ -450,3 +450,27 @@ fn a_scoped_collection_lets_go_of_a_deleted_forks_point() {
     let r = l.collect(&CollectOptions::default()).unwrap();
     assert_eq!(r.branches_purged, vec![fork.id]);
 }
+
+#[test]
+fn collected_marks_are_known_as_collecting_until_the_sweep_finishes() {
+    let (_d, l, _c) = ledger();
+    let b = root(&l, RetentionPolicy::retain(0));
+    let old = mark(&l, &b, "old", "r1", "d1", 10);
+    let head = mark(&l, &b, "head", "r2", "d2", 10);
+    assert_eq!(l.collecting("old").unwrap(), None, "a live mark is not being collected");
+    let dry = l.collect(&CollectOptions { dry_run: true, branch: None }).unwrap();
+    assert_eq!(dry.deleted.len(), 1);
+    assert_eq!(l.collecting(old.id.as_str()).unwrap(), None, "a dry run records nothing");
+    let r = l.collect(&CollectOptions::default()).unwrap();
+    let deleted: Vec<_> = r.deleted.iter().map(|d| d.mark.clone()).collect();
+    assert_eq!(deleted, std::slice::from_ref(&old.id));
+    assert!(l.mark(&old.id).is_err(), "the mark itself is gone");
+    assert!(l.collecting(old.id.as_str()).unwrap().is_some(), "by id");
+    assert!(l.collecting("old").unwrap().is_some(), "by label");
+    assert_eq!(l.collecting(head.id.as_str()).unwrap(), None);
+    let left: Vec<String> = l.collecting_manifests().unwrap().into_iter().map(|m| m.into_string()).collect();
+    assert_eq!(left, ["d1", "r1"], "the collected mark's manifests, for the store to unpublish");
+    assert_eq!(l.finish_collecting().unwrap(), 1);
+    assert!(l.collecting_manifests().unwrap().is_empty());
+    assert_eq!(l.collecting("old").unwrap(), None, "unknown once swept");
+}

@@ -83,36 +83,52 @@ const V3_BROKEN: &str = "CREATE TABLE later (id INTEGER); INSERT INTO no_such_ta
 fn migrations_apply_in_order_each_in_its_own_transaction() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
-    // Written by "this" build (v1), with a branch in it.
+    // Written by this build (its SCHEMA_VERSION), with a branch in it.
+    let n = SCHEMA_VERSION;
     let l = Ledger::open(&path).unwrap();
     let b = l.create_branch(&NewBranch::default()).unwrap();
     drop(l);
 
-    // A later build adds v2: it is applied on open and the data survives.
-    let v2 = [MIGRATIONS[0], Migration { name: "notes", sql: V2_ADD_NOTES }];
-    let l = Ledger::open_migrating(&path, LedgerOptions::default(), &v2).unwrap();
-    assert_eq!(l.schema_version().unwrap(), 2);
+    // A later build adds a step: it is applied on open and the data survives.
+    let mut next: Vec<Migration> = MIGRATIONS.to_vec();
+    next.push(Migration { name: "notes", sql: V2_ADD_NOTES });
+    let l = Ledger::open_migrating(&path, LedgerOptions::default(), &next).unwrap();
+    assert_eq!(l.schema_version().unwrap(), n + 1);
     assert_eq!(l.branch(&b.id).unwrap().id, b.id);
     drop(l);
 
-    // A build with a broken v3: the error names the step, the file stays at v2 with no trace of v3.
-    let v3 = [v2[0], v2[1], Migration { name: "broken", sql: V3_BROKEN }];
-    let err = Ledger::open_migrating(&path, LedgerOptions::default(), &v3).unwrap_err();
+    // A build with a broken step after that: the error names the step, the file stays as it was.
+    let mut broken = next.clone();
+    broken.push(Migration { name: "broken", sql: V3_BROKEN });
+    let err = Ledger::open_migrating(&path, LedgerOptions::default(), &broken).unwrap_err();
     match err {
-        LedgerError::Migration { from, to, .. } => assert_eq!((from, to), (2, 3)),
+        LedgerError::Migration { from, to, .. } => assert_eq!((from, to), (n + 1, n + 2)),
         other => panic!("expected Migration error, got {other:?}"),
     }
     let conn = rusqlite::Connection::open(&path).unwrap();
     let v: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-    assert_eq!(v, 2);
+    assert_eq!(v, n + 1);
     let later: i64 =
         conn.query_row("SELECT count(*) FROM sqlite_master WHERE name = 'later'", [], |r| r.get(0)).unwrap();
     assert_eq!(later, 0, "the failed step's table must be rolled back");
     drop(conn);
 
-    // And this build (v1 only) now refuses the v2 file as newer.
+    // And this build now refuses the newer file.
     let err = Ledger::open(&path).unwrap_err();
-    assert!(matches!(err, LedgerError::NewerSchema { found: 2, .. }), "{err:?}");
+    assert!(matches!(err, LedgerError::NewerSchema { found, .. } if found == n + 1), "{err:?}");
+}
+
+#[test]
+fn a_version_1_ledger_is_migrated_to_this_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let l = Ledger::open_migrating(&path, LedgerOptions::default(), &MIGRATIONS[..1]).unwrap();
+    let b = l.create_branch(&NewBranch::default()).unwrap();
+    drop(l);
+    let l = Ledger::open(&path).unwrap();
+    assert_eq!(l.schema_version().unwrap(), SCHEMA_VERSION);
+    assert_eq!(l.branch(&b.id).unwrap().id, b.id);
+    assert_eq!(l.collecting("anything").unwrap(), None, "the v2 table exists");
 }
 
 #[test]

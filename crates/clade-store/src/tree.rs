@@ -198,6 +198,11 @@ impl Store {
         self.inner.trees.join(id.fanout()).join(id.to_hex())
     }
 
+    /// Whether this tree is published in the local tier.
+    pub fn has_tree(&self, id: &TreeId) -> bool {
+        self.tree_path(id).exists()
+    }
+
     /// Store a directory tree: every file, directory, symlink and special file under `path`.
     pub fn put_dir(&self, path: &Path) -> Result<TreeReport, StoreError> {
         use std::os::unix::ffi::OsStrExt;

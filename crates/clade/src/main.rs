@@ -4,9 +4,11 @@
 
 #![forbid(unsafe_code)]
 
+mod audit;
 mod backends;
 mod bench;
 mod cmd;
+mod gc;
 mod ops;
 mod remote;
 mod serve;
@@ -64,8 +66,15 @@ enum Command {
     Ls(cmd::sandbox::ListArgs),
     /// List marks (all, or one sandbox's branch).
     Marks(cmd::sandbox::MarksArgs),
-    /// List branches (lines of marks) with their heads.
-    Branches(cmd::sandbox::ListArgs),
+    /// List branches (lines of marks) with their heads; `branches rm BRANCH` deletes one.
+    Branches(cmd::house::BranchesArgs),
+    /// Collect: retention in the ledger, then the store's unused objects (and vm RAM files).
+    Gc(cmd::house::GcArgs),
+    /// Check the ledger against this host: lost sandboxes, missing manifests, leaked processes, mounts,
+    /// cgroups and run dirs (`--fix` takes leftovers down).
+    Audit(cmd::house::AuditArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(cmd::house::CompletionsArgs),
     /// The HTTP API (axum) over the same operations, on a unix socket under $CLADE_HOME by default.
     Serve(serve::Args),
     /// The fleet simulator: keep-running vs suspend-idle over a trace, with clade's measured costs.
@@ -104,7 +113,10 @@ fn main() {
         Command::Kill(a) => cmd::sandbox::kill(a),
         Command::Ls(a) => cmd::sandbox::ls(a),
         Command::Marks(a) => cmd::sandbox::marks(a),
-        Command::Branches(a) => cmd::sandbox::branches(a),
+        Command::Branches(a) => cmd::house::branches(a),
+        Command::Gc(a) => cmd::house::gc(a),
+        Command::Audit(a) => cmd::house::audit(a),
+        Command::Completions(a) => cmd::house::completions::<Cli>(a),
         Command::Serve(a) => serve::run(a),
         Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),

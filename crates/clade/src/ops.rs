@@ -369,6 +369,29 @@ impl Ops {
         Ok(rows)
     }
 
+    /// Delete a branch (refused while a sandbox lives on it): its marks go at the next `gc`, except those
+    /// needed elsewhere (a fork point, a base, a live sandbox's origin).
+    pub fn delete_branch(&self, branch: &str) -> anyhow::Result<serde_json::Value> {
+        let l = self.engine.ledger();
+        let id = clade_ledger::BranchId::new(branch);
+        l.branch(&id).map_err(|_| not_found(format!("no branch {branch} (see `clade branches`)")))?;
+        l.delete_branch(&id).map_err(|e| match e {
+            clade_ledger::LedgerError::Invalid(m) => conflict(m),
+            other => other.into(),
+        })?;
+        Ok(serde_json::json!({"deleted": branch}))
+    }
+
+    /// Retention, then the store: see [`crate::gc`].
+    pub fn gc(&self, dry_run: bool) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::to_value(crate::gc::gc(self, dry_run)?)?)
+    }
+
+    /// Ledger against host: see [`crate::audit`].
+    pub fn audit(&self, fix: bool) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::to_value(crate::audit::audit(self, fix)?)?)
+    }
+
     /// Refuse a mark (or suspend) that might not fit: the store's filesystem needs the sandbox's last mark's
     /// growth (at least 1 GiB) plus a reserve of 1 GiB, so nothing is half-written for want of space.
     fn ensure_room_for_mark(&self, sandbox: &str) -> anyhow::Result<()> {
@@ -465,7 +488,13 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
         match pool::take(home, mark.id.as_str()) {
             Some(m) => claimed.push(m),
             None => {
-                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark))?;
+                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark)).map_err(|e| {
+                    // The mark was collected between resolving it and recording the sandbox.
+                    match engine.ledger().collecting(mark.id.as_str()) {
+                        Ok(Some(_)) => conflict(format!("mark {} is being collected (`clade gc`)", mark.id)),
+                        _ => e.into(),
+                    }
+                })?;
                 spawn_supervisor(home, &rec.id, mark, 1)?;
                 cold.push(rec.id);
             }

@@ -8,13 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use clade_core::backend::{Backend, Shape, TemplateImage};
-use clade_core::engine::Engine;
-use clade_core::CladeHome;
-use clade_ledger::TemplateId;
-
 mod common;
-use common::real_home;
 
 struct Serve {
     child: Child,
@@ -124,33 +118,8 @@ fn left_behind(home: &Path) -> Vec<String> {
 
 #[test]
 fn guest_serve_ct_cli_through_daemon_stream_files_idle_restart() {
-    let real = CladeHome::at(real_home());
-    let cfg = match clade_ct::CtConfig::from_home(&real) {
-        Ok(c) if c.criu.exists() => c,
-        Ok(c) => return eprintln!("skip: no CRIU at {} (run ./x setup)", c.criu.display()),
-        Err(e) => return eprintln!("skip: {e}"),
-    };
-    let t = tempfile::Builder::new().prefix("clade-serve-ct").tempdir_in("/var/tmp").unwrap();
+    let Some(t) = common::ct_home("clade-serve-ct") else { return };
     let h = t.path();
-    std::os::unix::fs::symlink(real.root().join("criu"), h.join("criu")).unwrap();
-    {
-        let home = CladeHome::at(h);
-        let engine = Engine::open(&home).unwrap();
-        let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin).expect("test rootfs");
-        let tid = TemplateId::new("tmpl-ctbox");
-        engine.ledger().put_template(&tid, "ctbox", &serde_json::json!({})).unwrap();
-        let backend = clade_ct::CtBackend::new(home.clone(), engine.store.clone(), cfg.clone()).unwrap();
-        let image = TemplateImage {
-            name: "ctbox".into(),
-            hash: "test".into(),
-            rootfs,
-            disk_manifest: None,
-            shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-            egress: false,
-        };
-        let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
-        eprintln!("ct base {} built in {boot:?}", mark.id);
-    }
 
     let srv = serve(h);
     let host = srv.addr.clone();

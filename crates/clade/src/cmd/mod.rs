@@ -5,6 +5,7 @@ pub mod demo;
 pub mod doctor;
 pub mod e2b;
 pub mod fleet;
+pub mod house;
 pub mod nbd;
 pub mod pool;
 pub mod sandbox;

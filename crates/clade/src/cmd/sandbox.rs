@@ -90,19 +90,19 @@ pub struct MarksArgs {
 }
 
 /// Where an operation runs: in this process, or in the daemon named by `CLADE_HOST`.
-enum Face {
+pub(crate) enum Face {
     Local(Box<Ops>),
     Remote(Remote),
 }
 
-fn face() -> anyhow::Result<Face> {
+pub(crate) fn face() -> anyhow::Result<Face> {
     Ok(match Remote::from_env()? {
         Some(r) => Face::Remote(r),
         None => Face::Local(Box::new(Ops::open(&CladeHome::from_env())?)),
     })
 }
 
-fn print(
+pub(crate) fn print(
     json: bool,
     body: &serde_json::Value,
     human: impl FnOnce(&serde_json::Value) -> String,
@@ -298,25 +298,6 @@ pub fn marks(a: MarksArgs) -> anyhow::Result<i32> {
                 r["pause_ms"],
                 r["stored_bytes"].as_u64().unwrap_or(0) >> 10,
                 r["label"].as_str().unwrap_or("")
-            ));
-        }
-        s
-    })
-}
-
-pub fn branches(a: ListArgs) -> anyhow::Result<i32> {
-    let rows = match face()? {
-        Face::Local(ops) => serde_json::to_value(ops.branches()?)?,
-        Face::Remote(r) => r.call("GET", "/v1/branches", None)?,
-    };
-    print(a.json, &rows, |rows| {
-        let mut s = format!("{:<40} {:>5}  head", "BRANCH", "MARKS");
-        for r in rows.as_array().into_iter().flatten() {
-            s.push_str(&format!(
-                "\n{:<40} {:>5}  {}",
-                r["id"].as_str().unwrap_or(""),
-                r["marks"],
-                r["head_mark"].as_str().unwrap_or("-")
             ));
         }
         s

@@ -43,6 +43,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/marks/{id}"),
     ("post", "/v1/marks/{id}/fork"),
     ("get", "/v1/branches"),
+    ("delete", "/v1/branches/{id}"),
+    ("post", "/v1/gc"),
+    ("post", "/v1/audit"),
 ];
 
 pub const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
@@ -65,6 +68,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/marks/{id}", get(mark_info))
         .route("/v1/marks/{id}/fork", post(fork_mark))
         .route("/v1/branches", get(branches))
+        .route("/v1/branches/{id}", axum::routing::delete(delete_branch))
+        .route("/v1/gc", post(gc))
+        .route("/v1/audit", post(audit))
         .with_state(app)
 }
 
@@ -448,6 +454,32 @@ async fn mark_info(State(app): State<Arc<App>>, Path(id): Path<String>, Query(q)
 
 async fn branches(State(app): State<Arc<App>>) -> Reply {
     Ok(json(blocking(&app, "branches", |a| a.ops.branches()).await?))
+}
+
+async fn delete_branch(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+    Ok(json(blocking(&app, "delete_branch", move |a| a.ops.delete_branch(&id)).await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GcReq {
+    #[serde(default)]
+    dry_run: bool,
+}
+
+async fn gc(State(app): State<Arc<App>>, Body(req): Body<GcReq>) -> Reply {
+    Ok(json(blocking(&app, "gc", move |a| a.ops.gc(req.dry_run)).await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuditReq {
+    #[serde(default)]
+    fix: bool,
+}
+
+async fn audit(State(app): State<Arc<App>>, Body(req): Body<AuditReq>) -> Reply {
+    Ok(json(blocking(&app, "audit", move |a| a.ops.audit(req.fix)).await?))
 }
 
 #[cfg(test)]

@@ -1,0 +1,140 @@
+//! Housekeeping: `branches [rm]`, `gc`, `audit`, `completions`. Embedded, or through `clade serve` when
+//! `CLADE_HOST` is set, like the sandbox operations.
+
+use super::sandbox::{face, print, Face};
+use crate::remote::encode;
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BranchesArgs {
+    #[command(subcommand)]
+    pub cmd: Option<BranchCmd>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Subcommand)]
+pub enum BranchCmd {
+    /// Delete a branch: its marks go at the next `clade gc`, except those needed elsewhere.
+    Rm {
+        branch: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct GcArgs {
+    /// Report what a run would delete now; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct AuditArgs {
+    /// Take leftovers down (processes, mounts, cgroups, run dirs, RAM files of sandboxes that are gone).
+    #[arg(long)]
+    pub fix: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct CompletionsArgs {
+    pub shell: clap_complete::Shell,
+}
+
+pub fn branches(a: BranchesArgs) -> anyhow::Result<i32> {
+    if let Some(BranchCmd::Rm { branch, json }) = a.cmd {
+        let body = match face()? {
+            Face::Local(ops) => ops.delete_branch(&branch)?,
+            Face::Remote(r) => r.call("DELETE", &format!("/v1/branches/{}", encode(&branch)), None)?,
+        };
+        return print(json, &body, |_| format!("branch {branch} deleted; `clade gc` collects its marks"));
+    }
+    let rows = match face()? {
+        Face::Local(ops) => serde_json::to_value(ops.branches()?)?,
+        Face::Remote(r) => r.call("GET", "/v1/branches", None)?,
+    };
+    print(a.json, &rows, |rows| {
+        let mut s = format!("{:<40} {:>5}  head", "BRANCH", "MARKS");
+        for r in rows.as_array().into_iter().flatten() {
+            s.push_str(&format!(
+                "\n{:<40} {:>5}  {}",
+                r["id"].as_str().unwrap_or(""),
+                r["marks"],
+                r["head_mark"].as_str().unwrap_or("-")
+            ));
+        }
+        s
+    })
+}
+
+pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
+    let body = match face()? {
+        Face::Local(ops) => ops.gc(a.dry_run)?,
+        Face::Remote(r) => r.call("POST", "/v1/gc", Some(&serde_json::json!({"dry_run": a.dry_run})))?,
+    };
+    print(a.json, &body, |b| {
+        let dry = if b["dry_run"].as_bool().unwrap_or(false) { "dry run: " } else { "" };
+        let l = &b["ledger"];
+        let st = &b["store"];
+        let n = |v: &serde_json::Value| v.as_array().map(|a| a.len()).unwrap_or(0);
+        format!(
+            "{dry}marks: kept {}, deleted {} ({} branches purged); manifests unpublished {}; RAM files {} ({} MiB); \
+             store: {} packs deleted, {} repacked, {} kept ({} younger than the grace period); freed {} MiB in {:.0} ms",
+            n(&l["kept"]),
+            n(&l["deleted"]),
+            n(&l["branches_purged"]),
+            b["manifests_deleted"],
+            b["ram_files_deleted"],
+            b["ram_bytes_freed"].as_u64().unwrap_or(0) >> 20,
+            st["packs_deleted"],
+            st["packs_repacked"],
+            st["packs_kept"],
+            st["packs_kept_young"],
+            (st["bytes_freed"].as_u64().unwrap_or(0) + b["ram_bytes_freed"].as_u64().unwrap_or(0)) >> 20,
+            b["took_ms"].as_f64().unwrap_or(0.0)
+        )
+    })
+}
+
+pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
+    let body = match face()? {
+        Face::Local(ops) => ops.audit(a.fix)?,
+        Face::Remote(r) => r.call("POST", "/v1/audit", Some(&serde_json::json!({"fix": a.fix})))?,
+    };
+    let ok = body["ok"].as_bool().unwrap_or(false);
+    print(a.json, &body, |b| {
+        let findings = b["findings"].as_array().cloned().unwrap_or_default();
+        let mut s = format!(
+            "{} sandboxes, {} marks, {} live supervisors: {}",
+            b["sandboxes"],
+            b["marks"],
+            b["live"],
+            if findings.is_empty() { "nothing wrong".to_string() } else { format!("{} finding(s)", findings.len()) }
+        );
+        for f in &findings {
+            let fixed = if f["fixed"].as_bool().unwrap_or(false) { " [fixed]" } else { "" };
+            s.push_str(&format!(
+                "\n  {:<18} {}  {}{fixed}",
+                f["kind"].as_str().unwrap_or("?"),
+                f["id"].as_str().unwrap_or("?"),
+                f["detail"].as_str().unwrap_or("")
+            ));
+        }
+        if !ok && !a.fix {
+            s.push_str("\n(`clade audit --fix` takes leftovers down; lost sandboxes end with `clade kill`)");
+        }
+        s
+    })?;
+    Ok(if ok { 0 } else { 1 })
+}
+
+pub fn completions<C: clap::CommandFactory>(a: CompletionsArgs) -> anyhow::Result<i32> {
+    let mut cmd = C::command();
+    clap_complete::generate(a.shell, &mut cmd, "clade", &mut std::io::stdout());
+    Ok(0)
+}

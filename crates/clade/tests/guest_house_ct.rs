@@ -1,0 +1,112 @@
+//! Housekeeping end to end on the `ct` backend (embedded CLI, real supervisors and CRIU): a branch deleted and
+//! collected, a fork of a mark being collected refused with a conflict (4 / 409), the collecting `clade gc`
+//! killed mid-way and the next run finishing the job (the fork then a miss, 3), the base untouched; `clade
+//! audit` finding a leaked process, cgroup and run dir of a dead sandbox, `--fix` taking them down; completions.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+mod common;
+
+fn ok(home: &Path, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = common::clade(home, args);
+    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+#[test]
+fn guest_house_ct_gc_conflict_crash_and_audit() {
+    let Some(t) = common::ct_home("clade-house-ct") else { return };
+    let h = t.path();
+
+    // A sandbox, a labelled mark on its branch, then the sandbox ends and its branch is deleted.
+    let run = ok(h, &["run", "ctbox", "--backend", "ct", "--json"]);
+    let sbx = run["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    ok(h, &["exec", &sbx, "--json", "--", "sh", "-c", "echo doomed > /tmp/f"]);
+    let m = ok(h, &["mark", &sbx, "--label", "doomed", "--json"]);
+    let mark = m["id"].as_str().unwrap().to_string();
+    let branch = m["branch"].as_str().unwrap().to_string();
+    let (code, _, err) = common::clade(h, &["branches", "rm", &branch]);
+    assert_eq!(code, 4, "a branch with a live sandbox is refused as a conflict: {err}");
+    ok(h, &["kill", &sbx, "--json"]);
+    ok(h, &["branches", "rm", &branch, "--json"]);
+    let dry = ok(h, &["gc", "--dry-run", "--json"]);
+    let doomed: Vec<&str> =
+        dry["ledger"]["deleted"].as_array().unwrap().iter().map(|d| d["mark"].as_str().unwrap()).collect();
+    assert_eq!(doomed, [mark.as_str()], "{dry}");
+
+    // A gc paused between the ledger and the store: the mark is being collected, a fork of it is a conflict.
+    let mut gc = Command::new(env!("CARGO_BIN_EXE_clade"))
+        .args(["gc", "--json"])
+        .env("CLADE_HOME", h)
+        .env("CLADE_GC_PAUSE_MS", "60000")
+        .spawn()
+        .unwrap();
+    // Wait for its ledger step to commit (the mark leaves `clade marks`) without forking: a live sibling
+    // would make the mark needed again.
+    let start = Instant::now();
+    while ok(h, &["marks", "--json"]).as_array().unwrap().iter().any(|m| m["id"] == mark.as_str()) {
+        assert!(start.elapsed() < Duration::from_secs(30), "gc's ledger step did not commit");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (code, _, err) = common::clade(h, &["fork", "doomed", "--json"]);
+    assert_eq!(code, 4, "fork of a mark being collected: {err}");
+    assert!(err.contains("being collected"), "{err}");
+    let (code, _, err) = common::clade(h, &["fork", &mark, "--json"]);
+    assert_eq!(code, 4, "by id too: {err}");
+    // Killed mid-way (crash safety): the next run finishes the job.
+    gc.kill().unwrap();
+    gc.wait().unwrap();
+    let (code, _, _) = common::clade(h, &["fork", "doomed"]);
+    assert_eq!(code, 4, "still being collected after the crash");
+    let done = ok(h, &["gc", "--json"]);
+    assert!(done["manifests_deleted"].as_u64().unwrap() >= 1, "the mark's manifests were unpublished: {done}");
+    let (code, _, err) = common::clade(h, &["fork", "doomed"]);
+    assert_eq!(code, 3, "collected: now unknown: {err}");
+    // The base was needed elsewhere: still forks.
+    let again = ok(h, &["run", "ctbox", "--backend", "ct", "--json"]);
+    let sbx2 = again["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let out = ok(h, &["exec", &sbx2, "--json", "--", "cat", "/etc/hostname"]);
+    assert_eq!(out["code"], 0, "{out}");
+    ok(h, &["kill", &sbx2, "--json"]);
+
+    // Audit: clean, then leftovers of the dead sandbox planted (as a crashed supervisor would leave them).
+    let a = ok(h, &["audit", "--json"]);
+    assert_eq!(a["findings"].as_array().unwrap().len(), 0, "{a}");
+    let rundir = h.join("run").join(&sbx);
+    std::fs::create_dir_all(&rundir).unwrap();
+    let cg = Path::new("/sys/fs/cgroup/memory/clade").join(&sbx);
+    let cg_made = std::fs::create_dir_all(&cg).is_ok();
+    let qemu = format!("{}/qemu", rundir.display());
+    let mut orphan = Command::new("bash").args(["-c", &format!("exec -a {qemu} sleep 300")]).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let env = [("CLADE_AUDIT_SETTLE_MS", "0")];
+    let (code, out, err) = common::clade_with(h, &env, &["audit", "--json"]);
+    assert_eq!(code, 1, "leftovers found: {err}{out}");
+    let found: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let kinds: Vec<&str> = found["findings"].as_array().unwrap().iter().map(|f| f["kind"].as_str().unwrap()).collect();
+    assert!(kinds.contains(&"orphan-process"), "{found}");
+    assert!(kinds.contains(&"leftover-run-dir"), "{found}");
+    if cg_made {
+        assert!(kinds.contains(&"leftover-cgroup"), "{found}");
+    }
+    let (code, out, err) = common::clade_with(h, &env, &["audit", "--fix", "--json"]);
+    assert_eq!(code, 0, "all fixed: {err}{out}");
+    let status = orphan.wait().unwrap();
+    assert!(!status.success(), "the orphan was killed");
+    assert!(!rundir.exists() && !cg.exists());
+    let (code, out, _) = common::clade_with(h, &env, &["audit"]);
+    assert_eq!(code, 0, "clean after --fix: {out}");
+}
+
+#[test]
+fn guest_house_completions_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let (code, out, err) = common::clade(Path::new("/nonexistent"), &["completions", shell]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("fork") && out.contains("retake") && out.contains("audit"), "{shell}: {out:.200}");
+    }
+    let (code, _, _) = common::clade(Path::new("/nonexistent"), &["completions", "tcsh"]);
+    assert_eq!(code, 2, "an unknown shell is a usage error");
+}
