@@ -116,12 +116,17 @@ impl Blob {
                 Err(e) => Err(e),
             }
         })?;
-        r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr("get", key, e))
+        let r = r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr("get", key, e))?;
+        if let Some(b) = &r {
+            crate::push::count_fetch(b.len());
+        }
+        Ok(r)
     }
 
     pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
         let p = BlobPath::from(key);
         let b = self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr("get range", key, e))?;
+        crate::push::count_fetch(b.len());
         Ok(b.to_vec())
     }
 

@@ -28,6 +28,7 @@ mod manifest;
 #[allow(unsafe_code)]
 mod map;
 mod pack;
+mod push;
 mod reader;
 mod statcache;
 mod store;
@@ -41,6 +42,7 @@ pub use ids::{FrameId, ManifestId, ObjectId, PackId, TreeId};
 pub use lease::{Lease, Root};
 pub use maint::{FsckReport, GcReport, StoreStats};
 pub use manifest::{Extent, ImageKind, Manifest};
+pub use push::PushReport;
 pub use reader::{ImageExtent, ImageReader};
 pub use store::{Store, StoreConfig};
 pub use tree::{EntryKind, Tree, TreeEntry, TreeReport};

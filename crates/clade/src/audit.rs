@@ -162,12 +162,17 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
 }
 
 /// Whether the store has a manifest the ledger names (an id that does not even parse is "no").
-/// Whether a mark's entry is in the store. Entries are manifests (images) or trees (directories), which share
-/// one id space; an entry that is no store id at all (a ct mark's lower directories, its network mode) is not
-/// the store's to hold.
+/// Whether a mark's entry is in the store, in either tier (a mark pulled from another host may live only in
+/// the shared blob tier). Entries are manifests (images) or trees (directories), which share one id space; an
+/// entry that is no store id at all (a ct mark's lower directories, its network mode) is not the store's to
+/// hold.
 fn stored(ops: &Ops, m: &ManifestId) -> bool {
+    let store = &ops.engine.store;
     match m.as_str().parse::<clade_store::ManifestId>() {
-        Ok(id) => ops.engine.store.has_manifest(&id) || ops.engine.store.has_tree(&clade_store::TreeId(id.0)),
+        Ok(id) => {
+            let tree = clade_store::TreeId(id.0);
+            store.has_manifest(&id) || store.has_tree(&tree) || store.manifest(&id).is_ok() || store.tree(&tree).is_ok()
+        }
         Err(_) => true,
     }
 }

@@ -11,6 +11,7 @@ mod cmd;
 mod gc;
 mod ops;
 mod remote;
+mod roam;
 mod serve;
 mod supervisor;
 
@@ -60,6 +61,9 @@ enum Command {
     Suspend(cmd::sandbox::SbxArgs),
     /// Bring a suspended sandbox back from its last mark.
     Resume(cmd::sandbox::SbxArgs),
+    /// Move suspended sandboxes between hosts through the shared blob tier (`CLADE_BLOB`).
+    #[command(subcommand)]
+    Roam(cmd::roam::Command),
     /// End a sandbox.
     Kill(cmd::sandbox::SbxArgs),
     /// List sandboxes (a sandbox whose supervisor died is reported as lost).
@@ -110,6 +114,7 @@ fn main() {
         Command::Retake(a) => cmd::sandbox::retake(a),
         Command::Suspend(a) => cmd::sandbox::suspend(a),
         Command::Resume(a) => cmd::sandbox::resume(a),
+        Command::Roam(c) => cmd::roam::run(c),
         Command::Kill(a) => cmd::sandbox::kill(a),
         Command::Ls(a) => cmd::sandbox::ls(a),
         Command::Marks(a) => cmd::sandbox::marks(a),

@@ -277,6 +277,13 @@ impl Ops {
         check_id(sandbox)?;
         let engine = &self.engine;
         let id = SandboxId::new(sandbox);
+        // Unknown here but pushed to the shared blob tier by another host: take it, then resume it here.
+        let mut pulled = serde_json::Value::Null;
+        if engine.ledger().sandbox(&id).is_err() && engine.store.blob_tier().is_some() {
+            if let Some(p) = crate::roam::pull_if_pushed(engine, sandbox, &mut |l| eprintln!("clade: {l}"))? {
+                pulled = p;
+            }
+        }
         let rec = engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}")))?;
         if rec.state != SandboxState::Suspended {
             return Err(conflict(format!("sandbox {sandbox} is {}, not suspended", rec.state.as_str())));
@@ -292,8 +299,23 @@ impl Ops {
         engine.op("resume", Some(&id), Some(&head.id), took, r.error.as_deref(), serde_json::json!({}));
         Ok(serde_json::json!({
             "sandbox": sandbox, "mark": head.id, "ok": r.ok, "error": r.error,
-            "resume_ms": took.as_secs_f64() * 1e3,
+            "resume_ms": took.as_secs_f64() * 1e3, "blob_bytes": r.blob_bytes, "pulled": pulled,
         }))
+    }
+
+    /// Send a suspended sandbox to the shared blob tier; this host forgets it (see [`crate::roam`]).
+    pub fn push(&self, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+        crate::roam::push(&self.engine, sandbox, progress)
+    }
+
+    /// Take a pushed sandbox into this host's ledger, suspended (see [`crate::roam`]).
+    pub fn pull(&self, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+        crate::roam::pull(&self.engine, sandbox, progress)
+    }
+
+    /// The sandboxes in the shared blob tier and who has them.
+    pub fn roaming(&self) -> anyhow::Result<Vec<serde_json::Value>> {
+        crate::roam::list(&self.engine)
     }
 
     /// End a sandbox: through its supervisor, or (suspended, or lost) in the ledger, reaping what a dead

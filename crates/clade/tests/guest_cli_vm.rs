@@ -6,14 +6,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use clade_core::backend::{Backend, Shape, TemplateImage};
-use clade_core::engine::Engine;
-use clade_core::CladeHome;
-use clade_ledger::TemplateId;
-use clade_store::ImageKind;
-
 mod common;
-use common::{clade, real_home};
+use common::clade;
 
 fn ok(home: &Path, args: &[&str]) -> String {
     let (code, out, err) = clade(home, args);
@@ -21,48 +15,10 @@ fn ok(home: &Path, args: &[&str]) -> String {
     out
 }
 
-/// A CLADE_HOME of its own that borrows the kernel and the accelerator probe of the real one.
-fn test_home() -> tempfile::TempDir {
-    let t = tempfile::Builder::new().prefix("clade-cli-vm").tempdir_in("/var/tmp").unwrap();
-    std::os::unix::fs::symlink(real_home().join("kernel"), t.path().join("kernel")).unwrap();
-    std::fs::create_dir_all(t.path().join("cache")).unwrap();
-    let _ = std::fs::copy(real_home().join("cache/accel.json"), t.path().join("cache/accel.json"));
-    t
-}
-
 #[test]
 fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
-    let Some(agent) = clade_vm::testkit::agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
-        return;
-    };
-    if clade_vm::qemu::qemu_binary().is_none() || !real_home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return;
-    }
-    let t = test_home();
+    let Some(t) = common::vm_home("clade-cli-vm") else { return };
     let h = t.path();
-    // The base, built through the engine as `clade base build` does.
-    {
-        let home = CladeHome::at(h);
-        let engine = Engine::open(&home).unwrap();
-        let img = h.join("root.img");
-        let root = clade_vm::testkit::busybox_root_image(h, &agent, &img, 64).unwrap();
-        let disk = engine.store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-        let tid = TemplateId::new("tmpl-busybox");
-        engine.ledger().put_template(&tid, "busybox", &serde_json::json!({})).unwrap();
-        let backend = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None).unwrap();
-        let image = TemplateImage {
-            name: "busybox".into(),
-            hash: "test".into(),
-            rootfs: root,
-            disk_manifest: Some(disk),
-            shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-            egress: false,
-        };
-        let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
-        eprintln!("base {} built, cold boot {boot:?}", mark.id);
-    }
 
     // Naming a template without a backend is a usage error.
     let (code, _, err) = clade(h, &["fork", "busybox", "--count", "2"]);

@@ -46,6 +46,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/branches/{id}"),
     ("post", "/v1/gc"),
     ("post", "/v1/audit"),
+    ("post", "/v1/sandboxes/{id}/push"),
+    ("post", "/v1/sandboxes/{id}/pull"),
+    ("get", "/v1/roam"),
 ];
 
 pub const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
@@ -71,6 +74,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/branches/{id}", axum::routing::delete(delete_branch))
         .route("/v1/gc", post(gc))
         .route("/v1/audit", post(audit))
+        .route("/v1/sandboxes/{id}/push", post(push))
+        .route("/v1/sandboxes/{id}/pull", post(pull))
+        .route("/v1/roam", get(roam_list))
         .with_state(app)
 }
 
@@ -480,6 +486,18 @@ struct AuditReq {
 
 async fn audit(State(app): State<Arc<App>>, Body(req): Body<AuditReq>) -> Reply {
     Ok(json(blocking(&app, "audit", move |a| a.ops.audit(req.fix)).await?))
+}
+
+async fn push(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+    Ok(json(blocking(&app, "push", move |a| a.ops.push(&id, &mut |_| {})).await?))
+}
+
+async fn pull(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+    Ok(json(blocking(&app, "pull", move |a| a.ops.pull(&id, &mut |_| {})).await?))
+}
+
+async fn roam_list(State(app): State<Arc<App>>) -> Reply {
+    Ok(json(blocking(&app, "roam_list", |a| a.ops.roaming().map(serde_json::Value::from)).await?))
 }
 
 #[cfg(test)]

@@ -174,9 +174,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
                 sandbox: id.to_string(),
                 error: Some(e.to_string()),
                 pid: std::process::id(),
-                restore_ms: 0.0,
-                ready_ms: 0.0,
-                hygiene: serde_json::Value::Null,
+                ..Ready::default()
             };
             let _ = writeln!(out, "{}", serde_json::to_string(&r)?);
             return Err(e.into());

@@ -205,7 +205,7 @@ impl Response {
 }
 
 /// What a supervisor writes to `ready.json` once its sandbox runs (or could not be started).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Ready {
     pub ok: bool,
     pub sandbox: String,
@@ -220,6 +220,9 @@ pub struct Ready {
     pub ready_ms: f64,
     #[serde(default)]
     pub hygiene: serde_json::Value,
+    /// Bytes this supervisor read from the blob tier up to ready (a resume on another host fetches here).
+    #[serde(default)]
+    pub blob_bytes: u64,
 }
 
 #[cfg(test)]

@@ -121,6 +121,7 @@ pub fn ready_of(id: &SandboxId, r: &clade_core::engine::Restored) -> Ready {
         restore_ms: r.restore.as_secs_f64() * 1e3,
         ready_ms: r.total.as_secs_f64() * 1e3,
         hygiene: serde_json::to_value(&r.hygiene).unwrap_or_default(),
+        blob_bytes: clade_store::Store::blob_fetched().0,
     }
 }
 
@@ -132,15 +133,7 @@ pub fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 fn empty(id: &SandboxId) -> Ready {
-    Ready {
-        ok: false,
-        sandbox: id.to_string(),
-        error: None,
-        pid: std::process::id(),
-        restore_ms: 0.0,
-        ready_ms: 0.0,
-        hygiene: serde_json::Value::Null,
-    }
+    Ready { ok: false, sandbox: id.to_string(), error: None, pid: std::process::id(), ..Ready::default() }
 }
 
 /// Everything one supervisor holds, shared by the threads serving its connections.
@@ -431,6 +424,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
                 "pss": mem.iter().map(|m| m.0).sum::<u64>(), "rss": mem.iter().map(|m| m.1).sum::<u64>(),
                 "hello": hello, "last_activity_ms": sup.last_activity_ms.load(Ordering::Relaxed),
                 "procs": sup.procs.list().len(),
+                "blob_fetched": {"bytes": clade_store::Store::blob_fetched().0, "reads": clade_store::Store::blob_fetched().1},
             }))
         }
         Request::Exec { argv, env, cwd, stdin_b64 } => {

@@ -65,3 +65,107 @@ pub fn ct_home(prefix: &str) -> Option<tempfile::TempDir> {
     eprintln!("ct base {} built in {boot:?}", mark.id);
     Some(t)
 }
+
+/// A moto S3 server on loopback (from the setup's Python venv) with one bucket, killed on drop.
+pub struct Moto {
+    child: std::process::Child,
+    pub port: u16,
+    pub bucket: String,
+}
+
+impl Moto {
+    /// `None` (and a printed reason) where the setup did not install moto.
+    pub fn start(bucket: &str) -> Option<Moto> {
+        use std::io::{Read, Write};
+        let bin = real_home().join("py/bin/moto_server");
+        if !bin.exists() {
+            eprintln!("skip: {} is not installed (run ./x setup)", bin.display());
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let m = Moto { child, port, bucket: bucket.to_string() };
+        let start = std::time::Instant::now();
+        loop {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                let req = format!(
+                    "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                s.write_all(req.as_bytes()).unwrap();
+                let mut out = String::new();
+                let _ = s.read_to_string(&mut out);
+                assert!(out.starts_with("HTTP/1.1 200"), "create bucket: {out}");
+                return Some(m);
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(30), "moto_server did not start");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// The environment naming this bucket as a home's blob tier (`CLADE_BLOB`, docs/roam.md).
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("CLADE_BLOB", format!("s3://{}", self.bucket)),
+            ("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", self.port)),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ]
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A CLADE_HOME of its own that borrows the kernel and the accelerator probe of the real one.
+pub fn vm_bare_home(prefix: &str) -> tempfile::TempDir {
+    let t = tempfile::Builder::new().prefix(prefix).tempdir_in("/var/tmp").unwrap();
+    std::os::unix::fs::symlink(real_home().join("kernel"), t.path().join("kernel")).unwrap();
+    std::fs::create_dir_all(t.path().join("cache")).unwrap();
+    let _ = std::fs::copy(real_home().join("cache/accel.json"), t.path().join("cache/accel.json"));
+    t
+}
+
+/// [`vm_bare_home`] with the `busybox` template's vm base built (busybox + the agent on a 64 MiB disk, a
+/// 256 MiB guest), through the engine as `clade base build` does. `None` (and a printed reason) where QEMU,
+/// the guest kernel or the agent binary is missing.
+pub fn vm_home(prefix: &str) -> Option<tempfile::TempDir> {
+    use clade_core::backend::{Backend, Shape, TemplateImage};
+    let Some(agent) = clade_vm::testkit::agent_binary() else {
+        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+        return None;
+    };
+    if clade_vm::qemu::qemu_binary().is_none() || !real_home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return None;
+    }
+    let t = vm_bare_home(prefix);
+    let h = t.path();
+    let home = clade_core::CladeHome::at(h);
+    let engine = clade_core::engine::Engine::open(&home).unwrap();
+    let img = h.join("root.img");
+    let root = clade_vm::testkit::busybox_root_image(h, &agent, &img, 64).unwrap();
+    let disk = engine.store.put_file(&img, clade_store::ImageKind::Disk).unwrap().id.unwrap().to_string();
+    let tid = clade_ledger::TemplateId::new("tmpl-busybox");
+    engine.ledger().put_template(&tid, "busybox", &serde_json::json!({})).unwrap();
+    let backend = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None).unwrap();
+    let image = TemplateImage {
+        name: "busybox".into(),
+        hash: "test".into(),
+        rootfs: root,
+        disk_manifest: Some(disk),
+        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
+        egress: false,
+    };
+    let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
+    eprintln!("vm base {} built, cold boot {boot:?}", mark.id);
+    Some(t)
+}

@@ -1,0 +1,131 @@
+//! Pushing roots to the blob tier, and small metadata records next to them (docs/roam.md).
+//!
+//! Puts write through to the blob tier, so a store opened with one already holds there everything it wrote
+//! since. What it wrote before (a base built before the home named a blob tier) is uploaded by
+//! [`Store::push_roots`]: the manifests and trees named, and every pack a frame of theirs lives in.
+//! Metadata records (`roam/...`) live beside `packs/`, `manifests/` and `trees/`, which blob gc alone
+//! touches.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::ids::{ManifestId, PackId, TreeId};
+use crate::manifest::Manifest;
+use crate::{pack, StoreError};
+
+/// What [`Store::push_roots`] found and uploaded.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PushReport {
+    /// Packs holding the roots' frames, and how many of them had to be uploaded.
+    pub packs: usize,
+    pub packs_uploaded: usize,
+    /// Manifests and trees uploaded (the rest were there already).
+    pub roots_uploaded: usize,
+    /// Bytes sent.
+    pub bytes_uploaded: u64,
+}
+
+/// Bytes this process read from the blob tier (frames by range, roots, pack indexes), and how many reads.
+pub(crate) static FETCHED_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static FETCHES: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn count_fetch(bytes: usize) {
+    FETCHED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+    FETCHES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Key of a metadata record: only `[A-Za-z0-9._/-]`, under `roam/`.
+fn meta_key(key: &str) -> Result<String, StoreError> {
+    if key.is_empty() || key.contains("..") || !key.chars().all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c)) {
+        return Err(StoreError::Invalid(format!("bad metadata key {key:?}")));
+    }
+    Ok(format!("roam/{key}"))
+}
+
+impl crate::Store {
+    /// The blob tier's name (`s3://bucket`, `file:///dir`), or `None` when the store is local only.
+    pub fn blob_tier(&self) -> Option<String> {
+        self.inner.blob.as_ref().map(|b| b.describe().to_string())
+    }
+
+    /// Bytes and reads this process fetched from the blob tier so far (every store of the process).
+    pub fn blob_fetched() -> (u64, u64) {
+        (FETCHED_BYTES.load(Ordering::Relaxed), FETCHES.load(Ordering::Relaxed))
+    }
+
+    fn need_blob(&self) -> Result<&crate::blob::Blob, StoreError> {
+        self.inner.blob.as_ref().ok_or_else(|| {
+            StoreError::Invalid("this store has no blob tier: set CLADE_BLOB=s3://BUCKET (docs/roam.md)".into())
+        })
+    }
+
+    /// Make sure the blob tier holds `manifests`, `trees` and every pack (and its index) their frames live
+    /// in, uploading what it lacks from the local tier.
+    pub fn push_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PushReport, StoreError> {
+        let blob = self.need_blob()?;
+        let have: HashSet<String> =
+            blob.list("packs")?.into_iter().chain(blob.list("manifests")?).chain(blob.list("trees")?).collect();
+        let mut rep = PushReport::default();
+        let mut mans: Vec<std::sync::Arc<Manifest>> = Vec::new();
+        let mut root_paths = Vec::new();
+        for id in manifests {
+            mans.push(self.manifest(id)?);
+            root_paths.push(self.manifest_path(id));
+        }
+        for t in trees {
+            let tree = self.tree(t)?;
+            mans.extend(tree.manifests().cloned().map(std::sync::Arc::new));
+            root_paths.push(self.tree_path(t));
+        }
+        let mut packs: HashSet<PackId> = HashSet::new();
+        for m in &mans {
+            for f in &m.frames {
+                packs.insert(self.frame_loc(f)?.pack);
+            }
+        }
+        rep.packs = packs.len();
+        let upload = |path: std::path::PathBuf, rep: &mut PushReport| -> Result<bool, StoreError> {
+            let key = crate::store::blob_key(&path, &self.inner.dir);
+            if have.contains(&key) {
+                return Ok(false);
+            }
+            let data = std::fs::read(&path).map_err(|e| {
+                StoreError::io("read for the blob tier (it is neither there nor complete locally)", &path, e)
+            })?;
+            rep.bytes_uploaded += data.len() as u64;
+            blob.put(&key, data)?;
+            Ok(true)
+        };
+        for p in &packs {
+            // Pack first, then its index: a reader that sees the index finds the pack.
+            let sent = upload(pack::pack_path(&self.inner.packs, p), &mut rep)?;
+            let sent = upload(pack::idx_path(&self.inner.packs, p), &mut rep)? || sent;
+            rep.packs_uploaded += sent as usize;
+        }
+        for p in root_paths {
+            rep.roots_uploaded += upload(p, &mut rep)? as usize;
+        }
+        Ok(rep)
+    }
+
+    /// Write a small metadata record to the blob tier (`roam/KEY`).
+    pub fn blob_put_meta(&self, key: &str, data: Vec<u8>) -> Result<(), StoreError> {
+        self.need_blob()?.put(&meta_key(key)?, data)
+    }
+
+    /// Read a metadata record, `None` when absent.
+    pub fn blob_get_meta(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.need_blob()?.get(&meta_key(key)?)
+    }
+
+    /// Delete a metadata record (absent is fine).
+    pub fn blob_delete_meta(&self, key: &str) -> Result<(), StoreError> {
+        self.need_blob()?.delete(&meta_key(key)?)
+    }
+
+    /// Keys of metadata records under `prefix` (without the `roam/`).
+    pub fn blob_list_meta(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let keys = self.need_blob()?.list(&meta_key(prefix)?)?;
+        Ok(keys.into_iter().filter_map(|k| k.strip_prefix("roam/").map(String::from)).collect())
+    }
+}

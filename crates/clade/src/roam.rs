@@ -1,0 +1,364 @@
+//! Roaming: a suspended sandbox leaves this host through the shared blob tier and resumes on another
+//! (docs/roam.md). `push` makes the blob tier hold everything its head mark needs (manifests, trees, packs,
+//! and the lower layers that live in this home) plus a small state record and an ownership marker, then this
+//! host forgets the sandbox. `pull` on another host takes ownership, lays out the lower layers, and records
+//! the sandbox, its branch and its head mark in that host's ledger as suspended: `clade resume` then restores
+//! it there, reading objects from the blob tier on first use (the vm disk through the NBD server, lazily) and
+//! leaving them in the local caches.
+//!
+//! Blob keys: `roam/sandboxes/<id>/record.json` (what the other ledger needs) and
+//! `roam/sandboxes/<id>/owner.json` (`{"host", "state": "pushed"|"taken"}`): a sandbox taken by one host
+//! cannot be pulled by another until that host pushes it again.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use clade_core::engine::Engine;
+use clade_ledger::{BranchId, Mark, NewBranch, NewMark, NewSandbox, RetentionPolicy, SandboxId, SandboxState};
+use clade_store::{ManifestId, TreeId};
+use serde::{Deserialize, Serialize};
+
+use crate::ops::{check_id, conflict, invalid, not_found};
+
+/// The mark role whose value is the ct overlay's lower directories (`a:b`), not a store id.
+const ROLE_ROOTFS: &str = "rootfs";
+
+/// What another host's ledger needs to resume the sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub format: u32,
+    pub sandbox: String,
+    pub backend: clade_ledger::Backend,
+    pub branch: String,
+    pub origin_mark: Option<String>,
+    /// The branch's head, the state to resume.
+    pub mark: Mark,
+    /// Lower layers of a ct mark: those that lived in the pushing home travel as trees.
+    pub lowers: Vec<Lower>,
+    /// Bytes the mark describes (all its images and trees, lower layers included).
+    pub full_bytes: u64,
+    pub pushed_by: String,
+    pub pushed_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Lower {
+    /// The path on the pushing host.
+    pub path: String,
+    /// Its tree in the store, when it lived in the pushing home; `None`: an installed path every host has.
+    pub tree: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Owner {
+    pub host: String,
+    /// `pushed` (any host may pull it) or `taken` (that host has it).
+    pub state: String,
+    pub at_ms: u64,
+}
+
+fn record_key(sbx: &str) -> String {
+    format!("sandboxes/{sbx}/record.json")
+}
+fn owner_key(sbx: &str) -> String {
+    format!("sandboxes/{sbx}/owner.json")
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// This home's host id (`$CLADE_HOME/host-id`, made once).
+pub fn host_id(engine: &Engine) -> anyhow::Result<String> {
+    let p = engine.home.root().join("host-id");
+    if let Ok(s) = std::fs::read_to_string(&p) {
+        if !s.trim().is_empty() {
+            return Ok(s.trim().to_string());
+        }
+    }
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))?;
+    let id = format!("host-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>());
+    let tmp = p.with_extension("tmp");
+    std::fs::write(&tmp, &id).with_context(|| format!("write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &p)?;
+    Ok(id)
+}
+
+fn need_blob(engine: &Engine) -> anyhow::Result<String> {
+    engine.store.blob_tier().ok_or_else(|| {
+        invalid(
+            "this home has no blob tier: set CLADE_BLOB=s3://BUCKET (and CLADE_BLOB_ENDPOINT, AWS_ACCESS_KEY_ID, \
+             AWS_SECRET_ACCESS_KEY) on every host that shares it (docs/roam.md)",
+        )
+    })
+}
+
+fn read_owner(engine: &Engine, sbx: &str) -> anyhow::Result<Option<Owner>> {
+    match engine.store.blob_get_meta(&owner_key(sbx))? {
+        Some(b) => Ok(Some(serde_json::from_slice(&b).context("the blob tier's owner record does not parse")?)),
+        None => Ok(None),
+    }
+}
+
+fn write_owner(engine: &Engine, sbx: &str, host: &str, state: &str) -> anyhow::Result<()> {
+    let o = Owner { host: host.into(), state: state.into(), at_ms: now_ms() };
+    engine.store.blob_put_meta(&owner_key(sbx), serde_json::to_vec(&o)?)?;
+    Ok(())
+}
+
+/// Split a mark's roles into store manifests and trees (the rootfs role is neither).
+fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<ManifestId>, Vec<TreeId>, u64)> {
+    let (mut mans, mut trees, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+    for (role, v) in &mark.manifests {
+        if role == ROLE_ROOTFS {
+            continue;
+        }
+        let s = v.as_str();
+        if let Ok(id) = s.parse::<ManifestId>() {
+            if let Ok(m) = engine.store.manifest(&id) {
+                bytes += m.size;
+                mans.push(id);
+                continue;
+            }
+        }
+        let t: TreeId = s.parse().map_err(|_| anyhow::anyhow!("mark {} role {role}: {s} is no store id", mark.id))?;
+        let tree = engine.store.tree(&t).with_context(|| format!("mark {} role {role}", mark.id))?;
+        bytes += tree.manifests().map(|m| m.size).sum::<u64>();
+        trees.push(t);
+    }
+    Ok((mans, trees, bytes))
+}
+
+/// Push a suspended sandbox to the blob tier and forget it here.
+pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+    check_id(sandbox)?;
+    let tier = need_blob(engine)?;
+    let me = host_id(engine)?;
+    let start = Instant::now();
+    let id = SandboxId::new(sandbox);
+    let rec = engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox} on this host")))?;
+    if rec.state != SandboxState::Suspended {
+        return Err(conflict(format!(
+            "sandbox {sandbox} is {}: `clade suspend {sandbox}` first (only a suspended sandbox can move)",
+            rec.state.as_str()
+        )));
+    }
+    if let Some(o) = read_owner(engine, sandbox)? {
+        if o.state == "taken" && o.host != me {
+            return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
+        }
+    }
+    let head = engine
+        .ledger()
+        .head(&rec.branch)?
+        .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to push")))?;
+    let (mans, mut trees, mut full) = roots_of(engine, &head)?;
+    // Lower layers in this home travel as trees; installed paths elsewhere must exist on every host.
+    let mut lowers = Vec::new();
+    if let Some(l) = head.manifests.get(ROLE_ROOTFS) {
+        for path in l.as_str().split(':').filter(|p| !p.is_empty()) {
+            let tree = if Path::new(path).starts_with(engine.home.root()) {
+                progress(&format!("push: lower layer {path}"));
+                let r = engine.store.put_dir(Path::new(path)).with_context(|| format!("store lower layer {path}"))?;
+                full += r.data.size;
+                trees.push(r.id);
+                Some(r.id.to_string())
+            } else {
+                None
+            };
+            lowers.push(Lower { path: path.to_string(), tree });
+        }
+    }
+    progress(&format!("push: {} manifests, {} trees of mark {} to {tier}", mans.len(), trees.len(), head.id));
+    let rep = engine.store.push_roots(&mans, &trees)?;
+    progress(&format!(
+        "push: {} packs ({} uploaded, {} bytes), {} roots uploaded",
+        rep.packs, rep.packs_uploaded, rep.bytes_uploaded, rep.roots_uploaded
+    ));
+    let record = Record {
+        format: 1,
+        sandbox: sandbox.to_string(),
+        backend: rec.backend,
+        branch: rec.branch.as_str().to_string(),
+        origin_mark: rec.origin_mark.as_ref().map(|m| m.as_str().to_string()),
+        mark: head.clone(),
+        lowers,
+        full_bytes: full,
+        pushed_by: me.clone(),
+        pushed_ms: now_ms(),
+    };
+    engine.store.blob_put_meta(&record_key(sandbox), serde_json::to_vec_pretty(&record)?)?;
+    write_owner(engine, sandbox, &me, "pushed")?;
+    // This host forgets the sandbox; its branch and head stay (pinned) so local gc never unpublishes objects
+    // another host now resumes from (delete_manifest unpublishes in the blob tier too).
+    {
+        let l = engine.ledger();
+        l.pin(&head.id, true)?;
+        l.set_sandbox_state(&id, SandboxState::Dead, Some(&format!("pushed to {tier}")))?;
+        l.remove_sandbox(&id)?;
+    }
+    let took = start.elapsed();
+    engine.op("push", None, Some(&head.id), took, None, serde_json::json!({"sandbox": sandbox, "report": rep}));
+    Ok(serde_json::json!({
+        "sandbox": sandbox, "mark": head.id, "blob": tier, "host": me, "full_bytes": full,
+        "packs": rep.packs, "packs_uploaded": rep.packs_uploaded, "bytes_uploaded": rep.bytes_uploaded,
+        "push_ms": took.as_secs_f64() * 1e3,
+    }))
+}
+
+/// [`pull`] when the blob tier holds a pushed record of `sandbox`; `None` when it holds none.
+pub fn pull_if_pushed(
+    engine: &Engine,
+    sandbox: &str,
+    progress: &mut dyn FnMut(&str),
+) -> anyhow::Result<Option<serde_json::Value>> {
+    check_id(sandbox)?;
+    if engine.store.blob_get_meta(&record_key(sandbox))?.is_none() {
+        return Ok(None);
+    }
+    pull(engine, sandbox, progress).map(Some)
+}
+
+/// Take a pushed sandbox from the blob tier into this host's ledger, suspended, ready for `clade resume`.
+pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+    check_id(sandbox)?;
+    let tier = need_blob(engine)?;
+    let me = host_id(engine)?;
+    let start = Instant::now();
+    let fetched_before = clade_store::Store::blob_fetched().0;
+    let id = SandboxId::new(sandbox);
+    if let Ok(rec) = engine.ledger().sandbox(&id) {
+        return Err(conflict(format!("sandbox {sandbox} is already on this host ({})", rec.state.as_str())));
+    }
+    let bytes = engine
+        .store
+        .blob_get_meta(&record_key(sandbox))?
+        .ok_or_else(|| not_found(format!("no sandbox {sandbox} in {tier} (push it from its host first)")))?;
+    let record: Record = serde_json::from_slice(&bytes).context("the blob tier's state record does not parse")?;
+    if record.format != 1 {
+        return Err(invalid(format!("state record format {} is newer than this clade knows", record.format)));
+    }
+    match read_owner(engine, sandbox)? {
+        Some(o) if o.state == "taken" && o.host != me => {
+            return Err(conflict(format!(
+                "sandbox {sandbox} was taken by host {} (it may be running there); it must push it again first",
+                o.host
+            )));
+        }
+        None => return Err(conflict(format!("sandbox {sandbox} in {tier} has no owner record; push it again"))),
+        _ => {}
+    }
+    write_owner(engine, sandbox, &me, "taken")?;
+    // Last writer wins on S3 without conditional puts: read back, and back off when another host won.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    match read_owner(engine, sandbox)? {
+        Some(o) if o.host == me && o.state == "taken" => {}
+        o => return Err(conflict(format!("sandbox {sandbox}: another host took it at the same time ({o:?})"))),
+    }
+    progress(&format!("pull: {sandbox} (mark {}) from {tier}, pushed by {}", record.mark.id, record.pushed_by));
+    let mut mark = record.mark.clone();
+    if !record.lowers.is_empty() {
+        let mut paths = Vec::new();
+        for l in &record.lowers {
+            match &l.tree {
+                Some(t) => {
+                    let dest = engine.home.root().join("roam/lower").join(t);
+                    if !dest.exists() {
+                        progress(&format!("pull: lower layer {t}"));
+                        lay_out(engine, t, &dest)?;
+                    }
+                    paths.push(dest.display().to_string());
+                }
+                None if Path::new(&l.path).is_dir() => paths.push(l.path.clone()),
+                None => {
+                    return Err(not_found(format!(
+                        "the mark's lower layer {} is not on this host (install the template here)",
+                        l.path
+                    )))
+                }
+            }
+        }
+        mark.manifests.insert(ROLE_ROOTFS.into(), clade_ledger::ManifestId::new(paths.join(":")));
+    }
+    record_locally(engine, &record, &mark)?;
+    let took = start.elapsed();
+    engine.op("pull", Some(&id), Some(&mark.id), took, None, serde_json::json!({"from": record.pushed_by}));
+    Ok(serde_json::json!({
+        "sandbox": sandbox, "mark": mark.id, "blob": tier, "host": me, "from": record.pushed_by,
+        "full_bytes": record.full_bytes, "pull_ms": took.as_secs_f64() * 1e3,
+        "blob_bytes": clade_store::Store::blob_fetched().0 - fetched_before,
+    }))
+}
+
+fn lay_out(engine: &Engine, tree: &str, dest: &Path) -> anyhow::Result<()> {
+    let t: TreeId = tree.parse().map_err(|_| invalid(format!("lower layer tree {tree:?} is no tree id")))?;
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(parent)?;
+    let tmp: PathBuf = parent.join(format!(".{tree}.tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    engine.store.get_dir(&t, &tmp).with_context(|| format!("lay out lower layer {tree}"))?;
+    match std::fs::rename(&tmp, dest) {
+        Ok(()) => Ok(()),
+        Err(_) if dest.exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("publish {}", dest.display())),
+    }
+}
+
+/// The sandbox, its branch and head mark in this ledger (the branch and mark may be here already: the
+/// sandbox left this host once and comes back).
+fn record_locally(engine: &Engine, r: &Record, mark: &Mark) -> anyhow::Result<()> {
+    let l = engine.ledger();
+    let branch = BranchId::new(r.branch.clone());
+    if l.branch(&branch).is_err() {
+        l.create_branch(&NewBranch {
+            id: Some(branch.clone()),
+            name: None,
+            parent_mark: None,
+            policy: RetentionPolicy::KEEP_ALL,
+        })?;
+    }
+    if l.mark(&mark.id).is_err() {
+        l.add_mark(&NewMark {
+            id: Some(mark.id.clone()),
+            branch: branch.clone(),
+            label: mark.label.clone(),
+            parent: None,
+            backend: mark.backend,
+            manifests: mark.manifests.clone(),
+            logical_bytes: mark.logical_bytes,
+            stored_bytes: mark.stored_bytes,
+            pause_ms: mark.pause_ms,
+            timings: mark.timings.clone(),
+            pinned: true,
+            clean: mark.clean,
+        })?;
+    }
+    l.set_head(&branch, &mark.id)?;
+    l.create_sandbox(&NewSandbox {
+        id: Some(SandboxId::new(r.sandbox.clone())),
+        backend: r.backend,
+        branch,
+        origin_mark: Some(mark.id.clone()),
+        supervisor_pid: None,
+        host: None,
+    })?;
+    l.set_sandbox_state(&SandboxId::new(r.sandbox.clone()), SandboxState::Suspended, None)?;
+    Ok(())
+}
+
+/// The sandboxes in the blob tier, with their owners.
+pub fn list(engine: &Engine) -> anyhow::Result<Vec<serde_json::Value>> {
+    need_blob(engine)?;
+    let mut out = Vec::new();
+    for k in engine.store.blob_list_meta("sandboxes")? {
+        let Some(sbx) = k.strip_prefix("sandboxes/").and_then(|s| s.strip_suffix("/owner.json")) else { continue };
+        let o = read_owner(engine, sbx)?;
+        out.push(serde_json::json!({"sandbox": sbx, "owner": o}));
+    }
+    Ok(out)
+}

@@ -1,0 +1,95 @@
+//! Suspend on one host, resume on another (docs/roam.md), on both backends: two `$CLADE_HOME`s that share
+//! only a blob tier (a real moto S3 server on loopback). Host A runs a sandbox, changes its files, suspends and
+//! pushes it; host B, which has never seen the sandbox, its template or its base, resumes it by name: the
+//! same files, hostname and machine-id come back, and B reports the bytes it fetched. A third pull is refused
+//! while B holds it; B pushes it back and A resumes it again.
+
+use std::path::Path;
+
+mod common;
+
+fn ok(home: &Path, env: &[(&str, &str)], args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = common::clade_with(home, env, args);
+    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+fn sh(home: &Path, env: &[(&str, &str)], sbx: &str, script: &str) -> String {
+    let out = ok(home, env, &["exec", sbx, "--json", "--", "sh", "-c", script]);
+    assert_eq!(out["code"], 0, "{script}: {out}");
+    out["stdout"].as_str().unwrap_or("").trim().to_string()
+}
+
+#[test]
+fn guest_roam_ct_suspend_on_a_resume_on_b_and_back() {
+    let Some(moto) = common::Moto::start("clade-roam-ct") else { return };
+    let Some(a) = common::ct_home("clade-roam-ct-a") else { return };
+    let b = tempfile::Builder::new().prefix("clade-roam-ct-b").tempdir_in("/var/tmp").unwrap();
+    std::os::unix::fs::symlink(common::real_home().join("criu"), b.path().join("criu")).unwrap();
+    round_trip(&moto, a.path(), b.path(), "ctbox", "ct");
+}
+
+#[test]
+fn guest_roam_vm_suspend_on_a_resume_on_b_and_back() {
+    let Some(moto) = common::Moto::start("clade-roam-vm") else { return };
+    let Some(a) = common::vm_home("clade-roam-vm-a") else { return };
+    let b = common::vm_bare_home("clade-roam-vm-b");
+    round_trip(&moto, a.path(), b.path(), "busybox", "vm");
+}
+
+/// Run, change, suspend and push on `a`; resume on `b` by name; back again.
+fn round_trip(moto: &common::Moto, a: &Path, b: &Path, template: &str, backend: &str) {
+    let owned = moto.env();
+    let env: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+
+    // Host A: a sandbox with a change of its own, suspended, pushed.
+    let run = ok(a, &env, &["run", template, "--backend", backend, "--json"]);
+    let sbx = run["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    sh(a, &env, &sbx, "mkdir -p /root && echo travelled > /root/note && head -c 65536 /dev/urandom > /root/blob");
+    let before = sh(a, &env, &sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob");
+    ok(a, &env, &["suspend", &sbx, "--json"]);
+    let pushed = ok(a, &env, &["roam", "push", &sbx, "--json"]);
+    assert!(pushed["full_bytes"].as_u64().unwrap() > 0, "{pushed}");
+    let (code, _, _) = common::clade_with(a, &env, &["exec", &sbx, "--", "true"]);
+    assert_eq!(code, 3, "host A forgot the sandbox it pushed");
+    let listed = ok(b, &env, &["roam", "ls", "--json"]);
+    assert!(listed.as_array().unwrap().iter().any(|r| r["sandbox"] == sbx.as_str() && r["owner"]["state"] == "pushed"));
+
+    // A home without the blob tier cannot see it, and says how to name one.
+    let (code, _, err) = common::clade(b, &["resume", &sbx]);
+    assert_eq!(code, 3, "{err}");
+
+    // Host B: resume by name pulls it, restores it, and it is the same machine with the same files.
+    let res = ok(b, &env, &["resume", &sbx, "--json"]);
+    assert_eq!(res["ok"], true, "{res}");
+    assert!(res["pulled"]["full_bytes"].as_u64().unwrap() > 0, "{res}");
+    let fetched = res["blob_bytes"].as_u64().unwrap();
+    assert!(fetched > 0, "host B read the sandbox from the blob tier: {res}");
+    eprintln!(
+        "{backend}: resume on B: {:.0} ms, fetched {} bytes of {} (pull {:.0} ms)",
+        res["resume_ms"].as_f64().unwrap(),
+        fetched,
+        res["pulled"]["full_bytes"],
+        res["pulled"]["pull_ms"].as_f64().unwrap()
+    );
+    assert_eq!(sh(b, &env, &sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob"), before);
+    assert_eq!(sh(b, &env, &sbx, "cat /root/note"), "travelled");
+
+    // While B holds it, A cannot take it back.
+    let (code, _, err) = common::clade_with(a, &env, &["roam", "pull", &sbx]);
+    assert_eq!(code, 4, "taken by B: {err}");
+    assert!(err.contains("taken by host"), "{err}");
+    let (code, _, err) = common::clade_with(b, &env, &["roam", "push", &sbx]);
+    assert_eq!(code, 4, "a running sandbox must be suspended before it moves: {err}");
+
+    // B changes it and sends it back; A resumes it with B's change.
+    sh(b, &env, &sbx, "echo back >> /root/note");
+    ok(b, &env, &["suspend", &sbx, "--json"]);
+    ok(b, &env, &["roam", "push", &sbx, "--json"]);
+    let res = ok(a, &env, &["resume", &sbx, "--json"]);
+    assert_eq!(res["ok"], true, "{res}");
+    assert_eq!(sh(a, &env, &sbx, "cat /root/note"), "travelled\nback");
+    ok(a, &env, &["kill", &sbx, "--json"]);
+    let audit = ok(a, &env, &["audit", "--json"]);
+    assert_eq!(audit["findings"].as_array().unwrap().len(), 0, "{audit}");
+}
