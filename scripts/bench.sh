@@ -6,6 +6,7 @@
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
 #   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
+#   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
 # Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,8 +15,8 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct|e2b) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|vm|ct|e2b|roam) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, e2b, roam; --quick)" >&2; exit 2 ;;
   esac
 done
 [ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct)
@@ -41,6 +42,8 @@ for w in "${what[@]}"; do
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
+    roam) r=$([ $quick = 1 ] && echo 1 || echo 3)  # needs the minimal base on both backends (./x demo builds them)
+      run roam $bin/clade bench-roam --rounds $r --out "$out/roam.json" ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # needs the minimal base on both backends and the e2b SDK (./x setup)
       run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
       run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;

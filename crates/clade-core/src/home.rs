@@ -56,6 +56,16 @@ impl CladeHome {
         self.root.join("tmp")
     }
 
+    /// Where this host keeps guest RAM files on tmpfs (`ram/` roots, `run/` cold sandboxes, `lazy/` mounts):
+    /// `CLADE_SHM`, else `/dev/shm/clade`. Homes on one machine share it unless told otherwise (RAM roots are
+    /// named by content, so sharing is safe); a test or bench standing in for a second host gives it its own.
+    pub fn shm_dir(&self) -> PathBuf {
+        std::env::var_os("CLADE_SHM")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| "/dev/shm/clade".into())
+    }
+
     /// The blob tier this home shares with other hosts (docs/roam.md), from the environment:
     /// `CLADE_BLOB` = `s3://BUCKET` (with `CLADE_BLOB_ENDPOINT`, `CLADE_BLOB_REGION`, `AWS_ACCESS_KEY_ID`,
     /// `AWS_SECRET_ACCESS_KEY`) or `file:///DIR`. `None` when unset: the store is local only.

@@ -32,6 +32,7 @@ mod push;
 mod reader;
 mod statcache;
 mod store;
+pub mod testkit;
 mod tree;
 mod writer;
 

@@ -103,7 +103,7 @@ impl VmBackend {
         .map_err(|e| failed(format!("accelerator probe: {e}")))?;
         let machine = MachineType::Q35;
         let initrd = crate::boot::cached_initramfs(&kdir, busybox, machine, &cache).map_err(failed)?;
-        let shm = shm.unwrap_or_else(|| PathBuf::from("/dev/shm/clade"));
+        let shm = shm.unwrap_or_else(|| home.shm_dir());
         for d in [shm.join("ram"), shm.join("run"), home.run_dir()] {
             std::fs::create_dir_all(&d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
         }
@@ -262,6 +262,7 @@ impl Backend for VmBackend {
             generation: 0,
             last_mark: None,
             egress: image.egress,
+            lazy: None,
         }))
     }
 
@@ -288,11 +289,8 @@ impl VmBackend {
         let root = manifest(mark, role::RAM_ROOT)?.to_string();
         let disk_manifest = manifest(mark, role::DISK)?;
         let mut leases = vec![self.lease(&root)?, self.lease(disk_manifest)?];
-        let ram_file = self.root_ram_file(&root);
-        if !ram_file.exists() {
-            self.materialize_root(&root, &ram_file)?;
-        }
         let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
+        let (ram_file, lazy) = self.root_backing(&root, &id.sandbox_id)?;
         let (state_role, devstate_only) = match mark.manifests.get(role::DEVSTATE_ONLY) {
             Some(_) => (role::DEVSTATE_ONLY, true),
             None => (role::DEVSTATE, false),
@@ -334,7 +332,37 @@ impl VmBackend {
             run,
             generation: id.generation,
             egress,
+            lazy,
         })
+    }
+
+    /// The file a restore maps its root RAM from: the host's shared root file (rebuilt from the store when
+    /// missing), or, for a root this host has never held whose bytes live in the blob tier (a sandbox resumed
+    /// here from another host, docs/roam.md), a lazy file that fetches pages as the guest touches them.
+    /// `CLADE_LAZY_RAM=always|never` overrides the choice.
+    fn root_backing(
+        &self,
+        root: &str,
+        sandbox: &str,
+    ) -> Result<(PathBuf, Option<clade_lazyfs::LazyFile>), BackendError> {
+        let ram_file = self.root_ram_file(root);
+        if ram_file.exists() {
+            return Ok((ram_file, None));
+        }
+        let store = &self.inner.store;
+        let lazy = match std::env::var("CLADE_LAZY_RAM").as_deref() {
+            Ok("always") => true,
+            Ok("never") => false,
+            _ => store.blob_tier().is_some() && !store.has_manifest(&mid(root)?),
+        };
+        if !lazy {
+            self.materialize_root(root, &ram_file)?;
+            return Ok((ram_file, None));
+        }
+        let dir = self.inner.shm.join("lazy").join(sandbox);
+        let file = clade_lazyfs::LazyFile::mount(store, &mid(root)?, &dir, &format!("{root}.ram"))
+            .map_err(|e| failed(format!("lazy RAM: {e}")))?;
+        Ok((file.path(), Some(file)))
     }
 }
 
@@ -353,6 +381,8 @@ pub struct VmPrepared {
     run: RunDir,
     generation: u64,
     egress: bool,
+    /// The lazily fetched root RAM this restore maps, when it has no root file (see `root_backing`).
+    lazy: Option<clade_lazyfs::LazyFile>,
 }
 
 impl VmBackend {
@@ -387,6 +417,7 @@ impl VmPrepared {
             generation: self.generation,
             last_mark: None,
             egress: self.egress,
+            lazy: self.lazy,
         })
     }
 }
@@ -483,6 +514,15 @@ pub struct VmSandbox {
     last_mark: Option<MarkStats>,
     /// `network = "egress"`: a user-mode NIC (crate::net), recorded in every mark.
     egress: bool,
+    /// The lazily fetched root RAM QEMU maps, when this host had no root file (last: unmounted after QEMU ends).
+    lazy: Option<clade_lazyfs::LazyFile>,
+}
+
+impl VmSandbox {
+    /// Bytes served so far by the lazily fetched root RAM, when this sandbox maps one.
+    pub fn lazy_ram_bytes(&self) -> Option<u64> {
+        self.lazy.as_ref().map(|l| l.counters().bytes.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// What the last mark of a sandbox changed, for benches: the truth the stored bytes are held against.

@@ -29,9 +29,6 @@ fn settle() -> Duration {
 /// Per-sandbox memory cgroups, cgroup v1 and v2 (see clade-ct's resources).
 const CGROUP_ROOTS: [&str; 2] = ["/sys/fs/cgroup/memory/clade", "/sys/fs/cgroup/clade"];
 
-/// Per-sandbox RAM files of running vm sandboxes (see clade-vm's backend).
-const SHM_RUN: &str = "/dev/shm/clade/run";
-
 /// One thing found wrong.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
@@ -154,14 +151,14 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
             gone.insert(id);
         }
     }
+    let shm = home.shm_dir();
     for id in &gone {
-        leftovers_of(&run, id, fix, &mut rep.findings);
+        leftovers_of(&run, &shm, id, fix, &mut rep.findings);
     }
     rep.ok = rep.findings.iter().all(|f| f.fixed);
     Ok(rep)
 }
 
-/// Whether the store has a manifest the ledger names (an id that does not even parse is "no").
 /// Whether a mark's entry is in the store, in either tier (a mark pulled from another host may live only in
 /// the shared blob tier). Entries are manifests (images) or trees (directories), which share one id space; an
 /// entry that is no store id at all (a ct mark's lower directories, its network mode) is not the store's to
@@ -177,9 +174,11 @@ fn stored(ops: &Ops, m: &ManifestId) -> bool {
     }
 }
 
-/// What a gone sandbox `id` still holds on the host; taken down with `fix`.
-fn leftovers_of(run: &Path, id: &str, fix: bool, out: &mut Vec<Finding>) {
+/// What a gone sandbox `id` still holds on the host; taken down with `fix`. `shm` is the host's guest-RAM
+/// directory (per-sandbox RAM files of cold vm sandboxes in `run/`, lazy RAM mounts in `lazy/`).
+fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, out: &mut Vec<Finding>) {
     let dir = run.join(id);
+    let lazy = shm.join("lazy").join(id);
     let needle = format!("{}/", dir.display());
     for (pid, cmd) in processes() {
         if cmd.contains(&needle) && !cmd.contains(" supervise ") {
@@ -189,7 +188,8 @@ fn leftovers_of(run: &Path, id: &str, fix: bool, out: &mut Vec<Finding>) {
         }
     }
     // Deepest first, so a mount inside another comes off before its parent.
-    let mut mounts: Vec<PathBuf> = mount_points().into_iter().filter(|m| m.starts_with(&dir)).collect();
+    let mut mounts: Vec<PathBuf> =
+        mount_points().into_iter().filter(|m| m.starts_with(&dir) || m.starts_with(&lazy)).collect();
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
     for m in mounts {
         let fixed = fix && nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).is_ok();
@@ -208,7 +208,7 @@ fn leftovers_of(run: &Path, id: &str, fix: bool, out: &mut Vec<Finding>) {
             out.push(Finding { kind: "leftover-run-dir", id: id.into(), detail: d.display().to_string(), fixed });
         }
     }
-    let ram = Path::new(SHM_RUN).join(format!("{id}.ram"));
+    let ram = shm.join("run").join(format!("{id}.ram"));
     if ram.exists() && settled(&ram) {
         let fixed = fix && std::fs::remove_file(&ram).is_ok();
         out.push(Finding { kind: "leftover-ram-file", id: id.into(), detail: ram.display().to_string(), fixed });

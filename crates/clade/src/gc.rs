@@ -9,16 +9,12 @@
 //! A run killed after step 1 leaves marks "being collected" with their manifests still published; the
 //! ledger keeps those marks' manifest names, so the next run unpublishes them and finishes the job.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use clade_ledger::{CollectOptions, CollectReport};
 use serde::Serialize;
 
 use crate::ops::Ops;
-
-/// Root RAM files of vm marks (`ram/<manifest>.ram`; see clade-vm's backend).
-const SHM_RAM: &str = "/dev/shm/clade/ram";
 
 #[derive(Debug, Serialize)]
 pub struct GcOutcome {
@@ -51,7 +47,8 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
     let mut ram_files_deleted = 0;
     let mut ram_bytes_freed = 0;
     for m in &unreferenced {
-        let ram = Path::new(SHM_RAM).join(format!("{m}.ram"));
+        // Root RAM files of vm marks (`ram/<manifest>.ram`; see clade-vm's backend).
+        let ram = engine.home.shm_dir().join("ram").join(format!("{m}.ram"));
         if let Ok(meta) = std::fs::metadata(&ram) {
             if !dry_run {
                 std::fs::remove_file(&ram)?;

@@ -53,6 +53,8 @@ enum Command {
     Fork(cmd::sandbox::ForkArgs),
     /// Run a command in a sandbox; exits with its status.
     Exec(cmd::sandbox::ExecArgs),
+    /// One sandbox: its record and, while it runs, its supervisor's facts (pids, memory, agent, blob reads).
+    Info(cmd::sandbox::SbxArgs),
     /// Checkpoint a running sandbox (it keeps running).
     Mark(cmd::sandbox::MarkArgs),
     /// Take a sandbox back to an earlier mark of its branch.
@@ -92,6 +94,9 @@ enum Command {
     /// E2B SDK vs library: create to first command (run by `./x bench e2b`).
     #[command(hide = true, name = "bench-e2b")]
     BenchE2b(bench::e2b::Args),
+    /// Suspend on this home, resume on a fresh one through a blob tier: bytes fetched vs working set (issue 12).
+    #[command(hide = true, name = "bench-roam")]
+    BenchRoam(bench::roam::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -112,6 +117,7 @@ fn main() {
         Command::Exec(a) => cmd::sandbox::exec(a),
         Command::Mark(a) => cmd::sandbox::mark(a),
         Command::Retake(a) => cmd::sandbox::retake(a),
+        Command::Info(a) => cmd::sandbox::info(a),
         Command::Suspend(a) => cmd::sandbox::suspend(a),
         Command::Resume(a) => cmd::sandbox::resume(a),
         Command::Roam(c) => cmd::roam::run(c),
@@ -128,6 +134,7 @@ fn main() {
         Command::Supervise(a) => cmd::supervise::run(a),
         Command::BenchVm(a) => bench::vm::run(a),
         Command::BenchE2b(a) => bench::e2b::run(a),
+        Command::BenchRoam(a) => bench::roam::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -150,7 +150,7 @@ impl Ops {
         let mut row = row_of(&rec);
         if rec.state == SandboxState::Running && rec.supervisor_pid.is_some_and(supervisor_alive) {
             if let Ok(info) = client::call(self.home(), sandbox, &Request::Info) {
-                for k in ["pids", "pss", "rss", "hello", "generation", "last_activity_ms"] {
+                for k in ["pids", "pss", "rss", "hello", "generation", "last_activity_ms", "blob_fetched"] {
                     if let Some(v) = info.get(k) {
                         row[k] = v.clone();
                     }

@@ -22,7 +22,7 @@ fn sh(home: &Path, env: &[(&str, &str)], sbx: &str, script: &str) -> String {
 
 #[test]
 fn guest_roam_ct_suspend_on_a_resume_on_b_and_back() {
-    let Some(moto) = common::Moto::start("clade-roam-ct") else { return };
+    let Some(moto) = common::moto("clade-roam-ct") else { return };
     let Some(a) = common::ct_home("clade-roam-ct-a") else { return };
     let b = tempfile::Builder::new().prefix("clade-roam-ct-b").tempdir_in("/var/tmp").unwrap();
     std::os::unix::fs::symlink(common::real_home().join("criu"), b.path().join("criu")).unwrap();
@@ -31,16 +31,22 @@ fn guest_roam_ct_suspend_on_a_resume_on_b_and_back() {
 
 #[test]
 fn guest_roam_vm_suspend_on_a_resume_on_b_and_back() {
-    let Some(moto) = common::Moto::start("clade-roam-vm") else { return };
+    let Some(moto) = common::moto("clade-roam-vm") else { return };
     let Some(a) = common::vm_home("clade-roam-vm-a") else { return };
     let b = common::vm_bare_home("clade-roam-vm-b");
     round_trip(&moto, a.path(), b.path(), "busybox", "vm");
 }
 
 /// Run, change, suspend and push on `a`; resume on `b` by name; back again.
-fn round_trip(moto: &common::Moto, a: &Path, b: &Path, template: &str, backend: &str) {
+fn round_trip(moto: &clade_store::testkit::Moto, a: &Path, b: &Path, template: &str, backend: &str) {
     let owned = moto.env();
     let env: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    // Host B keeps its guest RAM files apart from A's, as another machine would.
+    let shm = ShmDir(Path::new("/dev/shm").join(b.file_name().unwrap()));
+    let shm_b = shm.0.display().to_string();
+    let mut env_b = env.clone();
+    env_b.push(("CLADE_SHM", shm_b.as_str()));
+    let env_b = env_b;
 
     // Host A: a sandbox with a change of its own, suspended, pushed.
     let run = ok(a, &env, &["run", template, "--backend", backend, "--json"]);
@@ -52,7 +58,7 @@ fn round_trip(moto: &common::Moto, a: &Path, b: &Path, template: &str, backend: 
     assert!(pushed["full_bytes"].as_u64().unwrap() > 0, "{pushed}");
     let (code, _, _) = common::clade_with(a, &env, &["exec", &sbx, "--", "true"]);
     assert_eq!(code, 3, "host A forgot the sandbox it pushed");
-    let listed = ok(b, &env, &["roam", "ls", "--json"]);
+    let listed = ok(b, &env_b, &["roam", "ls", "--json"]);
     assert!(listed.as_array().unwrap().iter().any(|r| r["sandbox"] == sbx.as_str() && r["owner"]["state"] == "pushed"));
 
     // A home without the blob tier cannot see it, and says how to name one.
@@ -60,7 +66,7 @@ fn round_trip(moto: &common::Moto, a: &Path, b: &Path, template: &str, backend: 
     assert_eq!(code, 3, "{err}");
 
     // Host B: resume by name pulls it, restores it, and it is the same machine with the same files.
-    let res = ok(b, &env, &["resume", &sbx, "--json"]);
+    let res = ok(b, &env_b, &["resume", &sbx, "--json"]);
     assert_eq!(res["ok"], true, "{res}");
     assert!(res["pulled"]["full_bytes"].as_u64().unwrap() > 0, "{res}");
     let fetched = res["blob_bytes"].as_u64().unwrap();
@@ -72,24 +78,46 @@ fn round_trip(moto: &common::Moto, a: &Path, b: &Path, template: &str, backend: 
         res["pulled"]["full_bytes"],
         res["pulled"]["pull_ms"].as_f64().unwrap()
     );
-    assert_eq!(sh(b, &env, &sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob"), before);
-    assert_eq!(sh(b, &env, &sbx, "cat /root/note"), "travelled");
+    if backend == "vm" {
+        // B never held the sandbox's root RAM: it is mapped from a lazy file fetching pages on first touch.
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        assert!(
+            mounts.lines().any(|l| l.contains("clade-lazy") && l.contains(&sbx)),
+            "no lazy RAM mount for {sbx}: {mounts}"
+        );
+    }
+    assert_eq!(sh(b, &env_b, &sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob"), before);
+    assert_eq!(sh(b, &env_b, &sbx, "cat /root/note"), "travelled");
 
     // While B holds it, A cannot take it back.
     let (code, _, err) = common::clade_with(a, &env, &["roam", "pull", &sbx]);
     assert_eq!(code, 4, "taken by B: {err}");
     assert!(err.contains("taken by host"), "{err}");
-    let (code, _, err) = common::clade_with(b, &env, &["roam", "push", &sbx]);
+    let (code, _, err) = common::clade_with(b, &env_b, &["roam", "push", &sbx]);
     assert_eq!(code, 4, "a running sandbox must be suspended before it moves: {err}");
 
     // B changes it and sends it back; A resumes it with B's change.
-    sh(b, &env, &sbx, "echo back >> /root/note");
-    ok(b, &env, &["suspend", &sbx, "--json"]);
-    ok(b, &env, &["roam", "push", &sbx, "--json"]);
+    sh(b, &env_b, &sbx, "echo back >> /root/note");
+    ok(b, &env_b, &["suspend", &sbx, "--json"]);
+    ok(b, &env_b, &["roam", "push", &sbx, "--json"]);
     let res = ok(a, &env, &["resume", &sbx, "--json"]);
     assert_eq!(res["ok"], true, "{res}");
     assert_eq!(sh(a, &env, &sbx, "cat /root/note"), "travelled\nback");
     ok(a, &env, &["kill", &sbx, "--json"]);
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(!mounts.lines().any(|l| l.contains(&sbx)), "a mount of {sbx} is left: {mounts}");
     let audit = ok(a, &env, &["audit", "--json"]);
     assert_eq!(audit["findings"].as_array().unwrap().len(), 0, "{audit}");
+}
+
+/// Removes a host's guest-RAM directory (unmounting what a failed run left in it).
+struct ShmDir(std::path::PathBuf);
+
+impl Drop for ShmDir {
+    fn drop(&mut self) {
+        for e in std::fs::read_dir(self.0.join("lazy")).into_iter().flatten().flatten() {
+            let _ = nix::mount::umount2(&e.path(), nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -3,6 +3,7 @@
 //! its bar (issue 7) and whether it passed, computed from the samples.
 
 pub mod e2b;
+pub mod roam;
 pub mod vm;
 
 use serde::Serialize;

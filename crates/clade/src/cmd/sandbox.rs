@@ -228,6 +228,11 @@ fn simple(
     }
 }
 
+pub fn info(a: SbxArgs) -> anyhow::Result<i32> {
+    let body = simple(&a, |o| o.get(&a.sandbox), "GET", "")?;
+    print(a.json, &body, |b| serde_json::to_string_pretty(b).unwrap_or_default())
+}
+
 pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
     let body = simple(&a, |o| o.suspend(&a.sandbox), "POST", "/suspend")?;
     print(a.json, &body, |b| format!("{} suspended at {}", a.sandbox, b["id"].as_str().unwrap_or("?")))

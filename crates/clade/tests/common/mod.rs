@@ -66,63 +66,15 @@ pub fn ct_home(prefix: &str) -> Option<tempfile::TempDir> {
     Some(t)
 }
 
-/// A moto S3 server on loopback (from the setup's Python venv) with one bucket, killed on drop.
-pub struct Moto {
-    child: std::process::Child,
-    pub port: u16,
-    pub bucket: String,
-}
-
-impl Moto {
-    /// `None` (and a printed reason) where the setup did not install moto.
-    pub fn start(bucket: &str) -> Option<Moto> {
-        use std::io::{Read, Write};
-        let bin = real_home().join("py/bin/moto_server");
-        if !bin.exists() {
-            eprintln!("skip: {} is not installed (run ./x setup)", bin.display());
-            return None;
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(&bin)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let m = Moto { child, port, bucket: bucket.to_string() };
-        let start = std::time::Instant::now();
-        loop {
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-                let req = format!(
-                    "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                );
-                s.write_all(req.as_bytes()).unwrap();
-                let mut out = String::new();
-                let _ = s.read_to_string(&mut out);
-                assert!(out.starts_with("HTTP/1.1 200"), "create bucket: {out}");
-                return Some(m);
-            }
-            assert!(start.elapsed() < std::time::Duration::from_secs(30), "moto_server did not start");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+/// A moto S3 server on loopback with one bucket (`clade_store::testkit`); `None` (and a printed reason) where
+/// the setup did not install moto.
+pub fn moto(bucket: &str) -> Option<clade_store::testkit::Moto> {
+    let bin = real_home().join("py/bin/moto_server");
+    if !bin.exists() {
+        eprintln!("skip: {} is not installed (run ./x setup)", bin.display());
+        return None;
     }
-
-    /// The environment naming this bucket as a home's blob tier (`CLADE_BLOB`, docs/roam.md).
-    pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("CLADE_BLOB", format!("s3://{}", self.bucket)),
-            ("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", self.port)),
-            ("AWS_ACCESS_KEY_ID", "test".into()),
-            ("AWS_SECRET_ACCESS_KEY", "test".into()),
-        ]
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Some(clade_store::testkit::Moto::start(&bin, bucket).expect("start moto"))
 }
 
 /// A CLADE_HOME of its own that borrows the kernel and the accelerator probe of the real one.

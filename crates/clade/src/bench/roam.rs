@@ -1,0 +1,226 @@
+//! `clade bench-roam` (hidden; `./x bench roam`): issue 12's first figure. A sandbox of a template's base runs on
+//! host A (this `$CLADE_HOME`), does some work, is suspended and pushed to a blob tier (a real moto S3 server on
+//! loopback); host B (a fresh home that shares nothing but that tier, so its caches are cold) resumes it by name and
+//! the sandbox works for 10 s. Reported per backend: resume time on B, the bytes B fetched from the blob tier (its
+//! pull plus its supervisor's reads), the sandbox's full size, and the working set it touched in those 10 s:
+//! - `vm`: the resident part of QEMU's guest-RAM mapping (a page is resident once the guest or the restore
+//!   touched it) plus the bytes the guest read from its disk since the mark (`/sys/block/vda/stat`);
+//! - `ct`: the resident memory of the sandbox's processes (CRIU restores every page eagerly, so that is all of
+//!   the dumped memory plus the file pages the sandbox touched).
+//!
+//! Bar: bytes fetched at most 2x the working set.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use clade_core::backend::BackendKind;
+use clade_core::CladeHome;
+
+use super::Figure;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Backends to measure (default both).
+    #[arg(long, value_delimiter = ',', default_value = "vm,ct")]
+    pub backend: Vec<BackendKind>,
+    #[arg(long, default_value = "minimal")]
+    pub template: String,
+    /// Rounds per backend (each with a fresh host B).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// How long the sandbox works on B before its working set is read.
+    #[arg(long, default_value_t = 10)]
+    pub work_secs: u64,
+    /// Where the figures go as JSON.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// A `clade` subprocess on one home with the blob tier's environment.
+struct Host<'a> {
+    home: PathBuf,
+    env: &'a [(&'static str, String)],
+}
+
+impl Host<'_> {
+    fn call(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+        let out = Command::new(std::env::current_exe()?)
+            .args(args)
+            .env("CLADE_HOME", &self.home)
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .output()
+            .context("run clade")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!("clade {args:?} on {}: {}{text}", self.home.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        serde_json::from_str(&text).with_context(|| format!("clade {args:?} printed no JSON: {text}"))
+    }
+
+    fn sh(&self, sbx: &str, script: &str) -> anyhow::Result<String> {
+        let out = self.call(&["exec", sbx, "--json", "--", "sh", "-c", script])?;
+        if out["code"] != 0 {
+            bail!("{script}: {out}");
+        }
+        Ok(out["stdout"].as_str().unwrap_or("").trim().to_string())
+    }
+}
+
+/// Sectors read, from `/sys/block/vda/stat` (third field).
+fn sectors_read(stat: &str) -> u64 {
+    stat.split_whitespace().nth(2).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// Resident bytes of process `pid`'s guest-RAM mapping (a root RAM file under /dev/shm/clade).
+fn ram_resident(pid: u32) -> anyhow::Result<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut best = 0u64;
+    let mut in_ram = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            in_ram = line.contains("/dev/shm/clade/") && line.trim_end().ends_with(".ram");
+        } else if in_ram && first == "Rss:" {
+            let kb: u64 = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+            best = best.max(kb * 1024);
+        }
+    }
+    if best == 0 {
+        bail!("process {pid} maps no guest RAM file under /dev/shm/clade");
+    }
+    Ok(best)
+}
+
+/// A fresh host B: its own home borrowing only the installed parts (kernel, CRIU, the accelerator probe).
+fn fresh_home(a: &Path, round: usize, backend: &str) -> anyhow::Result<tempfile::TempDir> {
+    let t = tempfile::Builder::new().prefix(&format!("clade-roam-{backend}-{round}-")).tempdir_in("/var/tmp")?;
+    for d in ["kernel", "criu"] {
+        if a.join(d).exists() {
+            std::os::unix::fs::symlink(a.join(d).canonicalize()?, t.path().join(d))?;
+        }
+    }
+    std::fs::create_dir_all(t.path().join("cache"))?;
+    let _ = std::fs::copy(a.join("cache/accel.json"), t.path().join("cache/accel.json"));
+    Ok(t)
+}
+
+struct Round {
+    resume_ms: f64,
+    fetched: u64,
+    full: u64,
+    working_set: u64,
+}
+
+fn round(a: &Host, b: &Host, template: &str, backend: BackendKind, work: Duration) -> anyhow::Result<Round> {
+    let kind = backend.as_str();
+    let run = a.call(&["run", template, "--backend", kind, "--json"])?;
+    let sbx = run["sandboxes"][0]["sandbox"].as_str().ok_or_else(|| anyhow!("run answered {run}"))?.to_string();
+    // Some state of its own: a file on its disk / upper, a warm interpreter's output.
+    a.sh(&sbx, "mkdir -p /root && head -c 8388608 /dev/urandom > /root/data && python3 -c 'print(sum(range(10**6)))'")?;
+    let disk_before =
+        if backend == BackendKind::Vm { sectors_read(&a.sh(&sbx, "cat /sys/block/vda/stat")?) } else { 0 };
+    a.call(&["suspend", &sbx, "--json"])?;
+    a.call(&["roam", "push", &sbx, "--json"])?;
+
+    let res = b.call(&["resume", &sbx, "--json"])?;
+    if res["ok"] != true {
+        bail!("resume on B: {res}");
+    }
+    let start = Instant::now();
+    // The sandbox works: what an agent's first commands would do.
+    let mut i = 0;
+    while start.elapsed() < work {
+        match i % 3 {
+            0 => b.sh(&sbx, "python3 -c 'import json, hashlib; print(hashlib.sha256(b\"x\").hexdigest())'")?,
+            1 => b.sh(&sbx, "md5sum /root/data")?,
+            _ => b.sh(&sbx, "ls -R /usr/lib/python3* > /dev/null; echo ok")?,
+        };
+        i += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let info = b.call(&["info", &sbx, "--json"])?;
+    let fetched = res["blob_bytes"].as_u64().unwrap_or(0)
+        + res["pulled"]["blob_bytes"].as_u64().unwrap_or(0)
+        + info["blob_fetched"]["bytes"].as_u64().unwrap_or(0).saturating_sub(res["blob_bytes"].as_u64().unwrap_or(0));
+    let working_set = match backend {
+        BackendKind::Vm => {
+            let pid = info["pids"][0].as_u64().ok_or_else(|| anyhow!("no QEMU pid in {info}"))? as u32;
+            let disk = sectors_read(&b.sh(&sbx, "cat /sys/block/vda/stat")?).saturating_sub(disk_before) * 512;
+            ram_resident(pid)? + disk
+        }
+        BackendKind::Ct => info["rss"].as_u64().unwrap_or(0),
+    };
+    let out = Round {
+        resume_ms: res["resume_ms"].as_f64().unwrap_or(f64::NAN),
+        fetched,
+        full: res["pulled"]["full_bytes"].as_u64().unwrap_or(0),
+        working_set,
+    };
+    b.call(&["kill", &sbx, "--json"])?;
+    Ok(out)
+}
+
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let moto_bin = home.root().join("py/bin/moto_server");
+    if !moto_bin.exists() {
+        bail!("{} is not installed: run ./x setup", moto_bin.display());
+    }
+    let moto = clade_store::testkit::Moto::start(&moto_bin, "clade-bench-roam")?;
+    let env = moto.env();
+    let host_a = Host { home: home.root().to_path_buf(), env: &env };
+    let mut figures = Vec::new();
+    for backend in &a.backend {
+        let kind = backend.as_str();
+        let (mut resume, mut ratio, mut fetched, mut full, mut ws) = (vec![], vec![], vec![], vec![], vec![]);
+        for r in 0..a.rounds {
+            let b_home = fresh_home(home.root(), r, kind)?;
+            let host_b = Host { home: b_home.path().to_path_buf(), env: &env };
+            let o = round(&host_a, &host_b, &a.template, *backend, Duration::from_secs(a.work_secs))
+                .with_context(|| format!("{kind} round {r}"))?;
+            eprintln!(
+                "roam {kind} round {r}: resume on B {:.0} ms, fetched {:.1} MiB of {:.1} MiB, working set {:.1} MiB",
+                o.resume_ms,
+                o.fetched as f64 / 1048576.0,
+                o.full as f64 / 1048576.0,
+                o.working_set as f64 / 1048576.0
+            );
+            resume.push(o.resume_ms);
+            ratio.push(o.fetched as f64 / o.working_set.max(1) as f64);
+            fetched.push(o.fetched as f64);
+            full.push(o.full as f64);
+            ws.push(o.working_set as f64);
+        }
+        let med = super::median(&ratio);
+        figures.push(Figure {
+            name: format!("roam.{kind}.fetched_over_working_set"),
+            value: med,
+            unit: "x".into(),
+            bar: "<= 2.0".into(),
+            pass: med <= 2.0,
+            samples: ratio,
+            detail: serde_json::json!({
+                "template": a.template, "work_secs": a.work_secs, "fetched_bytes": fetched,
+                "working_set_bytes": ws, "full_bytes": full,
+            }),
+        });
+        figures.push(Figure {
+            name: format!("roam.{kind}.resume_on_b_cold_ms"),
+            value: super::median(&resume),
+            unit: "ms".into(),
+            bar: "reported".into(),
+            pass: true,
+            samples: resume,
+            detail: serde_json::json!({"fetched_over_full": super::median(&fetched) / super::median(&full).max(1.0)}),
+        });
+    }
+    for f in &figures {
+        println!("{}", serde_json::to_string(f)?);
+    }
+    if let Some(out) = &a.out {
+        std::fs::write(out, serde_json::to_vec_pretty(&figures)?)?;
+    }
+    Ok(0)
+}
