@@ -7,6 +7,7 @@
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
 #   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
+# Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +20,7 @@ for a in "$@"; do
     *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, e2b, roam; --quick)" >&2; exit 2 ;;
   esac
 done
-[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct)
+[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct roam)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -42,13 +43,19 @@ for w in "${what[@]}"; do
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
-    roam) r=$([ $quick = 1 ] && echo 1 || echo 3)  # needs the minimal base on both backends (./x demo builds them)
+    roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
+      # The minimal template's bases on both backends (cached after the first build).
+      $bin/clade template build templates/minimal/template.toml >&2
+      $bin/clade base build minimal --backend vm >&2
+      $bin/clade base build minimal --backend ct >&2
       run roam $bin/clade bench-roam --rounds $r --out "$out/roam.json" ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # needs the minimal base on both backends and the e2b SDK (./x setup)
       run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
       run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
   esac
 done
+# The report: every figure above (and any earlier run's left in $out) in report.json and report.html.
+$bin/clade bench-report --dir "$out" || failed+=("report")
 grep -h '"pass"' "$out"/*.jsonl 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:

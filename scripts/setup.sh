@@ -25,7 +25,8 @@ mkdir -p "$CLADE_HOME"/{debs/kernel,debs/criu,kernel,tmp}
 start=$(date +%s.%N)
 
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
-pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod)
+# chromium: the benchmark report is checked to render in it (a test), as a reader would open it.
+pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")

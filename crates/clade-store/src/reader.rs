@@ -198,10 +198,18 @@ impl Store {
                 }
                 return Ok(Loaded::Own { stored, scratch, in_stored: false });
             }
+            // Not in a local pack: from the blob tier. Keep the frame in the cache, since other files of a tree
+            // (small files share frames) and the next restore on this host read it again.
             let location = self.read_stored(&loc, &mut stored)?;
             crate::pack::decode_frame_slice(&stored, &mut scratch, &loc.entry, &|| location.clone())?;
-            let in_stored = loc.entry.codec == crate::pack::Codec::Raw;
-            Ok(Loaded::Own { stored, scratch, in_stored })
+            let (plain, spare) = match loc.entry.codec {
+                crate::pack::Codec::Raw => (stored, scratch),
+                _ => (scratch, stored),
+            };
+            pool.lock().unwrap_or_else(|p| p.into_inner()).push((spare, Vec::new()));
+            let fr = Arc::new(plain);
+            self.cache().insert(*fid, fr.clone());
+            Ok(Loaded::Shared(fr))
         };
         let pool = Mutex::new(Vec::new());
         let maps = Mutex::new(HashMap::new());

@@ -78,7 +78,7 @@ impl FrameCache {
         }
         r
     }
-    fn insert(&mut self, id: FrameId, data: Arc<Vec<u8>>) {
+    pub(crate) fn insert(&mut self, id: FrameId, data: Arc<Vec<u8>>) {
         if data.len() as u64 > self.limit {
             return;
         }
@@ -247,7 +247,7 @@ impl Store {
         self.inner.index.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, FrameCache> {
+    pub(crate) fn cache(&self) -> std::sync::MutexGuard<'_, FrameCache> {
         self.inner.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -97,6 +97,9 @@ enum Command {
     /// Suspend on this home, resume on a fresh one through a blob tier: bytes fetched vs working set (issue 12).
     #[command(hide = true, name = "bench-roam")]
     BenchRoam(bench::roam::Args),
+    /// Gather bench/out into report.json and a self-contained report.html (run by `./x bench`).
+    #[command(hide = true, name = "bench-report")]
+    BenchReport(bench::report::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -135,6 +138,7 @@ fn main() {
         Command::BenchVm(a) => bench::vm::run(a),
         Command::BenchE2b(a) => bench::e2b::run(a),
         Command::BenchRoam(a) => bench::roam::run(a),
+        Command::BenchReport(a) => bench::report::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

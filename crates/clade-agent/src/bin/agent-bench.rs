@@ -17,11 +17,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn emit(figure: &str, value: f64, unit: &str, bar: Option<(&str, f64)>, extra: serde_json::Value) {
-    let mut v = json!({"bench": "agent", "figure": figure, "value": (value * 1000.0).round() / 1000.0, "unit": unit});
+    // A figure line for the report (name, value, unit, bar, pass); reported figures have no bar.
+    let mut v = json!({"bench": "agent", "figure": figure, "name": format!("agent {figure}"),
+                       "value": (value * 1000.0).round() / 1000.0, "unit": unit, "bar": "reported", "pass": true});
     if let Some((cmp, b)) = bar {
         let ok = if cmp == "<=" { value <= b } else { value >= b };
         v["bar"] = json!(format!("{cmp} {b}"));
         v["ok"] = json!(ok);
+        v["pass"] = json!(ok);
     }
     if let serde_json::Value::Object(m) = extra {
         for (k, x) in m {

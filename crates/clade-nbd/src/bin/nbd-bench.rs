@@ -54,6 +54,18 @@ fn emit(v: serde_json::Value) {
     println!("{v}");
 }
 
+/// A figure line for the report: `value` against `bar` (`at_least` or at most), with the verdict.
+fn figure(name: &str, value: f64, unit: &str, at_least: bool, bar: f64, extra: serde_json::Value) {
+    let (cmp, pass) = if at_least { (">=", value >= bar) } else { ("<=", value <= bar) };
+    let mut v = json!({"name": name, "value": value, "unit": unit, "bar": format!("{cmp} {bar}"), "pass": pass});
+    if let serde_json::Value::Object(m) = extra {
+        for (k, x) in m {
+            v[k] = x;
+        }
+    }
+    emit(v);
+}
+
 /// Writes `size` bytes of fast pseudo-random data (incompressible, no zero blocks).
 fn make_raw(path: &Path, size: u64) -> std::io::Result<()> {
     use std::io::Write;
@@ -199,11 +211,13 @@ fn reads(o: &Opts, rt: &tokio::runtime::Runtime, dir: &Path) -> Result<(), Strin
 
     let seq = seq_read(&targets, o.reps, size)?;
     for (i, (name, _)) in targets.iter().enumerate().skip(1) {
-        emit(json!({"bench":"seq_read","ratio":name,"vs":"qemu-nbd","value":seq[i] / seq[0],"bar":0.9}));
+        let n = format!("nbd sequential read, {name} / qemu-nbd");
+        figure(&n, seq[i] / seq[0], "x", true, 0.9, json!({"bench": "seq_read", "server": name}));
     }
     let rnd = rand_read(&targets, o.reps, o.rand_count)?;
     for (i, (name, _)) in targets.iter().enumerate().skip(1) {
-        emit(json!({"bench":"rand_read_4k","ratio":name,"vs":"qemu-nbd","value":rnd[i] / rnd[0],"bar":0.8}));
+        let n = format!("nbd random 4 KiB reads, {name} / qemu-nbd");
+        figure(&n, rnd[i] / rnd[0], "x", true, 0.8, json!({"bench": "rand_read_4k", "server": name}));
     }
     Ok(())
 }
@@ -316,8 +330,14 @@ mod store_bench {
             );
             best[slot] = best[slot].min(snap);
         }
-        emit(json!({"bench":"snapshot","ratio":"8gib_over_1gib","value":best[1] / best[0],"bar":1.5,
-            "best_1gib_secs":best[0],"best_8gib_secs":best[1]}));
+        figure(
+            "nbd snapshot time, 8 GiB / 1 GiB export (same dirty data)",
+            best[1] / best[0],
+            "x",
+            false,
+            1.5,
+            json!({"bench": "snapshot", "best_1gib_secs": best[0], "best_8gib_secs": best[1]}),
+        );
         Ok(())
     }
 }

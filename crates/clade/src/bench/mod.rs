@@ -3,6 +3,8 @@
 //! its bar (issue 7) and whether it passed, computed from the samples.
 
 pub mod e2b;
+pub mod html;
+pub mod report;
 pub mod roam;
 pub mod vm;
 

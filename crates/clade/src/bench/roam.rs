@@ -38,13 +38,13 @@ pub struct Args {
     pub out: Option<PathBuf>,
 }
 
-/// A `clade` subprocess on one home with the blob tier's environment.
-struct Host<'a> {
+/// A `clade` subprocess on one home with the blob tier's environment (and, for B, its own guest-RAM dir).
+struct Host {
     home: PathBuf,
-    env: &'a [(&'static str, String)],
+    env: Vec<(&'static str, String)>,
 }
 
-impl Host<'_> {
+impl Host {
     fn call(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
         let out = Command::new(std::env::current_exe()?)
             .args(args)
@@ -73,7 +73,7 @@ fn sectors_read(stat: &str) -> u64 {
     stat.split_whitespace().nth(2).and_then(|s| s.parse().ok()).unwrap_or(0)
 }
 
-/// Resident bytes of process `pid`'s guest-RAM mapping (a root RAM file under /dev/shm/clade).
+/// Resident bytes of process `pid`'s guest-RAM mapping (a root RAM file, or a lazy one, under /dev/shm).
 fn ram_resident(pid: u32) -> anyhow::Result<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
     let mut best = 0u64;
@@ -81,14 +81,14 @@ fn ram_resident(pid: u32) -> anyhow::Result<u64> {
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-            in_ram = line.contains("/dev/shm/clade/") && line.trim_end().ends_with(".ram");
+            in_ram = line.contains("/dev/shm/") && line.trim_end().ends_with(".ram");
         } else if in_ram && first == "Rss:" {
             let kb: u64 = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
             best = best.max(kb * 1024);
         }
     }
     if best == 0 {
-        bail!("process {pid} maps no guest RAM file under /dev/shm/clade");
+        bail!("process {pid} maps no guest RAM file under /dev/shm");
     }
     Ok(best)
 }
@@ -170,16 +170,20 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     }
     let moto = clade_store::testkit::Moto::start(&moto_bin, "clade-bench-roam")?;
     let env = moto.env();
-    let host_a = Host { home: home.root().to_path_buf(), env: &env };
+    let host_a = Host { home: home.root().to_path_buf(), env: env.clone() };
     let mut figures = Vec::new();
     for backend in &a.backend {
         let kind = backend.as_str();
         let (mut resume, mut ratio, mut fetched, mut full, mut ws) = (vec![], vec![], vec![], vec![], vec![]);
         for r in 0..a.rounds {
             let b_home = fresh_home(home.root(), r, kind)?;
-            let host_b = Host { home: b_home.path().to_path_buf(), env: &env };
+            let shm = ShmDir(Path::new("/dev/shm").join(b_home.path().file_name().unwrap_or_default()));
+            let mut env_b = env.clone();
+            env_b.push(("CLADE_SHM", shm.0.display().to_string()));
+            let host_b = Host { home: b_home.path().to_path_buf(), env: env_b };
             let o = round(&host_a, &host_b, &a.template, *backend, Duration::from_secs(a.work_secs))
                 .with_context(|| format!("{kind} round {r}"))?;
+            drop(shm);
             eprintln!(
                 "roam {kind} round {r}: resume on B {:.0} ms, fetched {:.1} MiB of {:.1} MiB, working set {:.1} MiB",
                 o.resume_ms,
@@ -223,4 +227,16 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         std::fs::write(out, serde_json::to_vec_pretty(&figures)?)?;
     }
     Ok(0)
+}
+
+/// Host B's guest-RAM directory, removed after its round (lazy mounts detached first).
+struct ShmDir(PathBuf);
+
+impl Drop for ShmDir {
+    fn drop(&mut self) {
+        for e in std::fs::read_dir(self.0.join("lazy")).into_iter().flatten().flatten() {
+            let _ = nix::mount::umount2(&e.path(), nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
