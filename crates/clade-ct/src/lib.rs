@@ -14,6 +14,7 @@
 pub mod audit;
 pub mod criu;
 pub mod dump;
+pub mod lower;
 pub mod net;
 pub mod resources;
 pub mod restore;

@@ -94,12 +94,23 @@ pub struct Resources {
     pub helper: Option<std::process::Child>,
     /// The sandbox's network namespace, veth pair and NAT entry (`network = "egress"`, crate::net).
     pub net: Option<crate::net::SandboxNet>,
+    /// Lower layers mounted lazily from store trees (crate::lower).
+    pub lowers: Vec<clade_lazyfs::LazyTree>,
     released: bool,
 }
 
 impl Resources {
     pub fn new(run_dir: PathBuf) -> Resources {
-        Resources { run_dir, rw_mounted: false, cgroup: None, init: None, helper: None, net: None, released: false }
+        Resources {
+            run_dir,
+            rw_mounted: false,
+            cgroup: None,
+            init: None,
+            helper: None,
+            net: None,
+            lowers: Vec::new(),
+            released: false,
+        }
     }
 
     pub fn rw(&self) -> PathBuf {
@@ -124,6 +135,8 @@ impl Resources {
             let _ = h.kill();
             let _ = h.wait();
         }
+        // After the processes: nothing reads the lazily mounted lower layers any more.
+        self.lowers.clear();
         // After the processes: nothing holds the namespace any more, deleting the host link removes both ends.
         if let Some(mut net) = self.net.take() {
             if let Err(e) = net.release() {

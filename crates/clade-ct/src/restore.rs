@@ -89,7 +89,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     let lower =
         mark.manifests.get(ROLE_ROOTFS).cloned().ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
-    if let Some(gone) = lower.split(':').find(|l| !Path::new(l).is_dir()) {
+    if let Some(gone) = lower.split(':').find(|l| crate::lower::tree_of(l).is_none() && !Path::new(l).is_dir()) {
         return Err(BackendError::Failed(format!(
             "the mark's lower layer {gone} is gone: rebuild the template (or keep the agent build the mark was taken with)"
         )));
@@ -124,7 +124,9 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
     }
     b.check_fail(FailPoint::Network)?;
-    let overlay = format!("lowerdir={lower},upperdir={},workdir={}", upper.display(), work.display());
+    // Lower layers named as store trees (a sandbox from another host) are mounted lazily (crate::lower).
+    let lowerdir = crate::lower::resolve(&b.store, &lower, &run_dir, &mut res.lowers).map_err(failed)?;
+    let overlay = format!("lowerdir={lowerdir},upperdir={},workdir={}", upper.display(), work.display());
     let pages: u64 = std::fs::read_dir(&img)
         .map(|rd| {
             rd.flatten()

@@ -78,3 +78,75 @@ fn privileged_lazy_file_reads_back_and_maps_privately() {
     drop(lazy);
     assert!(!mounted(&mnt), "unmounted on drop");
 }
+
+#[test]
+fn privileged_lazy_tree_serves_a_directory_and_works_as_an_overlay_lower() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !std::path::Path::new("/dev/fuse").exists() {
+        eprintln!("skip: no /dev/fuse on this host");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let store = Store::open(&d.path().join("store"), StoreConfig::default()).unwrap();
+    let src = d.path().join("src");
+    std::fs::create_dir_all(src.join("usr/bin")).unwrap();
+    std::fs::create_dir_all(src.join("etc/deep/er")).unwrap();
+    std::fs::write(src.join("etc/hostname"), "lazy\n").unwrap();
+    std::fs::write(src.join("etc/deep/er/big"), image(300)).unwrap();
+    std::fs::write(src.join("usr/bin/tool"), b"#!/bin/sh\necho tool\n").unwrap();
+    std::fs::set_permissions(src.join("usr/bin/tool"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    std::os::unix::fs::symlink("../etc/hostname", src.join("usr/name")).unwrap();
+    std::os::unix::fs::chown(src.join("etc/hostname"), Some(1000), Some(1000)).unwrap();
+    let _ = set_user_xattr(&src.join("etc/hostname"));
+    let tree = store.put_dir(&src).unwrap().id;
+
+    let mnt = d.path().join("lower");
+    let lazy = clade_lazyfs::LazyTree::mount(&store, &tree, &mnt).unwrap();
+    assert_eq!(std::fs::read_to_string(mnt.join("etc/hostname")).unwrap(), "lazy\n");
+    let md = std::fs::metadata(mnt.join("etc/hostname")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1000, 1000));
+    assert_eq!(std::fs::metadata(mnt.join("usr/bin/tool")).unwrap().mode() & 0o7777, 0o4755);
+    assert_eq!(std::fs::read_link(mnt.join("usr/name")).unwrap(), std::path::Path::new("../etc/hostname"));
+    let mut names: Vec<String> =
+        std::fs::read_dir(mnt.join("etc")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["deep", "hostname"]);
+    let read = lazy.counters().bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(read < 100_000, "only the small file was read, not the 1.2 MB one: {read}");
+    assert_eq!(std::fs::read(mnt.join("etc/deep/er/big")).unwrap(), image(300));
+    assert!(std::fs::write(mnt.join("etc/new"), "x").is_err(), "read-only");
+    if let Some(v) = getxattr(&mnt.join("etc/hostname")) {
+        assert_eq!(v, b"kept");
+    }
+
+    // As an overlay lower layer: reads come through, writes land in the upper.
+    let (upper, work, merged) = (d.path().join("upper"), d.path().join("work"), d.path().join("merged"));
+    for p in [&upper, &work, &merged] {
+        std::fs::create_dir_all(p).unwrap();
+    }
+    let opts = format!("lowerdir={},upperdir={},workdir={}", mnt.display(), upper.display(), work.display());
+    nix::mount::mount(Some("overlay"), &merged, Some("overlay"), nix::mount::MsFlags::empty(), Some(opts.as_str()))
+        .unwrap();
+    assert_eq!(std::fs::read_to_string(merged.join("usr/name")).unwrap(), "lazy\n");
+    std::fs::write(merged.join("etc/hostname"), "changed\n").unwrap();
+    assert_eq!(std::fs::read_to_string(upper.join("etc/hostname")).unwrap(), "changed\n");
+    assert_eq!(std::fs::read_to_string(mnt.join("etc/hostname")).unwrap(), "lazy\n");
+    nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    drop(lazy);
+    assert!(!mounted(&mnt));
+}
+
+/// Set `user.clade=kept` (false where the file system refuses user xattrs).
+fn set_user_xattr(p: &std::path::Path) -> bool {
+    std::process::Command::new("setfattr")
+        .args(["-n", "user.clade", "-v", "kept"])
+        .arg(p)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn getxattr(p: &std::path::Path) -> Option<Vec<u8>> {
+    let out =
+        std::process::Command::new("getfattr").args(["--only-values", "-n", "user.clade"]).arg(p).output().ok()?;
+    out.status.success().then_some(out.stdout)
+}

@@ -119,6 +119,12 @@ impl Store {
         ImageReader::new(self, *id)
     }
 
+    /// Random access to an image whose manifest is at hand (a file inside a tree, which is not published on
+    /// its own).
+    pub fn image_of(&self, manifest: Manifest) -> ImageReader {
+        ImageReader { store: self.clone(), id: manifest.id(), manifest: Arc::new(manifest) }
+    }
+
     /// Restore an image into `dest` (a sparse file: zero ranges are holes). Written to a temp file next to
     /// `dest` and renamed over it, so `dest` is either the old file or the whole image. Not fsynced: the
     /// destination is a working copy, the store holds the durable one.

@@ -1,7 +1,8 @@
 //! Roaming: a suspended sandbox leaves this host through the shared blob tier and resumes on another
 //! (docs/roam.md). `push` makes the blob tier hold everything its head mark needs (manifests, trees, packs,
 //! and the lower layers that live in this home) plus a small state record and an ownership marker, then this
-//! host forgets the sandbox. `pull` on another host takes ownership, lays out the lower layers, and records
+//! host forgets the sandbox. `pull` on another host takes ownership, names the lower layers as store trees
+//! (mounted lazily at restore, clade_ct::lower), and records
 //! the sandbox, its branch and its head mark in that host's ledger as suspended: `clade resume` then restores
 //! it there, reading objects from the blob tier on first use (the vm disk through the NBD server, lazily) and
 //! leaving them in the local caches.
@@ -10,7 +11,7 @@
 //! `roam/sandboxes/<id>/owner.json` (`{"host", "state": "pushed"|"taken"}`): a sandbox taken by one host
 //! cannot be pulled by another until that host pushes it again.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -159,7 +160,12 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     let mut lowers = Vec::new();
     if let Some(l) = head.manifests.get(ROLE_ROOTFS) {
         for path in l.as_str().split(':').filter(|p| !p.is_empty()) {
-            let tree = if Path::new(path).starts_with(engine.home.root()) {
+            let tree = if let Some(t) = clade_ct::lower::tree_of(path) {
+                // Already a tree (the sandbox came from another host before).
+                trees.push(t);
+                full += engine.store.tree(&t)?.manifests().map(|m| m.size).sum::<u64>();
+                Some(t.to_string())
+            } else if Path::new(path).starts_with(engine.home.root()) {
                 progress(&format!("push: lower layer {path}"));
                 let r = engine.store.put_dir(Path::new(path)).with_context(|| format!("store lower layer {path}"))?;
                 full += r.data.size;
@@ -260,18 +266,13 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     progress(&format!("pull: {sandbox} (mark {}) from {tier}, pushed by {}", record.mark.id, record.pushed_by));
     let mut mark = record.mark.clone();
     if !record.lowers.is_empty() {
-        let mut paths = Vec::new();
+        // Layers that lived in the pushing home are named as trees: a restore here mounts them lazily
+        // (clade_ct::lower), fetching only the files the sandbox reads.
+        let mut names = Vec::new();
         for l in &record.lowers {
             match &l.tree {
-                Some(t) => {
-                    let dest = engine.home.root().join("roam/lower").join(t);
-                    if !dest.exists() {
-                        progress(&format!("pull: lower layer {t}"));
-                        lay_out(engine, t, &dest)?;
-                    }
-                    paths.push(dest.display().to_string());
-                }
-                None if Path::new(&l.path).is_dir() => paths.push(l.path.clone()),
+                Some(t) => names.push(format!("{}{t}", clade_ct::lower::TREE_PREFIX)),
+                None if Path::new(&l.path).is_dir() => names.push(l.path.clone()),
                 None => {
                     return Err(not_found(format!(
                         "the mark's lower layer {} is not on this host (install the template here)",
@@ -280,7 +281,8 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
                 }
             }
         }
-        mark.manifests.insert(ROLE_ROOTFS.into(), clade_ledger::ManifestId::new(paths.join(":")));
+        progress(&format!("pull: lower layers {}", names.join(":")));
+        mark.manifests.insert(ROLE_ROOTFS.into(), clade_ledger::ManifestId::new(names.join(":")));
     }
     record_locally(engine, &record, &mark)?;
     let took = start.elapsed();
@@ -290,23 +292,6 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         "full_bytes": record.full_bytes, "pull_ms": took.as_secs_f64() * 1e3,
         "blob_bytes": clade_store::Store::blob_fetched().0 - fetched_before,
     }))
-}
-
-fn lay_out(engine: &Engine, tree: &str, dest: &Path) -> anyhow::Result<()> {
-    let t: TreeId = tree.parse().map_err(|_| invalid(format!("lower layer tree {tree:?} is no tree id")))?;
-    let parent = dest.parent().unwrap_or(Path::new("/"));
-    std::fs::create_dir_all(parent)?;
-    let tmp: PathBuf = parent.join(format!(".{tree}.tmp{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    engine.store.get_dir(&t, &tmp).with_context(|| format!("lay out lower layer {tree}"))?;
-    match std::fs::rename(&tmp, dest) {
-        Ok(()) => Ok(()),
-        Err(_) if dest.exists() => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Ok(())
-        }
-        Err(e) => Err(e).with_context(|| format!("publish {}", dest.display())),
-    }
 }
 
 /// The sandbox, its branch and head mark in this ledger (the branch and mark may be here already: the

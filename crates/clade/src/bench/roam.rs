@@ -5,8 +5,8 @@
 //! pull plus its supervisor's reads), the sandbox's full size, and the working set it touched in those 10 s:
 //! - `vm`: the resident part of QEMU's guest-RAM mapping (a page is resident once the guest or the restore
 //!   touched it) plus the bytes the guest read from its disk since the mark (`/sys/block/vda/stat`);
-//! - `ct`: the resident memory of the sandbox's processes (CRIU restores every page eagerly, so that is all of
-//!   the dumped memory plus the file pages the sandbox touched).
+//! - `ct`: the memory the sandbox's cgroup is charged: its processes' pages (CRIU restores every dumped page
+//!   eagerly) plus the page cache of the files it read.
 //!
 //! Bar: bytes fetched at most 2x the working set.
 
@@ -150,7 +150,16 @@ fn round(a: &Host, b: &Host, template: &str, backend: BackendKind, work: Duratio
             let disk = sectors_read(&b.sh(&sbx, "cat /sys/block/vda/stat")?).saturating_sub(disk_before) * 512;
             ram_resident(pid)? + disk
         }
-        BackendKind::Ct => info["rss"].as_u64().unwrap_or(0),
+        // The sandbox's memory cgroup: its processes' memory and the page cache of every file it read
+        // (charged to it), the analogue of the guest RAM a vm touched. At least its RSS.
+        BackendKind::Ct => {
+            let cg = ["/sys/fs/cgroup/memory/clade", "/sys/fs/cgroup/clade"]
+                .iter()
+                .flat_map(|r| ["memory.usage_in_bytes", "memory.current"].map(|f| Path::new(r).join(&sbx).join(f)))
+                .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            cg.max(info["rss"].as_u64().unwrap_or(0))
+        }
     };
     let out = Round {
         resume_ms: res["resume_ms"].as_f64().unwrap_or(f64::NAN),
