@@ -6,6 +6,7 @@
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
 #   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
+#   fleet  seed 004's fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
 # Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
@@ -16,11 +17,11 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct|e2b|roam) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, e2b, roam; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|vm|ct|e2b|roam|fleet) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, fleet, e2b, roam; --quick)" >&2; exit 2 ;;
   esac
 done
-[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct roam)
+[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct fleet roam)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -43,6 +44,8 @@ for w in "${what[@]}"; do
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
+    fleet) # costs from this run's vm/ct outputs or the ledger; measured on ct now when there are none
+      run fleet sh -c "$bin/clade fleet simulate --figures 2>/dev/null || $bin/clade fleet simulate --measure --figures" ;;
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
       # The minimal template's bases on both backends (cached after the first build).
       $bin/clade template build templates/minimal/template.toml >&2

@@ -73,6 +73,10 @@ pub struct SimArgs {
     /// One JSON object: both policies, cost sources, and the hosts-billed time series.
     #[arg(long)]
     pub json: bool,
+    /// Figure lines for the benchmark report (`./x bench fleet`): the host-hours ratio with the hosts billed
+    /// over time, and the resume waits.
+    #[arg(long, conflicts_with = "json")]
+    pub figures: bool,
     /// Whose measured costs to use (default: the first found, vm then ct).
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
@@ -171,6 +175,12 @@ fn simulate(a: SimArgs) -> anyhow::Result<i32> {
         seed: a.scenario.seed,
     };
     let c = compare(&trace, &costs, &params).map_err(|e| usage(e.to_string()))?;
+    if a.figures {
+        for f in figures(&c, &trace_name) {
+            println!("{}", serde_json::to_string(&f)?);
+        }
+        return Ok(0);
+    }
     if a.json {
         let mut v = serde_json::to_value(&c)?;
         v["trace"] = trace_name.into();
@@ -410,4 +420,33 @@ fn measure(home: &CladeHome, a: &SimArgs) -> anyhow::Result<Measured> {
         eprintln!("fleet: could not end the measuring sandbox {sbx}: {e:#} (run `clade kill {sbx}`)");
     }
     result
+}
+
+/// Hosts billed at time `t` from a step series of `[t, hosts]` changes.
+fn hosts_at(series: &[[f64; 2]], t: f64) -> f64 {
+    series.iter().take_while(|p| p[0] <= t).last().map(|p| p[1]).unwrap_or(0.0)
+}
+
+/// The report's figures of one comparison (docs/report.md): the host-hours ratio (seed 004's bar) with both
+/// policies' hosts billed over the day, and the resume waits suspend-idle costs its users.
+fn figures(c: &clade_fleet::sim::Comparison, trace: &str) -> Vec<serde_json::Value> {
+    let (k, s) = (&c.keep_running, &c.suspend_idle);
+    let steps = 96;
+    let xs: Vec<f64> = (0..=steps).map(|i| c.hours * f64::from(i) / f64::from(steps)).collect();
+    let at = |series: &[[f64; 2]]| -> Vec<f64> { xs.iter().map(|h| hosts_at(series, h * 3600.0)).collect() };
+    let mut main = serde_json::to_value(&c.figure).unwrap_or_default();
+    main["samples"] = serde_json::json!([]);
+    main["detail"] = serde_json::json!({
+        "trace": trace, "sessions": c.sessions, "mean_active": c.mean_active, "costs": c.cost_sources,
+        "keep_running": {"host_hours": k.host_hours, "cost_usd": k.cost_usd, "terms": k.terms},
+        "suspend_idle": {"host_hours": s.host_hours, "cost_usd": s.cost_usd, "terms": s.terms},
+        "plot": {"kind": "xy", "xlabel": "hours", "ylabel": "hosts billed", "x": xs,
+                 "series": {"keep-running": at(&k.series), "suspend-idle": at(&s.series)}},
+    });
+    let waits = serde_json::json!({
+        "name": "fleet p99 resume wait, suspend-idle (simulated with measured resume costs)",
+        "value": s.p99_resume_wait_ms, "unit": "ms", "bar": "reported", "pass": true, "samples": [],
+        "detail": {"p50_ms": s.p50_resume_wait_ms, "max_ms": s.max_resume_wait_ms, "resumes": s.resumes},
+    });
+    vec![main, waits]
 }
