@@ -128,6 +128,18 @@ impl Ops {
 
     /// Start `count` siblings from a mark spec (a mark id or label, or a template name with `backend`).
     pub fn fork(&self, from: &str, backend: Option<BackendKind>, count: u32) -> anyhow::Result<serde_json::Value> {
+        self.fork_with(from, backend, count, false)
+    }
+
+    /// [`Ops::fork`], admitted first ([`crate::admit`]): refused naming the resource when the host lacks it, or,
+    /// with `make_room`, admitted after suspending the idlest sandboxes.
+    pub fn fork_with(
+        &self,
+        from: &str,
+        backend: Option<BackendKind>,
+        count: u32,
+        make_room: bool,
+    ) -> anyhow::Result<serde_json::Value> {
         if count == 0 {
             return Err(invalid("count must be at least 1"));
         }
@@ -135,11 +147,21 @@ impl Ops {
             return Err(invalid(format!("count {count} is more than 256 sandboxes in one fork")));
         }
         let mark = self.engine.resolve_mark(from, backend)?;
+        let suspended = self.admit(&mark, count, make_room)?;
         let (ready, took) = fork_mark(&self.engine, &mark, count)?;
-        Ok(serde_json::json!({
+        let mut out = serde_json::json!({
             "mark": mark.id, "backend": from_ledger(mark.backend), "total_ms": took.as_secs_f64() * 1e3,
             "sandboxes": ready,
-        }))
+        });
+        if !suspended.is_empty() {
+            out["suspended_to_make_room"] = serde_json::json!(suspended);
+        }
+        Ok(out)
+    }
+
+    /// The admission policy for `count` new sandboxes of `mark`; the sandboxes it suspended to make room.
+    fn admit(&self, mark: &Mark, count: u32, make_room: bool) -> anyhow::Result<Vec<String>> {
+        crate::admit::admit(&self.engine, mark, count, make_room, &|id| self.suspend(id).map(|_| ()))
     }
 
     /// A sandbox's record, with its live supervisor's facts (pids, memory, agent hello) when it runs.
@@ -292,6 +314,7 @@ impl Ops {
             .ledger()
             .head(&rec.branch)?
             .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
+        self.admit(&head, 1, false)?;
         let start = Instant::now();
         spawn_supervisor(self.home(), &id, &head, 1)?;
         let r = wait_ready(self.home(), &id, READY_TIMEOUT)?;

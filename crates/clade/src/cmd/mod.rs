@@ -20,6 +20,9 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
         if let Some(e) = cause.downcast_ref::<clade_core::ExitCoded>() {
             return e.code;
         }
+        if cause.downcast_ref::<crate::admit::Refused>().is_some() {
+            return 5;
+        }
         if let Some(e) = cause.downcast_ref::<clade_core::engine::EngineError>() {
             return e.exit_code();
         }

@@ -18,6 +18,9 @@ pub struct RunArgs {
     pub from: String,
     #[arg(long)]
     pub backend: Option<BackendKind>,
+    /// When the host lacks memory or CPU, suspend the idlest sandboxes to make room (else: refused, exit 5).
+    #[arg(long)]
+    pub make_room: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -30,6 +33,9 @@ pub struct ForkArgs {
     pub count: u32,
     #[arg(long)]
     pub backend: Option<BackendKind>,
+    /// When the host lacks memory or CPU, suspend the idlest sandboxes to make room (else: refused, exit 5).
+    #[arg(long)]
+    pub make_room: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -120,11 +126,13 @@ pub fn fork(a: ForkArgs) -> anyhow::Result<i32> {
         return Err(anyhow!(ExitCoded::new(2, "--count must be at least 1")));
     }
     let out = match face()? {
-        Face::Local(ops) => ops.fork(&a.from, a.backend, a.count)?,
+        Face::Local(ops) => ops.fork_with(&a.from, a.backend, a.count, a.make_room)?,
         Face::Remote(r) => r.call(
             "POST",
             "/v1/sandboxes",
-            Some(&serde_json::json!({"from": a.from, "backend": a.backend, "count": a.count})),
+            Some(
+                &serde_json::json!({"from": a.from, "backend": a.backend, "count": a.count, "make_room": a.make_room}),
+            ),
         )?,
     };
     let sandboxes = out["sandboxes"].as_array().cloned().unwrap_or_default();
@@ -154,7 +162,7 @@ pub fn fork(a: ForkArgs) -> anyhow::Result<i32> {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<i32> {
-    fork(ForkArgs { from: a.from, count: 1, backend: a.backend, json: a.json })
+    fork(ForkArgs { from: a.from, count: 1, backend: a.backend, make_room: a.make_room, json: a.json })
 }
 
 pub fn exec(a: ExecArgs) -> anyhow::Result<i32> {

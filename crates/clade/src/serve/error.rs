@@ -29,6 +29,14 @@ impl ApiError {
 
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> Self {
+        // Admission: memory or CPU may free up (retry later, or allow suspension); disk needs a person.
+        if let Some(r) = e.chain().find_map(|c| c.downcast_ref::<crate::admit::Refused>()) {
+            let (status, code) = match r.resource {
+                clade_core::admission::Resource::Disk => (StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage"),
+                _ => (StatusCode::TOO_MANY_REQUESTS, "no_capacity"),
+            };
+            return ApiError { status, code, message: format!("{e:#}") };
+        }
         let (status, code) = match crate::cmd::exit_code(&e) {
             2 => (StatusCode::BAD_REQUEST, "bad_request"),
             3 => (StatusCode::NOT_FOUND, "not_found"),
@@ -77,5 +85,26 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
             }
             Err(e) => Err(ApiError::bad_request(format!("request body: {}", e.body_text()))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clade_core::admission::Resource;
+
+    #[test]
+    fn admission_refusals_are_429_or_507() {
+        let refused = |resource| {
+            let e = anyhow::anyhow!(crate::admit::Refused { resource, message: "memory: needs 1 GiB".into() });
+            ApiError::from(e.context("fork"))
+        };
+        let mem = refused(Resource::Memory);
+        assert_eq!((mem.status, mem.code), (StatusCode::TOO_MANY_REQUESTS, "no_capacity"));
+        assert!(mem.message.contains("memory: needs"), "{}", mem.message);
+        assert_eq!(refused(Resource::Cpu).status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused(Resource::Disk).status, StatusCode::INSUFFICIENT_STORAGE);
+        let coded = anyhow::anyhow!(crate::admit::Refused { resource: Resource::Cpu, message: "cpu".into() });
+        assert_eq!(crate::cmd::exit_code(&coded), 5);
     }
 }

@@ -124,6 +124,9 @@ struct CreateReq {
     /// Suspend after this many seconds without exec, file or API activity (0: never).
     #[serde(default)]
     idle_timeout_s: Option<u64>,
+    /// When the host lacks memory or CPU, suspend the idlest sandboxes to make room (else: 429).
+    #[serde(default)]
+    make_room: bool,
 }
 
 fn one() -> u32 {
@@ -132,7 +135,8 @@ fn one() -> u32 {
 
 async fn create(State(app): State<Arc<App>>, Body(req): Body<CreateReq>) -> Reply {
     let idle = req.idle_timeout_s;
-    let out = blocking(&app, "fork", move |a| a.ops.fork(&req.from, req.backend, req.count)).await?;
+    let out =
+        blocking(&app, "fork", move |a| a.ops.fork_with(&req.from, req.backend, req.count, req.make_room)).await?;
     if let Some(secs) = idle {
         for s in out["sandboxes"].as_array().into_iter().flatten() {
             if let Some(id) = s["sandbox"].as_str() {
@@ -148,10 +152,12 @@ async fn create(State(app): State<Arc<App>>, Body(req): Body<CreateReq>) -> Repl
 struct ForkReq {
     #[serde(default = "one")]
     count: u32,
+    #[serde(default)]
+    make_room: bool,
 }
 
 async fn fork_mark(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Body<ForkReq>) -> Reply {
-    let out = blocking(&app, "fork", move |a| a.ops.fork(&id, None, req.count)).await?;
+    let out = blocking(&app, "fork", move |a| a.ops.fork_with(&id, None, req.count, req.make_room)).await?;
     Ok((StatusCode::CREATED, Json(out)).into_response())
 }
 

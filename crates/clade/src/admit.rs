@@ -1,0 +1,196 @@
+//! Admission for run, fork and resume: measure what runs on this host, ask
+//! [`clade_core::admission::decide`] whether the new sandboxes fit, and act on its answer: start them, start them
+//! after suspending the idlest sandboxes (only when the caller allowed it), or refuse naming the resource
+//! ([`Refused`]: exit code 5, HTTP 429 for memory or CPU, 507 for disk).
+//!
+//! Measuring must stay cheap, because every fork pays for it: a `ct` sandbox's memory is its memory cgroup's
+//! charge (one file read; its tmpfs upper is charged there too), and it reserves no vCPU (a container has no vCPU
+//! threads). A `vm` sandbox is asked for its PSS and RSS through its supervisor; the RAM file pages it maps from
+//! its origin mark are its base (counted once over all siblings), estimated as RSS - PSS.
+//!
+//! Host capacity is [`Capacity::probe`] (CPUs, MemTotal, free space under the store), overridable for tests and
+//! for hosts shared with other work: `CLADE_CAPACITY_MEMORY_MIB`, `CLADE_CAPACITY_VCPUS`; the policy's knobs are
+//! `CLADE_ADMIT_RESERVE_MIB` (memory kept for the host, default 512), `CLADE_VCPU_OVERCOMMIT` (default 8: agents
+//! mostly wait) and `CLADE_ADMIT=off` (admit everything).
+
+use std::collections::BTreeMap;
+
+use anyhow::anyhow;
+use clade_core::admission::{decide, Capacity, Decision, Policy, Request, Resource, Running};
+use clade_core::backend::BackendKind;
+use clade_core::engine::{from_ledger, Engine};
+use clade_ledger::{Mark, MarkId, SandboxState};
+
+use crate::supervisor::client;
+use crate::supervisor::protocol::Request as SupRequest;
+
+/// A start refused for want of a resource (exit code 5; HTTP 429 for memory or CPU, 507 for disk).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Refused {
+    pub resource: Resource,
+    pub message: String,
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// This host's capacity, with the environment's overrides.
+pub fn capacity(engine: &Engine) -> Capacity {
+    let mut cap = Capacity::probe(&engine.home).unwrap_or(Capacity {
+        vcpus: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+        memory_bytes: u64::MAX,
+        disk_free_bytes: u64::MAX,
+    });
+    if let Some(m) = env_u64("CLADE_CAPACITY_MEMORY_MIB") {
+        cap.memory_bytes = m << 20;
+    }
+    if let Some(c) = env_u64("CLADE_CAPACITY_VCPUS") {
+        cap.vcpus = c as u32;
+    }
+    cap
+}
+
+pub fn policy() -> Policy {
+    let d = Policy::default();
+    Policy {
+        reserve_memory_bytes: env_u64("CLADE_ADMIT_RESERVE_MIB").map(|m| m << 20).unwrap_or(d.reserve_memory_bytes),
+        reserve_disk_bytes: d.reserve_disk_bytes,
+        vcpu_overcommit: std::env::var("CLADE_VCPU_OVERCOMMIT")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .unwrap_or(8.0),
+    }
+}
+
+/// Bytes charged to a `ct` sandbox's memory cgroup (v1 or v2).
+fn ct_memory(id: &str) -> Option<u64> {
+    let v2 = format!("/sys/fs/cgroup/clade/{id}/memory.current");
+    let v1 = format!("/sys/fs/cgroup/memory/clade/{id}/memory.usage_in_bytes");
+    [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+}
+
+/// vCPUs a sandbox of this mark's shape reserves: a vm's vCPU threads; none for a container.
+fn vcpus_of(engine: &Engine, m: &Mark) -> u32 {
+    match from_ledger(m.backend) {
+        BackendKind::Ct => 0,
+        BackendKind::Vm => engine.mark_state(m).map(|s| s.shape.vcpus).unwrap_or(1),
+    }
+}
+
+/// Every running sandbox (supervisor alive), measured.
+pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
+    let rows = engine.ledger().sandboxes(Some(SandboxState::Running))?;
+    let mut marks: BTreeMap<String, Option<Mark>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for s in rows {
+        if !s.supervisor_pid.is_some_and(crate::ops::supervisor_alive) {
+            continue;
+        }
+        let origin = s.origin_mark.as_ref().map(|m| m.as_str().to_string());
+        let mark = origin.as_ref().and_then(|o| {
+            marks.entry(o.clone()).or_insert_with(|| engine.ledger().mark(&MarkId::new(o.clone())).ok()).clone()
+        });
+        let vcpus = mark.as_ref().map(|m| vcpus_of(engine, m)).unwrap_or(0);
+        let (rss, pss, base, shared) = match from_ledger(s.backend) {
+            BackendKind::Ct => {
+                let m = ct_memory(s.id.as_str()).unwrap_or(0);
+                (m, m, None, 0)
+            }
+            BackendKind::Vm => {
+                let info = client::call(&engine.home, s.id.as_str(), &SupRequest::Info).unwrap_or_default();
+                let rss = info["rss"].as_u64().unwrap_or(0);
+                let pss = info["pss"].as_u64().unwrap_or(rss);
+                (rss, pss, origin.clone(), rss.saturating_sub(pss))
+            }
+        };
+        out.push(Running {
+            id: s.id.as_str().to_string(),
+            vcpus,
+            rss_bytes: rss,
+            pss_bytes: pss,
+            base,
+            shared_base_bytes: shared,
+            last_active_ms: s.last_active_ms,
+            suspendable: true,
+        });
+    }
+    Ok(out)
+}
+
+/// What `count` new sandboxes restored from `mark` will need: their siblings' measured private memory (the
+/// median over running sandboxes of the same origin), else an estimate from the mark (a container: its image
+/// size, at most its shape's memory; a vm: an eighth of its RAM private, the RAM file as the shared base).
+pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], allow_suspend: bool) -> Request {
+    let kind = from_ledger(mark.backend);
+    let shape_bytes = engine.mark_state(mark).map(|s| u64::from(s.shape.memory_mib) << 20).unwrap_or(512 << 20);
+    let siblings: Vec<u64> = {
+        let l = engine.ledger();
+        let ids: std::collections::BTreeSet<String> = l
+            .sandboxes(Some(SandboxState::Running))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s.origin_mark.as_ref() == Some(&mark.id))
+            .map(|s| s.id.as_str().to_string())
+            .collect();
+        let mut v: Vec<u64> = running.iter().filter(|r| ids.contains(&r.id)).map(|r| r.private_bytes()).collect();
+        v.sort_unstable();
+        v
+    };
+    let measured = siblings.get(siblings.len() / 2).copied().filter(|b| *b > 0);
+    let (private, base, base_bytes) = match kind {
+        BackendKind::Ct => (measured.unwrap_or_else(|| mark.logical_bytes.min(shape_bytes)), None, 0),
+        BackendKind::Vm => (measured.unwrap_or(shape_bytes / 8), Some(mark.id.as_str().to_string()), shape_bytes),
+    };
+    let n = u64::from(count.max(1));
+    Request {
+        vcpus: vcpus_of(engine, mark) * count.max(1),
+        private_bytes: private.saturating_mul(n),
+        base,
+        base_bytes,
+        disk_bytes: mark.stored_bytes.saturating_mul(n).min(1 << 30),
+        allow_suspend,
+    }
+}
+
+/// Serializes decisions in this process, so two concurrent forks do not both take the last room.
+static GATE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// Admit `count` sandboxes of `mark`: Ok with the sandboxes suspended to make room (none, usually), or
+/// [`Refused`]. `suspend` is how a sandbox is suspended (the caller's `Ops::suspend`).
+pub fn admit(
+    engine: &Engine,
+    mark: &Mark,
+    count: u32,
+    allow_suspend: bool,
+    suspend: &dyn Fn(&str) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<String>> {
+    if std::env::var("CLADE_ADMIT").is_ok_and(|v| v == "off" || v == "0") {
+        return Ok(Vec::new());
+    }
+    let _gate = GATE.lock();
+    let running = running(engine)?;
+    let req = request(engine, mark, count, &running, allow_suspend);
+    match decide(&capacity(engine), &running, &req, &policy()) {
+        Decision::Admit => Ok(Vec::new()),
+        Decision::AdmitAfterSuspending { sandboxes, freed } => {
+            for id in &sandboxes {
+                suspend(id).map_err(|e| anyhow!("suspending {id} to make room: {e:#}"))?;
+            }
+            eprintln!(
+                "clade: suspended {} idle sandbox(es) to make room ({} MiB, {} vCPU freed): {}",
+                sandboxes.len(),
+                freed.memory_bytes >> 20,
+                freed.vcpus,
+                sandboxes.join(", ")
+            );
+            Ok(sandboxes)
+        }
+        Decision::Refuse { resource, reason, .. } => Err(anyhow!(Refused {
+            resource,
+            message: format!("cannot start {count} sandbox(es) of mark {} here: {reason}", mark.id),
+        })),
+    }
+}
