@@ -8,6 +8,7 @@
 #   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
 #   fleet  seed 004's fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
+#   api    issue 9's: HTTP vs library exec, 32 clients on ct, restart  (crates/clade/src/bench/api.rs)
 # Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
 set -euo pipefail
@@ -17,11 +18,11 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct|e2b|roam|fleet) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, fleet, e2b, roam; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|vm|ct|e2b|roam|fleet|api) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
   esac
 done
-[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct fleet roam)
+[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct fleet roam api)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -52,6 +53,7 @@ for w in "${what[@]}"; do
       $bin/clade base build minimal --backend vm >&2
       $bin/clade base build minimal --backend ct >&2
       run roam $bin/clade bench-roam --rounds $r --out "$out/roam.json" ;;
+    api) if [ $quick = 1 ]; then run api $bin/clade bench-api --quick --out "$out/api.json"; else run api $bin/clade bench-api --out "$out/api.json"; fi ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # needs the minimal base on both backends and the e2b SDK (./x setup)
       run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
       run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;

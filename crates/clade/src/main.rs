@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+mod admit;
 mod audit;
 mod backends;
 mod bench;
@@ -100,6 +101,9 @@ enum Command {
     /// Gather bench/out into report.json and a self-contained report.html (run by `./x bench`).
     #[command(hide = true, name = "bench-report")]
     BenchReport(bench::report::Args),
+    /// The daemon's figures: HTTP overhead, concurrent clients on ct, a restart under load (`./x bench api`).
+    #[command(hide = true, name = "bench-api")]
+    BenchApi(bench::api::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -139,6 +143,7 @@ fn main() {
         Command::BenchE2b(a) => bench::e2b::run(a),
         Command::BenchRoam(a) => bench::roam::run(a),
         Command::BenchReport(a) => bench::report::run(a),
+        Command::BenchApi(a) => bench::api::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

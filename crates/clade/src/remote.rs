@@ -14,6 +14,8 @@ use clade_core::{CladeHome, ExitCoded};
 pub struct Remote {
     target: Target,
     key: String,
+    /// How long an answer may take (an exec runs as long as its command: an hour by default).
+    timeout: Duration,
 }
 
 enum Target {
@@ -48,7 +50,18 @@ impl Remote {
                     .to_string()
             }
         };
-        Ok(Some(Remote { target, key }))
+        Ok(Some(Remote { target, key, timeout: Duration::from_secs(3600) }))
+    }
+
+    /// A daemon on a unix socket, with its key (the bench's client).
+    pub fn unix(path: impl Into<std::path::PathBuf>, key: impl Into<String>) -> Remote {
+        Remote { target: Target::Unix(path.into()), key: key.into(), timeout: Duration::from_secs(3600) }
+    }
+
+    /// Give up on an answer after `t` (a read timeout: the error says so).
+    pub fn with_timeout(mut self, t: Duration) -> Remote {
+        self.timeout = t;
+        self
     }
 
     fn connect(&self) -> anyhow::Result<(Box<dyn Conn>, String)> {
@@ -56,13 +69,13 @@ impl Remote {
             Target::Unix(p) => {
                 let s = UnixStream::connect(p)
                     .with_context(|| format!("connect to clade serve at unix:{} (is it running?)", p.display()))?;
-                s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+                s.set_read_timeout(Some(self.timeout))?;
                 Ok((Box::new(s), "localhost".into()))
             }
             Target::Tcp(a) => {
                 let s =
                     TcpStream::connect(a).with_context(|| format!("connect to clade serve at {a} (is it running?)"))?;
-                s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+                s.set_read_timeout(Some(self.timeout))?;
                 s.set_nodelay(true)?;
                 Ok((Box::new(s), a.clone()))
             }

@@ -2,6 +2,7 @@
 //! run on this host's accelerator, printed as JSON lines and written to `bench/out/vm.json`. Each figure names
 //! its bar (issue 7) and whether it passed, computed from the samples.
 
+pub mod api;
 pub mod e2b;
 pub mod html;
 pub mod report;
