@@ -68,6 +68,31 @@ pub struct ExecRequest {
     pub stream: bool,
 }
 
+impl ExecRequest {
+    /// What the agent could not start is refused here, naming the field: an empty command, NUL bytes (a C string
+    /// cannot carry them), an environment name that is empty or holds `=`.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.argv.first().is_none_or(|a| a.is_empty()) {
+            return Err(invalid("argv: exec needs a command (a non-empty argv[0])"));
+        }
+        if let Some(i) = self.argv.iter().position(|a| a.contains('\0')) {
+            return Err(invalid(format!("argv[{i}]: contains a NUL byte")));
+        }
+        for (k, v) in &self.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(invalid(format!("env: the name {k:?} must be non-empty, without '=' or NUL")));
+            }
+            if v.contains('\0') {
+                return Err(invalid(format!("env[{k:?}]: contains a NUL byte")));
+            }
+        }
+        if self.cwd.as_deref().is_some_and(|c| c.contains('\0') || !c.starts_with('/')) {
+            return Err(invalid("cwd: must be an absolute path without NUL bytes"));
+        }
+        Ok(())
+    }
+}
+
 /// How a command ended, with all its output.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecOutput {
@@ -190,9 +215,7 @@ impl Ops {
 
     pub fn exec(&self, sandbox: &str, req: ExecRequest) -> anyhow::Result<ExecOutput> {
         check_id(sandbox)?;
-        if req.argv.is_empty() {
-            return Err(invalid("argv: exec needs a command"));
-        }
+        req.check()?;
         let b64 = base64::engine::general_purpose::STANDARD;
         let body = client::call(
             self.home(),
@@ -220,9 +243,7 @@ impl Ops {
     ) -> anyhow::Result<impl Iterator<Item = anyhow::Result<ExecEvent>> + Send + 'static> {
         use crate::supervisor::protocol::{ProcSpec, StreamEvent};
         check_id(sandbox)?;
-        if req.argv.is_empty() {
-            return Err(invalid("argv: exec needs a command"));
-        }
+        req.check()?;
         let spec = ProcSpec {
             argv: req.argv,
             env: req.env,

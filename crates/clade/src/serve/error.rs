@@ -1,5 +1,6 @@
-//! Errors as HTTP: the same codes the CLI exits with, as statuses (2 -> 400, 3 -> 404, 4 -> 409, 5 -> 507), and
-//! a JSON body `{"error": {"code", "message"}}`. A malformed JSON body is a 400 whose message names the field.
+//! Errors as HTTP: the same codes the CLI exits with, as statuses (2 -> 400, 3 -> 404, 4 -> 409, 5 -> 507,
+//! 6 -> 403 for a permission the sandbox refused), with a JSON body `{"error": {"code", "message"}}`. A malformed
+//! JSON body is a 400 whose message names the field.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
@@ -42,6 +43,7 @@ impl From<anyhow::Error> for ApiError {
             3 => (StatusCode::NOT_FOUND, "not_found"),
             4 => (StatusCode::CONFLICT, "conflict"),
             5 => (StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage"),
+            6 => (StatusCode::FORBIDDEN, "permission_denied"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         ApiError { status, code, message: format!("{e:#}") }

@@ -119,7 +119,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         a.listen.iter().map(|s| parse_listen(s)).collect::<anyhow::Result<_>>()?
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async move {
+    let out = rt.block_on(async move {
         let mut tasks = Vec::new();
         for l in listens {
             match l {
@@ -161,5 +161,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             t.abort();
         }
         anyhow::Ok(0)
-    })
+    });
+    // Operations in flight get a moment to finish (their clients' connections are closed either way); one
+    // that waits on a long command must not hold the daemon: the command runs on under its supervisor.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    out
 }

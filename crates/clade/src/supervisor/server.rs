@@ -406,6 +406,17 @@ fn client_err(what: &str, e: ClientError) -> Response {
     Response::err(agent_code(&e), format!("{what}: {e}"))
 }
 
+/// A command the agent could not start (no such program, not executable, a bad working directory) is the
+/// caller's input (2), not the sandbox's failure.
+fn start_err(argv0: &str, e: ClientError) -> Response {
+    match (&e, agent_code(&e)) {
+        (_, 2 | 3 | 6) | (ClientError::Agent(AgentError::Os { errno: 0, .. }), _) => {
+            Response::err(2, format!("argv: cannot start {argv0:?}: {e}"))
+        }
+        (_, c) => Response::err(c, format!("exec: {e}")),
+    }
+}
+
 fn engine_err(e: EngineError) -> Response {
     Response::err(e.exit_code(), e.to_string())
 }
@@ -437,6 +448,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
                 None => None,
             };
             let start = Instant::now();
+            let argv0 = argv[0].clone();
             let spec = ExecSpec { argv, env, cwd, stdin: stdin.is_some(), ..Default::default() };
             let result = match stdin {
                 None => agent.run(spec),
@@ -459,7 +471,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
                     "code": out.status.code, "signal": out.status.signal,
                     "stdout_b64": b64.encode(&out.stdout), "stderr_b64": b64.encode(&out.stderr),
                 })),
-                Err(e) => Response::err(1, format!("exec: {e}")),
+                Err(e) => start_err(&argv0, e),
             }
         }
         Request::WriteFile { path, data_b64, mode } => match b64.decode(data_b64) {
@@ -477,9 +489,10 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
             if spec.argv.is_empty() {
                 return Response::err(2, "proc_start needs a command");
             }
+            let argv0 = spec.argv[0].clone();
             match sup.procs.start(agent, spec) {
                 Ok((pid, _)) => Response::ok(serde_json::json!({"pid": pid})),
-                Err(e) => client_err("start", e),
+                Err(e) => start_err(&argv0, e),
             }
         }
         Request::ProcList => Response::ok(serde_json::json!({"procs": sup.procs.list()})),
