@@ -168,6 +168,13 @@ if ! "$py/bin/python" -c 'import e2b' 2>/dev/null; then
   say "installing the E2B Python SDK ($e2b_py) into $py"
   "$py/bin/pip" install -q "$e2b_py" || die "pip could not install $e2b_py: PyPI must be reachable"
 fi
+# ---- 4c. Schemathesis for the API fuzz test (issue 9: crates/clade/tests/guest_schemathesis_ct.rs), pinned to
+# the version the test ran with, in the same venv.
+st_py="schemathesis==4.32.5"
+if ! "$py/bin/schemathesis" --version 2>/dev/null | grep -q "version ${st_py#*==}\$"; then
+  say "installing $st_py into $py"
+  "$py/bin/pip" install -q "$st_py" || die "pip could not install $st_py: PyPI must be reachable"
+fi
 node_dir="$CLADE_HOME/node"
 node_ok() { local v; v=$("$1" --version 2>/dev/null | sed 's/^v//'); [ -n "$v" ] && printf '20.18.1\n%s\n' "$v" | sort -V -C; }
 if ! command -v npm >/dev/null; then
