@@ -38,7 +38,10 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     match cmd {
         Command::Build { template, backend, rebuild, json } => {
-            let out = build(&home, &template, backend, rebuild, &|line| eprintln!("{line}"))?;
+            let steps = super::progress::Steps::new(&format!("base of {template} on {}", backend.as_str()));
+            let out = build_with(&home, &template, backend, rebuild, &steps, &|line| steps.line(&line));
+            steps.finish();
+            let out = out?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
@@ -79,6 +82,16 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
 
 /// Find or build the template `key` names (a name, a hash, or a spec path).
 pub fn template_record(home: &CladeHome, key: &str, backend: BackendKind) -> anyhow::Result<TemplateRecord> {
+    template_record_with(home, key, backend, &super::progress::Steps::plain())
+}
+
+/// [`template_record`], a build's step lines going to `steps`.
+fn template_record_with(
+    home: &CladeHome,
+    key: &str,
+    backend: BackendKind,
+    steps: &super::progress::Steps,
+) -> anyhow::Result<TemplateRecord> {
     let path = std::path::Path::new(key);
     let spec_path = if path.is_dir() { path.join("template.toml") } else { path.to_path_buf() };
     if spec_path.is_file() {
@@ -89,8 +102,9 @@ pub fn template_record(home: &CladeHome, key: &str, backend: BackendKind) -> any
             BackendKind::Vm => clade_template::Backends::VM,
             BackendKind::Ct => clade_template::Backends::CT,
         };
+        let steps = steps.clone();
         let sink = move |p: &clade_template::Progress| {
-            eprintln!("  [{:>6.1} s] template {}: {}", p.elapsed.as_secs_f64(), p.step, p.detail)
+            steps.line(&format!("  [{:>6.1} s] template {}: {}", p.elapsed.as_secs_f64(), p.step, p.detail))
         };
         let report =
             clade_template::Builder::new(home.clone()).agent(agent).on_progress(sink).build(&spec, backends)?;
@@ -122,8 +136,20 @@ pub fn build(
     rebuild: bool,
     say: &dyn Fn(String),
 ) -> anyhow::Result<serde_json::Value> {
+    build_with(home, key, backend, rebuild, &super::progress::Steps::plain(), say)
+}
+
+/// [`build`], the template's own build (if it is built first) reporting to `steps`.
+fn build_with(
+    home: &CladeHome,
+    key: &str,
+    backend: BackendKind,
+    rebuild: bool,
+    steps: &super::progress::Steps,
+    say: &dyn Fn(String),
+) -> anyhow::Result<serde_json::Value> {
     let t0 = Instant::now();
-    let record = template_record(home, key, backend)?;
+    let record = template_record_with(home, key, backend, steps)?;
     let engine = Engine::open(home)?;
     let tid = TemplateId::new(record.hash.clone());
     if engine.ledger().template(&tid).is_err() {

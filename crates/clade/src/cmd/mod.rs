@@ -8,6 +8,7 @@ pub mod fleet;
 pub mod house;
 pub mod nbd;
 pub mod pool;
+pub mod progress;
 pub mod roam;
 pub mod sandbox;
 pub mod store;

@@ -241,8 +241,22 @@ pub fn info(a: SbxArgs) -> anyhow::Result<i32> {
     print(a.json, &body, |b| serde_json::to_string_pretty(b).unwrap_or_default())
 }
 
+/// A suspend of a sandbox holding at least this much shows progress (it writes about that much).
+const BIG_SUSPEND: u64 = 256 << 20;
+
 pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
-    let body = simple(&a, |o| o.suspend(&a.sandbox), "POST", "/suspend")?;
+    let rss = match face()? {
+        Face::Local(ops) => ops.get(&a.sandbox).ok(),
+        Face::Remote(r) => r.call("GET", &format!("/v1/sandboxes/{}", encode(&a.sandbox)), None).ok(),
+    }
+    .and_then(|v| v["rss"].as_u64())
+    .unwrap_or(0);
+    let call = || simple(&a, |o| o.suspend(&a.sandbox), "POST", "/suspend");
+    let body = if rss >= BIG_SUSPEND {
+        super::progress::around(&format!("suspending {} ({} MiB resident)", a.sandbox, rss >> 20), call)?
+    } else {
+        call()?
+    };
     print(a.json, &body, |b| format!("{} suspended at {}", a.sandbox, b["id"].as_str().unwrap_or("?")))
 }
 

@@ -81,10 +81,14 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                 BackendArg::Ct => Backends::CT,
                 BackendArg::All => Backends::ALL,
             };
-            let builder = Builder::new(home).agent(agent).keep_image(keep_image).on_progress(|p| {
-                eprintln!("[{:>7.2}s] {:<11} {}", p.elapsed.as_secs_f64(), p.step, p.detail);
+            let steps = super::progress::Steps::new(&format!("template {}", spec.name));
+            let sink = steps.clone();
+            let builder = Builder::new(home).agent(agent).keep_image(keep_image).on_progress(move |p| {
+                sink.line(&format!("[{:>7.2}s] {:<11} {}", p.elapsed.as_secs_f64(), p.step, p.detail));
             });
-            let report = builder.build(&spec, backends).map_err(coded)?;
+            let report = builder.build(&spec, backends).map_err(coded);
+            steps.finish();
+            let report = report?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
