@@ -136,12 +136,9 @@ impl Daemon {
         Ok(Daemon { child })
     }
 
-    /// SIGTERM, then wait for it to end (it lets operations in flight finish).
+    /// SIGTERM, then wait for it to end (operations in flight get up to 5 s).
     fn stop(mut self) -> Duration {
-        let t = Instant::now();
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM);
-        let _ = self.child.wait();
-        t.elapsed()
+        self.stop_in_place()
     }
 }
 
@@ -247,8 +244,15 @@ fn client(remote: &Remote, mark: &str, stop: &AtomicBool, stats: &Mutex<Stats>) 
     }
 }
 
-/// `clients` clients for `secs`; with `restart`, the daemon is restarted half-way (returned: the new daemon and
-/// how long the old one took to stop).
+/// What a load phase leaves: its stats, the daemon now serving, and with a restart how long the old daemon took
+/// to stop and the new one to start.
+struct Phase {
+    stats: Stats,
+    daemon: Daemon,
+    restart: Option<(Duration, Duration)>,
+}
+
+/// `clients` clients for `secs`; with `restart`, the daemon is restarted half-way.
 fn load(
     sock: &Path,
     key: &str,
@@ -257,7 +261,7 @@ fn load(
     secs: u64,
     mut daemon: Daemon,
     restart: bool,
-) -> anyhow::Result<(Stats, Daemon, Option<(Duration, Duration)>)> {
+) -> anyhow::Result<Phase> {
     let stats = Mutex::new(Stats {
         lat: BTreeMap::new(),
         outcomes: BTreeMap::new(),
@@ -285,7 +289,7 @@ fn load(
         stop.store(true, Ordering::Relaxed);
         Ok(())
     })?;
-    Ok((stats.into_inner().unwrap_or_else(|p| p.into_inner()), daemon, restarted))
+    Ok(Phase { stats: stats.into_inner().unwrap_or_else(|p| p.into_inner()), daemon, restart: restarted })
 }
 
 impl Daemon {
@@ -470,7 +474,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
 
     // 2. Load, then leftovers.
     let net_before = clade_ct::net::host_state();
-    let (stats, daemon, _) = load(&sock, &key, &m, clients, secs, daemon, false)?;
+    let Phase { stats, daemon, .. } = load(&sock, &key, &m, clients, secs, daemon, false)?;
     load_figures(&mut figs, "load", &stats, secs, clients, &base);
     all_pass &= figs.iter().all(|f| f.pass);
     // audit judges nothing younger than 10 s: let the last kills settle.
@@ -497,7 +501,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let before: BTreeSet<String> =
         ops.engine.ledger().sandboxes(None)?.into_iter().map(|s| s.id.as_str().to_string()).collect();
     let rsecs = (secs / 2).max(10);
-    let (stats, daemon, restart) = load(&sock, &key, &m, clients, rsecs, daemon, true)?;
+    let Phase { stats, daemon, restart } = load(&sock, &key, &m, clients, rsecs, daemon, true)?;
     let (stop_took, start_took) = restart.unwrap_or_default();
     // Sandboxes the load started that the ledger has running now (a run in flight at the restart may have
     // started one its client never heard of): each must be listed by the new daemon and answer an exec.

@@ -322,6 +322,43 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
     }
 }
 
+/// `get_file`, with progress for a large image (typically pulled from the blob tier): the bytes written so far
+/// are the blocks of the store's temp file beside the destination (`.clade-get.<pid>.*`), against the image's
+/// non-zero bytes.
+fn get_file_with_progress(store: &Store, id: &ManifestId, dest: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let total: u64 = store.manifest(id).map(|m| m.extents.iter().map(|x| u64::from(x.len)).sum()).unwrap_or(0);
+    if total < 64 << 20 {
+        return Ok(store.get_file(id, dest)?);
+    }
+    let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let prefix = format!(".clade-get.{}.", std::process::id());
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut bar = super::progress::Bytes::new(&format!("pulling {}", &id.to_string()[..12]), total);
+    let out = std::thread::scope(|scope| {
+        let work = scope.spawn(|| {
+            let r = store.get_file(id, dest);
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            r
+        });
+        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            let written: u64 = std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.blocks() * 512)
+                .sum();
+            bar.set(written);
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        work.join().unwrap_or_else(|_| Err(clade_store::StoreError::Invalid("the get thread panicked".into())))
+    });
+    bar.finish(out.is_ok());
+    Ok(out?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,41 +422,4 @@ mod tests {
         assert!(run_args(&["get", "nothex", "x", "--store", s]).is_err());
         assert!(run_args(&["put", "/nonexistent/file", "--store", s]).is_err());
     }
-}
-
-/// `get_file`, with progress for a large image (typically pulled from the blob tier): the bytes written so far
-/// are the blocks of the store's temp file beside the destination (`.clade-get.<pid>.*`), against the image's
-/// non-zero bytes.
-fn get_file_with_progress(store: &Store, id: &ManifestId, dest: &std::path::Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let total: u64 = store.manifest(id).map(|m| m.extents.iter().map(|x| u64::from(x.len)).sum()).unwrap_or(0);
-    if total < 64 << 20 {
-        return Ok(store.get_file(id, dest)?);
-    }
-    let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let prefix = format!(".clade-get.{}.", std::process::id());
-    let done = std::sync::atomic::AtomicBool::new(false);
-    let mut bar = super::progress::Bytes::new(&format!("pulling {}", &id.to_string()[..12]), total);
-    let out = std::thread::scope(|scope| {
-        let work = scope.spawn(|| {
-            let r = store.get_file(id, dest);
-            done.store(true, std::sync::atomic::Ordering::Relaxed);
-            r
-        });
-        while !done.load(std::sync::atomic::Ordering::Relaxed) {
-            let written: u64 = std::fs::read_dir(dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.blocks() * 512)
-                .sum();
-            bar.set(written);
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        work.join().unwrap_or_else(|_| Err(clade_store::StoreError::Invalid("the get thread panicked".into())))
-    });
-    bar.finish(out.is_ok());
-    Ok(out?)
 }
