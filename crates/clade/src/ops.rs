@@ -226,7 +226,8 @@ impl Ops {
                 cwd: req.cwd,
                 stdin_b64: req.stdin.map(|s| b64.encode(s.as_bytes())),
             },
-        )?;
+        )
+        .map_err(|e| self.explain(sandbox, e))?;
         let stdout = b64.decode(body["stdout_b64"].as_str().unwrap_or("")).unwrap_or_default();
         let stderr = b64.decode(body["stderr_b64"].as_str().unwrap_or("")).unwrap_or_default();
         let signal = body["signal"].as_i64().map(|s| s as i32);
@@ -252,7 +253,8 @@ impl Ops {
             stream: true,
             ..Default::default()
         };
-        let (pid, events) = client::open_stream(self.home(), sandbox, &Request::ProcStart(spec))?;
+        let (pid, events) =
+            client::open_stream(self.home(), sandbox, &Request::ProcStart(spec)).map_err(|e| self.explain(sandbox, e))?;
         if let Some(data) = req.stdin {
             let b64 = base64::engine::general_purpose::STANDARD;
             client::call(self.home(), sandbox, &Request::ProcInput { pid, data_b64: b64.encode(data.as_bytes()) })?;
@@ -276,7 +278,7 @@ impl Ops {
     /// A file of the sandbox as a stream: its size, and a reader of its bytes.
     pub fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, impl std::io::Read + Send + 'static)> {
         check_id(sandbox)?;
-        client::read_stream(self.home(), sandbox, path)
+        client::read_stream(self.home(), sandbox, path).map_err(|e| self.explain(sandbox, e))
     }
 
     /// Write a file of the sandbox from a stream (created or replaced whole: a failed upload leaves the old
@@ -289,7 +291,7 @@ impl Ops {
         src: &mut dyn std::io::Read,
     ) -> anyhow::Result<u64> {
         check_id(sandbox)?;
-        client::write_stream(self.home(), sandbox, path, mode, src)
+        client::write_stream(self.home(), sandbox, path, mode, src).map_err(|e| self.explain(sandbox, e))
     }
 
     pub fn mark(
@@ -301,18 +303,18 @@ impl Ops {
     ) -> anyhow::Result<serde_json::Value> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        client::call(self.home(), sandbox, &Request::Mark { label, keep, not_clean })
+        client::call(self.home(), sandbox, &Request::Mark { label, keep, not_clean }).map_err(|e| self.explain(sandbox, e))
     }
 
     pub fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<serde_json::Value> {
         check_id(sandbox)?;
-        client::call(self.home(), sandbox, &Request::Retake { mark: to.into() })
+        client::call(self.home(), sandbox, &Request::Retake { mark: to.into() }).map_err(|e| self.explain(sandbox, e))
     }
 
     pub fn suspend(&self, sandbox: &str) -> anyhow::Result<serde_json::Value> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        client::call(self.home(), sandbox, &Request::Suspend)
+        client::call(self.home(), sandbox, &Request::Suspend).map_err(|e| self.explain(sandbox, e))
     }
 
     /// Bring a suspended sandbox back from its branch's head, under its own id.
@@ -394,6 +396,28 @@ impl Ops {
                 let _ = std::fs::remove_dir_all(home.run_dir().join(sandbox));
                 Ok(serde_json::json!({"killed": sandbox, "reaped": reaped}))
             }
+        }
+    }
+
+    /// A "not found" from a sandbox's supervisor, said in the ledger's words when the sandbox is not running: a
+    /// suspended or failed one is a conflict (resume it first), a dead or unknown one is not found.
+    fn explain(&self, sandbox: &str, e: anyhow::Error) -> anyhow::Error {
+        if crate::cmd::exit_code(&e) != 3 {
+            return e;
+        }
+        match self.engine.ledger().sandbox(&SandboxId::new(sandbox)) {
+            Err(_) => not_found(format!("no sandbox {sandbox}")),
+            Ok(r) => match r.state {
+                SandboxState::Suspended => {
+                    conflict(format!("sandbox {sandbox} is suspended: resume it first (`clade resume {sandbox}`)"))
+                }
+                SandboxState::Dead => not_found(format!("sandbox {sandbox} is dead (killed)")),
+                SandboxState::Failed => conflict(format!(
+                    "sandbox {sandbox} failed: {}",
+                    r.error.as_deref().unwrap_or("see its supervisor log")
+                )),
+                _ => e,
+            },
         }
     }
 

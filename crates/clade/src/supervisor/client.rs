@@ -13,8 +13,30 @@ use super::protocol::{Request, Response, StreamEvent};
 pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<serde_json::Value> {
     let mut s = connect(home, sandbox)?;
     s.set_read_timeout(Some(Duration::from_secs(3600)))?;
-    send(&mut s, req)?;
-    read_response(&mut BufReader::new(s), sandbox)
+    let out = send(&mut s, req).and_then(|()| read_response(&mut BufReader::new(s), sandbox));
+    match out {
+        // The connection broke without an answer and the supervisor no longer listens: it ended meanwhile (a
+        // suspend or kill that ran concurrently, or it died). That is a conflict with the sandbox's state, not
+        // a failure of this request's handling.
+        Err(e) if e.downcast_ref::<ExitCoded>().is_none() && supervisor_ends(home, sandbox) => {
+            Err(anyhow!(ExitCoded::new(
+                4,
+                format!("sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
+                         meanwhile, or died; see `clade ls`")
+            )))
+        }
+        other => other,
+    }
+}
+
+/// Whether the supervisor stops listening within a second (it is ending).
+fn supervisor_ends(home: &CladeHome, sandbox: &str) -> bool {
+    (0..20).any(|i| {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        connect(home, sandbox).is_err()
+    })
 }
 
 fn connect(home: &CladeHome, sandbox: &str) -> anyhow::Result<UnixStream> {

@@ -195,7 +195,7 @@ impl Supervisor {
         lock(&self.sandbox)
             .as_ref()
             .map(|s| s.agent().clone())
-            .ok_or_else(|| Response::err(1, "the sandbox is not running"))
+            .ok_or_else(|| Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"))
     }
 
     fn ended(&self) -> Option<End> {
@@ -557,7 +557,7 @@ fn done(r: Result<(), ClientError>, what: &str) -> Response {
 fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
     let mut slot = lock(&sup.sandbox);
     if slot.is_none() {
-        return (Response::err(1, "the sandbox is not running"), None);
+        return (Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"), None);
     }
     match req {
         Request::Mark { label, keep, not_clean } => {
