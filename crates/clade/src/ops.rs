@@ -253,8 +253,8 @@ impl Ops {
             stream: true,
             ..Default::default()
         };
-        let (pid, events) =
-            client::open_stream(self.home(), sandbox, &Request::ProcStart(spec)).map_err(|e| self.explain(sandbox, e))?;
+        let (pid, events) = client::open_stream(self.home(), sandbox, &Request::ProcStart(spec))
+            .map_err(|e| self.explain(sandbox, e))?;
         if let Some(data) = req.stdin {
             let b64 = base64::engine::general_purpose::STANDARD;
             client::call(self.home(), sandbox, &Request::ProcInput { pid, data_b64: b64.encode(data.as_bytes()) })?;
@@ -303,7 +303,8 @@ impl Ops {
     ) -> anyhow::Result<serde_json::Value> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        client::call(self.home(), sandbox, &Request::Mark { label, keep, not_clean }).map_err(|e| self.explain(sandbox, e))
+        client::call(self.home(), sandbox, &Request::Mark { label, keep, not_clean })
+            .map_err(|e| self.explain(sandbox, e))
     }
 
     pub fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<serde_json::Value> {
@@ -339,8 +340,8 @@ impl Ops {
             .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
         self.admit(&head, 1, false)?;
         let start = Instant::now();
-        spawn_supervisor(self.home(), &id, &head, 1)?;
-        let r = wait_ready(self.home(), &id, READY_TIMEOUT)?;
+        let pid = spawn_supervisor(self.home(), &id, &head, 1)?;
+        let r = wait_ready(&self.engine, &id, Some(pid), READY_TIMEOUT)?;
         let took = start.elapsed();
         engine.op("resume", Some(&id), Some(&head.id), took, r.error.as_deref(), serde_json::json!({}));
         Ok(serde_json::json!({
@@ -535,7 +536,7 @@ fn row_of(s: &clade_ledger::SandboxRecord) -> serde_json::Value {
 }
 
 /// Start a supervisor for `sandbox` restoring `mark`, detached ([`crate::supervisor::spawn_detached`]).
-pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<()> {
+pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<u32> {
     let dir = sup_dir(home, sandbox.as_str());
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let _ = std::fs::remove_file(ready_file(home, sandbox.as_str()));
@@ -545,18 +546,32 @@ pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, gene
         home,
         &["--sandbox", sandbox.as_str(), "--mark", mark.id.as_str(), "--generation", &generation],
         log,
-    )?;
-    Ok(())
+    )
 }
 
-pub fn wait_ready(home: &CladeHome, sandbox: &SandboxId, timeout: Duration) -> anyhow::Result<Ready> {
+/// Wait for a starting supervisor's ready file. A supervisor (`pid`) that ends without writing it answers at
+/// once as not ok, with its log, and its ledger row (still `starting`) is marked failed, so nothing waits for
+/// the whole timeout nor stays `starting` forever.
+pub fn wait_ready(engine: &Engine, sandbox: &SandboxId, pid: Option<u32>, timeout: Duration) -> anyhow::Result<Ready> {
+    let home = &engine.home;
     let path = ready_file(home, sandbox.as_str());
     let start = Instant::now();
+    let read = || std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Ready>(&b).ok());
     loop {
-        if let Ok(b) = std::fs::read(&path) {
-            if let Ok(r) = serde_json::from_slice::<Ready>(&b) {
+        if let Some(r) = read() {
+            return Ok(r);
+        }
+        if pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()) {
+            if let Some(r) = read() {
                 return Ok(r);
             }
+            let log = std::fs::read_to_string(crate::supervisor::log_file(home, sandbox.as_str())).unwrap_or_default();
+            let error = format!("its supervisor ended before the sandbox was ready: {}", log.trim());
+            let l = engine.ledger();
+            if l.sandbox(sandbox).is_ok_and(|r| r.state == SandboxState::Starting) {
+                let _ = l.set_sandbox_state(sandbox, SandboxState::Failed, Some(&error));
+            }
+            return Ok(serde_json::from_value(serde_json::json!({"ok": false, "sandbox": sandbox, "error": error}))?);
         }
         if start.elapsed() > timeout {
             let log = std::fs::read_to_string(crate::supervisor::log_file(home, sandbox.as_str())).unwrap_or_default();
@@ -585,8 +600,8 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
                         _ => e.into(),
                     }
                 })?;
-                spawn_supervisor(home, &rec.id, mark, 1)?;
-                cold.push(rec.id);
+                let pid = spawn_supervisor(home, &rec.id, mark, 1)?;
+                cold.push((rec.id, pid));
             }
         }
     }
@@ -599,8 +614,8 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
         }
         Ok(())
     })?;
-    for id in &cold {
-        out.push(wait_ready(home, id, READY_TIMEOUT)?);
+    for (id, pid) in &cold {
+        out.push(wait_ready(engine, id, Some(*pid), READY_TIMEOUT)?);
     }
     let took = start.elapsed();
     if !claimed.is_empty() {

@@ -310,7 +310,8 @@ fn leftovers(ops: &Ops, ids: &BTreeSet<String>, net_before: &clade_ct::net::Host
     let mut left = Vec::new();
     for id in ids {
         if let Ok(r) = ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id.as_str())) {
-            if r.state != SandboxState::Dead {
+            // A failed start holds nothing (its error is counted with the requests); anything else not dead does.
+            if !matches!(r.state, SandboxState::Dead | SandboxState::Failed) {
                 left.push(format!("sandbox {id} is {}", r.state.as_str()));
             }
         }
@@ -472,9 +473,15 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         },
     );
 
-    // 2. Load, then leftovers.
+    // 2. Load, then leftovers (of what the clients started, and of any sandbox the ledger got meanwhile: a run
+    // that failed may have recorded one its client never heard of).
     let net_before = clade_ct::net::host_state();
-    let Phase { stats, daemon, .. } = load(&sock, &key, &m, clients, secs, daemon, false)?;
+    let known = |ops: &Ops| -> anyhow::Result<BTreeSet<String>> {
+        Ok(ops.engine.ledger().sandboxes(None)?.into_iter().map(|s| s.id.as_str().to_string()).collect())
+    };
+    let before = known(&ops)?;
+    let Phase { mut stats, daemon, .. } = load(&sock, &key, &m, clients, secs, daemon, false)?;
+    stats.ids.extend(known(&ops)?.difference(&before).cloned());
     load_figures(&mut figs, "load", &stats, secs, clients, &base);
     all_pass &= figs.iter().all(|f| f.pass);
     // audit judges nothing younger than 10 s: let the last kills settle.
@@ -498,8 +505,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     );
 
     // 3. The same load with the daemon restarted half-way.
-    let before: BTreeSet<String> =
-        ops.engine.ledger().sandboxes(None)?.into_iter().map(|s| s.id.as_str().to_string()).collect();
+    let before = known(&ops)?;
     let rsecs = (secs / 2).max(10);
     let Phase { stats, daemon, restart } = load(&sock, &key, &m, clients, rsecs, daemon, true)?;
     let (stop_took, start_took) = restart.unwrap_or_default();

@@ -21,8 +21,10 @@ pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<se
         Err(e) if e.downcast_ref::<ExitCoded>().is_none() && supervisor_ends(home, sandbox) => {
             Err(anyhow!(ExitCoded::new(
                 4,
-                format!("sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
-                         meanwhile, or died; see `clade ls`")
+                format!(
+                    "sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
+                         meanwhile, or died; see `clade ls`"
+                )
             )))
         }
         other => other,

@@ -192,10 +192,9 @@ impl Supervisor {
 
     /// A handle on the running sandbox's agent (cheap: a shared connection).
     fn agent(&self) -> Result<AgentClient, Response> {
-        lock(&self.sandbox)
-            .as_ref()
-            .map(|s| s.agent().clone())
-            .ok_or_else(|| Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"))
+        lock(&self.sandbox).as_ref().map(|s| s.agent().clone()).ok_or_else(|| {
+            Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)")
+        })
     }
 
     fn ended(&self) -> Option<End> {
