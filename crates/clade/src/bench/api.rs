@@ -492,7 +492,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         &mut figs,
         Figure {
             name: format!(
-                "api load: leftovers of {} sandboxes (process, mount, cgroup, netns, veth, audit)",
+                "api load: leftovers of {} sandboxes (ledger, process, mount, cgroup, netns, veth, audit)",
                 stats.ids.len()
             ),
             value: left.len() as f64,
