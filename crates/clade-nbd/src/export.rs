@@ -9,6 +9,13 @@
 //! and the overlay has its own sharded mutexes, so requests run in parallel; a snapshot takes the
 //! exclusive guard, which waits for requests in flight and holds back new ones until it is done.
 //! All methods are blocking (the base may read from disk): call them from `spawn_blocking`.
+//!
+//! Two-phase snapshots: [`Export::freeze`] takes the exclusive guard only to move the overlay aside
+//! as a read-only *frozen* layer between the new, empty overlay and the base (O(1): no block is
+//! copied), so a paused guest can continue at once; [`Export::commit`] then writes the frozen layer
+//! through the snapshotter without holding the guard (requests go on, reading overlay, frozen layer,
+//! base) and swaps the new image in as the base. Reads through (frozen, old base) and through the new
+//! base are equal, so the swap is invisible to the guest.
 
 use std::collections::HashMap;
 use std::io;
@@ -82,7 +89,36 @@ impl Overlay {
 
 struct State {
     base: Arc<dyn BlockSource>,
+    /// A frozen overlay waiting for [`Export::commit`]: read-only, between `overlay` and `base`.
+    frozen: Option<Arc<Overlay>>,
     overlay: Overlay,
+}
+
+impl State {
+    /// Copies block `idx`'s bytes `within..within + dst.len()` from the frozen layer when it has the
+    /// block; false when it does not.
+    fn frozen_read(&self, idx: u64, within: usize, dst: &mut [u8]) -> bool {
+        let Some(f) = &self.frozen else { return false };
+        let shard = f.shard(idx);
+        match shard.get(&idx) {
+            Some(Block::Data(d)) => dst.copy_from_slice(&d[within..within + dst.len()]),
+            Some(Block::Zero) => dst.fill(0),
+            None => return false,
+        }
+        true
+    }
+
+    /// Whether the frozen layer has block `idx`, and whether it is a zero block.
+    fn frozen_kind(&self, idx: u64) -> Option<bool> {
+        let f = self.frozen.as_ref()?;
+        let shard = f.shard(idx);
+        shard.get(&idx).map(|b| matches!(b, Block::Zero))
+    }
+
+    /// No overlay and no frozen layer: everything reads from the base.
+    fn only_base(&self) -> bool {
+        self.overlay.is_empty() && self.frozen.as_ref().is_none_or(|f| f.is_empty())
+    }
 }
 
 /// Counters of one export, for the control socket and logs.
@@ -99,6 +135,8 @@ pub struct Export {
     read_only: bool,
     state: RwLock<State>,
     snapshotter: Option<Arc<dyn Snapshotter>>,
+    /// Held by [`Export::commit`] for its whole run, so two commits never write one layer twice.
+    committing: Mutex<()>,
 }
 
 impl Export {
@@ -107,8 +145,9 @@ impl Export {
         Export {
             size: base.size(),
             read_only,
-            state: RwLock::new(State { base, overlay: Overlay::new() }),
+            state: RwLock::new(State { base, frozen: None, overlay: Overlay::new() }),
             snapshotter,
+            committing: Mutex::new(()),
         }
     }
 
@@ -131,7 +170,8 @@ impl Export {
         self.state().base.clone()
     }
 
-    /// The id of the current base image and how many blocks the overlay holds.
+    /// The id of the current base image and how many blocks the overlay holds (a frozen layer not
+    /// yet committed is not counted).
     pub fn stats(&self) -> ExportStats {
         let st = self.state();
         ExportStats { base: st.base.id(), size: self.size, dirty_blocks: st.overlay.count.load(Ordering::Relaxed) }
@@ -152,7 +192,7 @@ impl Export {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
         self.check(offset, buf.len() as u64)?;
         let st = self.state();
-        if st.overlay.is_empty() {
+        if st.only_base() {
             return Self::base_read(&st.base, offset, buf);
         }
         // Walk block by block, batching consecutive base blocks into one base read.
@@ -177,7 +217,7 @@ impl Export {
                     }
                     None => false,
                 }
-            };
+            } || st.frozen_read(idx, within, dst);
             if hit {
                 if let Some(start) = pending.take() {
                     Self::base_read(&st.base, start, &mut buf[(start - offset) as usize..(at - offset) as usize])?;
@@ -211,12 +251,15 @@ impl Export {
                 None => {}
             }
         }
-        // Not in the overlay: read the base block without holding the shard lock. The base cannot
-        // change under our shared state guard, so re-checking after the read is enough.
+        // Not in the overlay: read the block from the frozen layer or the base without holding the
+        // shard lock. Neither can change under our shared state guard, so re-checking after the read
+        // is enough.
         let mut d = Box::new([0u8; BLOCK]);
         let at = idx * BLOCK_U64;
         let n = (st.base.size() - at).min(BLOCK_U64) as usize;
-        Self::base_read(&st.base, at, &mut d[..n])?;
+        if !st.frozen_read(idx, 0, &mut d[..n]) {
+            Self::base_read(&st.base, at, &mut d[..n])?;
+        }
         let mut shard = st.overlay.shard(idx);
         match shard.get_mut(&idx) {
             Some(Block::Data(cur)) => f(cur),
@@ -313,7 +356,7 @@ impl Export {
             Some(last) if last.zero == e.zero && last.offset + last.len == e.offset => last.len += e.len,
             _ => out.push(e),
         };
-        if st.overlay.is_empty() {
+        if st.only_base() {
             st.base.extents(offset, len).into_iter().for_each(&mut push);
             return Ok(out);
         }
@@ -326,7 +369,7 @@ impl Export {
             let hit = match st.overlay.shard(idx).get(&idx) {
                 Some(Block::Data(_)) => Some(false),
                 Some(Block::Zero) => Some(true),
-                None => None,
+                None => st.frozen_kind(idx),
             };
             if let Some(zero) = hit {
                 if let Some(start) = pending.take() {
@@ -348,32 +391,66 @@ impl Export {
     /// overlay; returns the new image's id. Waits for requests in flight and holds back new ones
     /// while it runs. Take it while the guest is paused or right after a flush.
     pub fn snapshot(&self) -> Result<String, ExportError> {
+        self.freeze()?;
+        self.commit()
+    }
+
+    /// Phase one of a snapshot: moves the overlay aside as a frozen layer (no block is copied) and
+    /// starts a new empty overlay, so the guest may write on at once; returns how many blocks were
+    /// frozen. Only requests in flight are waited for. A layer still frozen from an earlier call is
+    /// committed first. Take it while the guest is paused or right after a flush.
+    pub fn freeze(&self) -> Result<usize, ExportError> {
         let snapshotter = self.snapshotter.as_ref().ok_or(ExportError::NoSnapshotter)?;
+        let _one = lock(&self.committing);
+        self.commit_locked(snapshotter)?;
         let mut st = self.state.write().unwrap_or_else(PoisonError::into_inner);
-        let mut guards: Vec<_> = st.overlay.shards.iter().map(|s| lock(s)).collect();
-        let mut blocks: Vec<(u64, Change<'_>)> = Vec::with_capacity(st.overlay.count.load(Ordering::Relaxed));
-        for g in &guards {
-            for (&idx, b) in g.iter() {
-                blocks.push((
-                    idx,
-                    match b {
-                        Block::Data(d) => Change::Data(d),
-                        Block::Zero => Change::Zero,
-                    },
-                ));
+        let overlay = std::mem::replace(&mut st.overlay, Overlay::new());
+        let n = overlay.count.load(Ordering::Relaxed);
+        st.frozen = Some(Arc::new(overlay));
+        Ok(n)
+    }
+
+    /// Phase two: writes the frozen layer through the snapshotter while requests go on, then makes
+    /// the new image the base and drops the layer; returns the new image's id (the base's id when
+    /// nothing is frozen). On failure the layer stays frozen and a retry is safe. Concurrent commits
+    /// are serialized.
+    pub fn commit(&self) -> Result<String, ExportError> {
+        let snapshotter = self.snapshotter.as_ref().ok_or(ExportError::NoSnapshotter)?;
+        let _one = lock(&self.committing);
+        self.commit_locked(snapshotter)
+    }
+
+    /// [`Export::commit`] with `committing` held.
+    fn commit_locked(&self, snapshotter: &Arc<dyn Snapshotter>) -> Result<String, ExportError> {
+        let (base, frozen) = {
+            let st = self.state();
+            match &st.frozen {
+                Some(f) => (st.base.clone(), f.clone()),
+                None => return Ok(st.base.id()),
             }
-        }
-        blocks.sort_unstable_by_key(|&(idx, _)| idx);
-        let changes = Changes { blocks };
-        let new_base = snapshotter.snapshot(&st.base, &changes)?;
-        drop(changes);
-        for g in &mut guards {
-            g.clear();
-        }
-        drop(guards);
-        st.overlay.count.store(0, Ordering::Relaxed);
+        };
+        // The frozen layer is never written again: locking its shards only excludes readers briefly.
+        let new_base = {
+            let guards: Vec<_> = frozen.shards.iter().map(|s| lock(s)).collect();
+            let mut blocks: Vec<(u64, Change<'_>)> = Vec::with_capacity(frozen.count.load(Ordering::Relaxed));
+            for g in &guards {
+                for (&idx, b) in g.iter() {
+                    blocks.push((
+                        idx,
+                        match b {
+                            Block::Data(d) => Change::Data(d),
+                            Block::Zero => Change::Zero,
+                        },
+                    ));
+                }
+            }
+            blocks.sort_unstable_by_key(|&(idx, _)| idx);
+            snapshotter.snapshot(&base, &Changes { blocks })?
+        };
+        let mut st = self.state.write().unwrap_or_else(PoisonError::into_inner);
         let id = new_base.id();
         st.base = new_base;
+        st.frozen = None;
         Ok(id)
     }
 }
@@ -452,5 +529,74 @@ mod tests {
         let ro = Export::new(e.base(), true, None);
         assert!(matches!(ro.write(0, &[1]), Err(ExportError::ReadOnly)));
         assert!(matches!(ro.snapshot(), Err(ExportError::NoSnapshotter)));
+    }
+
+    #[test]
+    fn freeze_lets_writes_go_on_and_commit_stores_only_the_frozen_blocks() {
+        let e = export(vec![5u8; 4 * BLOCK]);
+        e.write(0, &[1u8; BLOCK]).unwrap();
+        e.write_zeroes(BLOCK_U64, BLOCK_U64).unwrap();
+        assert_eq!(e.freeze().unwrap(), 2);
+        assert_eq!(e.stats().dirty_blocks, 0);
+        // Written while frozen: a partial write over a frozen block merges with the frozen bytes,
+        // a partial write over a frozen zero block with zeros.
+        e.write(10, b"xy").unwrap();
+        e.write(BLOCK_U64 + 3, b"z").unwrap();
+        e.write(3 * BLOCK_U64, &[7u8; BLOCK]).unwrap();
+        let mut buf = vec![0u8; 4 * BLOCK];
+        e.read(0, &mut buf).unwrap();
+        assert_eq!(&buf[..12], &[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, b'x', b'y']);
+        assert!(buf[BLOCK..BLOCK + 3].iter().all(|&b| b == 0) && buf[BLOCK + 3] == b'z');
+        assert!(buf[2 * BLOCK..3 * BLOCK].iter().all(|&b| b == 5));
+        assert!(buf[3 * BLOCK..].iter().all(|&b| b == 7));
+        let x = e.extents(0, 4 * BLOCK_U64).unwrap();
+        assert!(x.iter().all(|x| !x.zero), "{x:?}");
+        // The committed image holds the frozen state, not what came after.
+        let id = e.commit().unwrap();
+        assert_eq!(id, "mem-1");
+        let mut snap = vec![0u8; 4 * BLOCK];
+        e.base().read_at(0, &mut snap).unwrap();
+        assert!(snap[..BLOCK].iter().all(|&b| b == 1));
+        assert!(snap[BLOCK..2 * BLOCK].iter().all(|&b| b == 0));
+        assert!(snap[3 * BLOCK..].iter().all(|&b| b == 5));
+        // The guest's view did not change with the swap.
+        let mut after = vec![0u8; 4 * BLOCK];
+        e.read(0, &mut after).unwrap();
+        assert!(after == buf);
+        assert_eq!(e.stats().dirty_blocks, 3);
+        // Nothing frozen: commit is a no-op returning the base. A freeze over a layer still frozen commits
+        // that one first (mem-2), then the snapshot stores the rest (mem-3).
+        assert_eq!(e.commit().unwrap(), "mem-1");
+        e.freeze().unwrap();
+        assert_eq!(e.snapshot().unwrap(), "mem-3");
+        let mut last = vec![0u8; 4 * BLOCK];
+        e.base().read_at(0, &mut last).unwrap();
+        assert!(last == buf);
+    }
+
+    #[test]
+    fn concurrent_writes_during_commit_are_kept() {
+        let e = Arc::new(export(vec![0u8; 64 * BLOCK]));
+        for i in 0..32u64 {
+            e.write(i * BLOCK_U64, &[1u8; BLOCK]).unwrap();
+        }
+        e.freeze().unwrap();
+        let w = {
+            let e = e.clone();
+            std::thread::spawn(move || {
+                for i in 0..64u64 {
+                    e.write(i * BLOCK_U64 + 100, &[2u8; 8]).unwrap();
+                }
+            })
+        };
+        e.commit().unwrap();
+        w.join().unwrap();
+        let mut buf = vec![0u8; 64 * BLOCK];
+        e.read(0, &mut buf).unwrap();
+        for i in 0..64usize {
+            let blk = &buf[i * BLOCK..(i + 1) * BLOCK];
+            assert_eq!(&blk[100..108], &[2u8; 8], "block {i}");
+            assert_eq!(blk[0], if i < 32 { 1 } else { 0 }, "block {i}");
+        }
     }
 }
