@@ -87,7 +87,7 @@ pub fn check_compat(mark: &BTreeMap<String, String>, host: &BTreeMap<String, Str
                 key: key.clone(),
                 mark: want.clone(),
                 host: have.to_string(),
-                hint: "restore it on a host with the same version, or take a new base here".into(),
+                hint: format!("restore it on a host with the same {key}, or take a new base here"),
             });
         }
     }
@@ -172,6 +172,11 @@ pub trait Sandbox: Send {
     /// Continue after [`Sandbox::pause`].
     fn resume(&mut self) -> Result<(), BackendError> {
         Ok(())
+    }
+    /// Why the sandbox ended on its own (its QEMU exited: its status and error text), once it has; `None` while
+    /// it runs. Supervisors poll it and record the sandbox as failed with this text. Default: never.
+    fn exited(&mut self) -> Option<String> {
+        None
     }
 }
 

@@ -35,6 +35,22 @@ impl Accel {
             }
         }
     }
+    /// The guest CPU model, as marks record it: TCG's `max` is what this QEMU version emulates (the version is
+    /// recorded too); under KVM `host` is the host's CPU, named by its model string.
+    pub fn cpu_model(self) -> String {
+        match self {
+            Accel::Tcg => "max".into(),
+            Accel::Kvm => {
+                let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+                let model = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim()))
+                    .unwrap_or("unknown");
+                format!("host ({model})")
+            }
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Accel::Kvm => "kvm",

@@ -15,7 +15,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clade_agent::client::AgentClient;
@@ -27,6 +28,7 @@ use clade_core::CladeHome;
 use clade_store::{ImageKind, Lease, ManifestId, Store};
 
 use crate::accel::Accel;
+use crate::agent_link::NoHello;
 use crate::disks::{DiskExport, DiskHost};
 use crate::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 
@@ -61,6 +63,38 @@ struct Inner {
     kernel_release: String,
     initrd: PathBuf,
     shm: PathBuf,
+    /// The agent's first hello must come within this (ms; 0: the defaults above).
+    hello_timeout_ms: AtomicU64,
+    fail_at: Mutex<Option<FailPoint>>,
+}
+
+/// A step of a cold start or a restore after which a test can make it fail, to prove nothing is left behind
+/// (no QEMU process, socket, run dir or private RAM file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailPoint {
+    /// The run dir exists.
+    RunDir,
+    /// The disk export listens on its socket.
+    Disk,
+    /// QEMU runs (a cold boot, or waiting on `-incoming defer`).
+    Process,
+    /// A restore's pages are in QEMU's private mapping.
+    Pages,
+    /// A restore's device state is loaded and the guest runs.
+    Running,
+    /// The agent answered.
+    Agent,
+}
+
+impl FailPoint {
+    pub const ALL: [FailPoint; 6] = [
+        FailPoint::RunDir,
+        FailPoint::Disk,
+        FailPoint::Process,
+        FailPoint::Pages,
+        FailPoint::Running,
+        FailPoint::Agent,
+    ];
 }
 
 /// The `vm` backend of this host.
@@ -121,6 +155,8 @@ impl VmBackend {
                 kernel_release,
                 initrd,
                 shm,
+                hello_timeout_ms: AtomicU64::new(0),
+                fail_at: Mutex::new(None),
             }),
         })
     }
@@ -129,12 +165,57 @@ impl VmBackend {
         self.inner.accel
     }
 
+    /// How long a guest may take to answer its first hello (`None`: 120 s for a cold boot, 30 s for a restore).
+    /// A guest that does not answer in time is killed and reported with its console's last lines.
+    pub fn set_hello_timeout(&self, t: Option<Duration>) {
+        self.inner.hello_timeout_ms.store(t.map(|d| d.as_millis().max(1) as u64).unwrap_or(0), Ordering::Relaxed);
+    }
+
+    fn hello_timeout(&self, default: Duration) -> Duration {
+        match self.inner.hello_timeout_ms.load(Ordering::Relaxed) {
+            0 => default,
+            ms => Duration::from_millis(ms),
+        }
+    }
+
+    /// Test hook: make the next cold starts and restores fail right after `at` (None: never).
+    pub fn inject_failure(&self, at: Option<FailPoint>) {
+        *self.inner.fail_at.lock().unwrap_or_else(|e| e.into_inner()) = at;
+    }
+
+    fn check_fail(&self, here: FailPoint) -> Result<(), BackendError> {
+        if *self.inner.fail_at.lock().unwrap_or_else(|e| e.into_inner()) == Some(here) {
+            return Err(failed(format!("injected failure after {here:?}")));
+        }
+        Ok(())
+    }
+
+    /// Refuse to start what would fill the RAM tmpfs: a guest or a root file of `bytes` needs that much free
+    /// (a full tmpfs would kill QEMU with SIGBUS mid-run, or leave a half-written file).
+    fn check_shm_room(&self, bytes: u64, what: &str) -> Result<(), BackendError> {
+        let dir = &self.inner.shm;
+        let st = nix::sys::statvfs::statvfs(dir).map_err(|e| failed(format!("statvfs {}: {e}", dir.display())))?;
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        if free < bytes {
+            return Err(BackendError::Resource {
+                resource: "memory".into(),
+                detail: format!(
+                    "{what} needs {} MiB on {}, which has {} MiB free: kill or suspend sandboxes, or run `clade gc`",
+                    bytes >> 20,
+                    dir.display(),
+                    free >> 20
+                ),
+            });
+        }
+        Ok(())
+    }
     fn compat(&self, shape: &Shape) -> BTreeMap<String, String> {
         let i = &self.inner;
         let mut m = BTreeMap::new();
         m.insert("qemu".into(), i.qemu_version.clone());
         m.insert("machine".into(), format!("{:?}", i.machine).to_lowercase());
         m.insert("accel".into(), i.accel.as_str().into());
+        m.insert("cpu".into(), i.accel.cpu_model());
         m.insert("kernel".into(), i.kernel_release.clone());
         m.insert("memory_mib".into(), shape.memory_mib.to_string());
         m.insert("vcpus".into(), shape.vcpus.to_string());
@@ -182,7 +263,14 @@ impl VmBackend {
     /// swapped under them), so the first one wins and the others use it.
     fn materialize_root(&self, root: &str, dest: &Path) -> Result<(), BackendError> {
         let tmp = dest.with_extension(format!("fetch{}", std::process::id()));
-        self.inner.store.get_file(&mid(root)?, &tmp).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+        if let Err(e) = self.inner.store.get_file(&mid(root)?, &tmp) {
+            // A half-written file (a full tmpfs, a corrupt object) is never left behind.
+            let _ = std::fs::remove_file(&tmp);
+            return Err(match e {
+                io @ clade_store::StoreError::Io { .. } => failed(format!("rebuild RAM file {}: {io}", dest.display())),
+                other => BackendError::Corrupt(other.to_string()),
+            });
+        }
         let linked = std::fs::hard_link(&tmp, dest);
         let _ = std::fs::remove_file(&tmp);
         match linked {
@@ -227,10 +315,13 @@ impl Backend for VmBackend {
             .disk_manifest
             .as_deref()
             .ok_or_else(|| failed(format!("template {} has no vm disk image", image.name)))?;
+        let ram = self.inner.shm.join("run").join(format!("{}.ram", id.sandbox_id));
+        self.check_shm_room(image.shape.memory_mib as u64 * 1024 * 1024, "a cold guest's RAM file")?;
         let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
+        self.check_fail(FailPoint::RunDir)?;
         let disk = self.inner.disks.export(disk_manifest, &run.path.join("disk.sock")).map_err(failed)?;
         let leases = vec![self.lease(disk_manifest)?];
-        let ram = self.inner.shm.join("run").join(format!("{}.ram", id.sandbox_id));
+        self.check_fail(FailPoint::Disk)?;
         let agent_sock = run.path.join("agent.sock");
         let mut spec = self.spec(
             &image.shape,
@@ -242,10 +333,11 @@ impl Backend for VmBackend {
         );
         crate::net::apply(&mut spec, image.egress);
         let qemu_dir = run.path.join("qemu");
-        let vm = Vm::spawn(&self.inner.qemu, spec, &qemu_dir).map_err(failed)?;
         let guard = RamGuard(Some(ram.clone()));
-        let (agent, _hello) = crate::agent_link::hello_until(&agent_sock, COLD_TIMEOUT)
-            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
+        let mut vm = Vm::spawn(&self.inner.qemu, spec, &qemu_dir).map_err(failed)?;
+        self.check_fail(FailPoint::Process)?;
+        let agent = await_hello(&mut vm, &agent_sock, self.hello_timeout(COLD_TIMEOUT))?;
+        self.check_fail(FailPoint::Agent)?;
         std::mem::forget(guard);
         Ok(Box::new(VmSandbox {
             backend: self.clone(),
@@ -288,24 +380,41 @@ impl VmBackend {
         let store = &self.inner.store;
         let root = manifest(mark, role::RAM_ROOT)?.to_string();
         let disk_manifest = manifest(mark, role::DISK)?;
-        let mut leases = vec![self.lease(&root)?, self.lease(disk_manifest)?];
-        let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
-        let (ram_file, lazy) = self.root_backing(&root, &id.sandbox_id)?;
+        // Verify what the mark names before anything starts: the RAM's size against the mark's shape, the device
+        // state's header, the page list's bounds (the store checks every byte's hash as it reads).
+        let ram_bytes = mark.shape.memory_mib as u64 * 1024 * 1024;
+        let corrupt = |e: clade_store::StoreError| BackendError::Corrupt(e.to_string());
+        let root_size = store.manifest(&mid(&root)?).map_err(corrupt)?.size;
+        if root_size != ram_bytes {
+            return Err(BackendError::Corrupt(format!(
+                "the mark's RAM ({root}) has {root_size} bytes but its shape says {} MiB: the mark is damaged; \
+                 restore an earlier one",
+                mark.shape.memory_mib
+            )));
+        }
         let (state_role, devstate_only) = match mark.manifests.get(role::DEVSTATE_ONLY) {
             Some(_) => (role::DEVSTATE_ONLY, true),
             None => (role::DEVSTATE, false),
         };
-        let state = run.path.join("devstate");
-        store.get_file(&mid(manifest(mark, state_role)?)?, &state).map_err(|e| BackendError::Corrupt(e.to_string()))?;
+        let state_id = manifest(mark, state_role)?;
+        let state_bytes = read_all(store, state_id)?;
+        verify_device_state(&state_bytes, state_id)?;
+        let mut leases = vec![self.lease(&root)?, self.lease(disk_manifest)?];
         let (pages, data) = match mark.manifests.get(role::RAM_PAGES) {
             Some(p) => {
                 let ram = manifest(mark, role::RAM)?;
                 leases.push(self.lease(ram)?);
-                read_pages(store, p, ram)?
+                read_pages(store, p, ram, ram_bytes)?
             }
             None => (Vec::new(), Vec::new()),
         };
+        let (ram_file, lazy) = self.root_backing(&root, &id.sandbox_id, ram_bytes)?;
+        let run = RunDir::create(&self.inner.home, &id.sandbox_id)?;
+        self.check_fail(FailPoint::RunDir)?;
+        let state = run.path.join("devstate");
+        std::fs::write(&state, &state_bytes).map_err(|e| failed(format!("write {}: {e}", state.display())))?;
         let disk = self.inner.disks.export(disk_manifest, &run.path.join("disk.sock")).map_err(failed)?;
+        self.check_fail(FailPoint::Disk)?;
         let agent_sock = run.path.join("agent.sock");
         let mut spec = self.spec(
             &mark.shape,
@@ -317,7 +426,9 @@ impl VmBackend {
         );
         crate::net::apply(&mut spec, egress);
         let vm = Vm::spawn(&self.inner.qemu, spec, &run.path.join("qemu")).map_err(failed)?;
+        self.check_fail(FailPoint::Process)?;
         crate::templating::write_mark_pages(&vm, &pages, &data).map_err(failed)?;
+        self.check_fail(FailPoint::Pages)?;
         Ok(VmPrepared {
             backend: self.clone(),
             id: id.sandbox_id.clone(),
@@ -344,10 +455,17 @@ impl VmBackend {
         &self,
         root: &str,
         sandbox: &str,
+        ram_bytes: u64,
     ) -> Result<(PathBuf, Option<clade_lazyfs::LazyFile>), BackendError> {
         let ram_file = self.root_ram_file(root);
-        if ram_file.exists() {
-            return Ok((ram_file, None));
+        match std::fs::metadata(&ram_file) {
+            Ok(m) if m.len() == ram_bytes => return Ok((ram_file, None)),
+            // A root file of the wrong size was damaged on the host: QEMUs mapping it keep their pages; new
+            // restores get a copy rebuilt from the store.
+            Ok(_) => {
+                let _ = std::fs::remove_file(&ram_file);
+            }
+            Err(_) => {}
         }
         let store = &self.inner.store;
         let lazy = match std::env::var("CLADE_LAZY_RAM").as_deref() {
@@ -356,6 +474,7 @@ impl VmBackend {
             _ => store.blob_tier().is_some() && !store.has_manifest(&mid(root)?),
         };
         if !lazy {
+            self.check_shm_room(ram_bytes, "rebuilding the mark's RAM file")?;
             self.materialize_root(root, &ram_file)?;
             return Ok((ram_file, None));
         }
@@ -400,8 +519,9 @@ impl VmPrepared {
     fn start_concrete(self) -> Result<VmSandbox, BackendError> {
         let mut vm = self.vm;
         crate::templating::load_and_continue(&mut vm, &self.state).map_err(failed)?;
-        let (agent, _hello) = crate::agent_link::hello_until(&self.agent_sock, RESTORE_TIMEOUT)
-            .map_err(|waited| BackendError::NotReady { timeout: waited, detail: console_tail(&vm) })?;
+        self.backend.check_fail(FailPoint::Running)?;
+        let agent = await_hello(&mut vm, &self.agent_sock, self.backend.hello_timeout(RESTORE_TIMEOUT))?;
+        self.backend.check_fail(FailPoint::Agent)?;
         Ok(VmSandbox {
             backend: self.backend,
             id: self.id,
@@ -428,14 +548,32 @@ impl Prepared for VmPrepared {
     }
 }
 
-/// The diverged page list and the pages' bytes of a clone's mark.
-fn read_pages(store: &Store, pages_id: &str, ram_id: &str) -> Result<(Vec<u64>, Vec<u8>), BackendError> {
+/// The diverged page list and the pages' bytes of a clone's mark (every page within `ram_bytes`).
+fn read_pages(
+    store: &Store,
+    pages_id: &str,
+    ram_id: &str,
+    ram_bytes: u64,
+) -> Result<(Vec<u64>, Vec<u8>), BackendError> {
     let corrupt = |e: clade_store::StoreError| BackendError::Corrupt(e.to_string());
-    let list = store.image(&mid(pages_id)?).map_err(corrupt)?;
-    let mut raw = vec![0u8; list.size() as usize];
-    list.read_at(0, &mut raw).map_err(corrupt)?;
+    let raw = read_all(store, pages_id)?;
+    if raw.len() % 8 != 0 {
+        return Err(BackendError::Corrupt(format!("page list {pages_id} is {} bytes, not a list of u64", raw.len())));
+    }
     let pages: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    let total = ram_bytes / crate::ramdiff::PAGE;
+    if pages.windows(2).any(|w| w[0] >= w[1]) || pages.last().is_some_and(|&p| p >= total) {
+        return Err(BackendError::Corrupt(format!(
+            "page list {pages_id} is not an ascending list of pages below {total}: the mark is damaged"
+        )));
+    }
     let ram = store.image(&mid(ram_id)?).map_err(corrupt)?;
+    if ram.size() != ram_bytes {
+        return Err(BackendError::Corrupt(format!(
+            "the mark's RAM {ram_id} has {} bytes, not {ram_bytes}",
+            ram.size()
+        )));
+    }
     let page = crate::ramdiff::PAGE as usize;
     let mut data = vec![0u8; pages.len() * page];
     let mut off = 0usize;
@@ -447,6 +585,45 @@ fn read_pages(store: &Store, pages_id: &str, ram_id: &str) -> Result<(Vec<u64>, 
     Ok((pages, data))
 }
 
+/// A whole stored image in memory (device state and page lists: kilobytes).
+fn read_all(store: &Store, id: &str) -> Result<Vec<u8>, BackendError> {
+    let corrupt = |e: clade_store::StoreError| BackendError::Corrupt(e.to_string());
+    let r = store.image(&mid(id)?).map_err(corrupt)?;
+    let mut raw = vec![0u8; r.size() as usize];
+    r.read_at(0, &mut raw).map_err(corrupt)?;
+    Ok(raw)
+}
+
+/// QEMU's migration stream header: the magic `QEVM` and version 3. Both device-state formats clade stores
+/// (`migrate` with x-ignore-shared, `xen-save-devices-state`) start with it.
+fn verify_device_state(bytes: &[u8], id: &str) -> Result<(), BackendError> {
+    if bytes.len() < 8 || &bytes[..4] != b"QEVM" || bytes[4..8] != [0, 0, 0, 3] {
+        let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        return Err(BackendError::Corrupt(format!(
+            "device state {id} is not a QEMU migration stream (starts {}): the mark is damaged; restore an earlier one",
+            head.join(" ")
+        )));
+    }
+    Ok(())
+}
+
+/// Wait for the agent's first hello. A QEMU that exits meanwhile is reported at once with its exit status and
+/// stderr; a guest that does not answer in time is reported with its console's last lines. Either way the
+/// caller's `Vm` is dropped on the error path, which kills QEMU and removes its run dir.
+fn await_hello(vm: &mut Vm, sock: &Path, timeout: Duration) -> Result<AgentClient, BackendError> {
+    match crate::agent_link::hello_while(sock, timeout, || vm.exited()) {
+        Ok((agent, _)) => Ok(agent),
+        Err(NoHello::Died(why)) => Err(failed(format!("{why}; last console lines: {}", vm.console_tail(8)))),
+        Err(NoHello::Timeout(waited)) => Err(BackendError::NotReady {
+            timeout: waited,
+            detail: format!(
+                "the guest's agent never answered hello; QEMU killed; last console lines: {}",
+                vm.console_tail(8)
+            ),
+        }),
+    }
+}
+
 fn put_id(r: &clade_store::PutReport) -> Result<String, BackendError> {
     r.id.map(|i| i.to_string()).ok_or_else(|| failed("store published no manifest"))
 }
@@ -454,12 +631,6 @@ fn put_id(r: &clade_store::PutReport) -> Result<String, BackendError> {
 /// Bytes a put added to the store: new packed data plus the manifest.
 fn stored(r: &clade_store::PutReport) -> u64 {
     r.bytes_stored + r.manifest_bytes
-}
-
-fn console_tail(vm: &Vm) -> String {
-    let c = vm.console();
-    let lines: Vec<&str> = c.lines().rev().take(8).collect();
-    format!("last console lines: {}", lines.into_iter().rev().collect::<Vec<_>>().join(" | "))
 }
 
 /// A sandbox's run dir under `$CLADE_HOME/run`; removed on drop.
@@ -536,6 +707,11 @@ pub struct MarkStats {
     pub pause_ms: f64,
     /// Of that, device state and diverged pages alone.
     pub ram_pause_ms: f64,
+    /// The pages' phases (before and inside the pause).
+    pub phases: crate::templating::ClonePhases,
+    /// Freezing the disk overlay (inside the pause) and `cont`.
+    pub disk_freeze_ms: f64,
+    pub cont_ms: f64,
 }
 
 impl VmSandbox {
@@ -610,8 +786,8 @@ impl VmSandbox {
         self.ram_file = root_file;
         self.root = Some(root.clone());
         self.leases.push(self.backend.lease(&root)?);
-        let (agent, _) = crate::agent_link::hello_until(&self.agent_sock, RESTORE_TIMEOUT)
-            .map_err(|w| BackendError::NotReady { timeout: w, detail: "agent after mark".into() })?;
+        let timeout = self.backend.hello_timeout(RESTORE_TIMEOUT);
+        let agent = await_hello(self.vm.as_mut().expect("just set"), &self.agent_sock, timeout)?;
         self.agent = agent;
         let mut mark = mark;
         mark.pause = start.elapsed();
@@ -621,21 +797,37 @@ impl VmSandbox {
     /// Mark a clone: device state alone + its diverged pages; the pause is what changed, not the guest size.
     fn mark_clone(&mut self, root: String, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         let state_path = self.run.path.join("devstate.mark");
-        let start = Instant::now();
-        let cm = crate::templating::save_clone_state(self.vm(), &state_path).map_err(failed)?;
+        let cm = crate::templating::save_clone_state(self.vm(), &state_path);
+        let cm = match cm {
+            Ok(cm) => cm,
+            Err(e) => {
+                // Whatever failed, the guest must not stay paused (a stop that went through stays in force).
+                let _ = self.vm().qmp.execute("cont", serde_json::json!({}));
+                return Err(failed(e));
+            }
+        };
         let disk_dirty_bytes = self.disk.dirty_bytes();
-        // The disk snapshot is taken while the guest is stopped too, so it is part of the pause.
-        let disk = self.disk.snapshot();
+        // The disk is frozen while the guest is stopped (O(1)); its blocks are stored after `cont`.
+        let t = Instant::now();
+        let frozen = self.disk.freeze();
+        let disk_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
         let cont = self.vm().qmp.execute("cont", serde_json::json!({}));
-        let pause = start.elapsed();
+        let cont_ms = t.elapsed().as_secs_f64() * 1e3;
+        // `stop` to `cont` returning (the page pre-scan and the buffer's faults happen before the stop).
+        let pause = Duration::from_secs_f64((cm.stats.pause_ms + disk_ms + cont_ms) / 1e3);
         self.last_mark = Some(MarkStats {
             diverged_bytes: cm.pages.len() as u64 * crate::ramdiff::PAGE,
             disk_dirty_bytes,
             pause_ms: pause.as_secs_f64() * 1e3,
             ram_pause_ms: cm.stats.pause_ms,
+            phases: cm.phases,
+            disk_freeze_ms: disk_ms,
+            cont_ms,
         });
-        let disk = disk.map_err(failed)?;
+        frozen.map_err(failed)?;
         cont.map_err(failed)?;
+        let disk = self.disk.commit().map_err(failed)?;
         // Off the pause: store the pages as a complete manifest derived from the root, plus the page list.
         let store = self.backend.inner.store.clone();
         let size = self.shape.memory_mib as u64 * 1024 * 1024;
@@ -711,6 +903,11 @@ impl Sandbox for VmSandbox {
     }
     fn resume(&mut self) -> Result<(), BackendError> {
         self.vm().qmp.execute("cont", serde_json::json!({})).map(|_| ()).map_err(failed)
+    }
+    fn exited(&mut self) -> Option<String> {
+        let vm = self.vm.as_mut()?;
+        let why = vm.exited()?;
+        Some(format!("{why}; last console lines: {}", vm.console_tail(8)))
     }
 }
 

@@ -71,6 +71,17 @@ impl DiskExport {
         self.export.snapshot().map_err(|e| DiskError::Snapshot(e.to_string()))
     }
 
+    /// Phase one of a two-phase snapshot (clade-nbd's `Export::freeze`): O(1), the guest may write on at once.
+    /// Take it while the guest is paused; [`DiskExport::commit`] stores the frozen blocks afterwards.
+    pub fn freeze(&self) -> Result<(), DiskError> {
+        self.export.freeze().map(|_| ()).map_err(|e| DiskError::Snapshot(e.to_string()))
+    }
+
+    /// Phase two: store what [`DiskExport::freeze`] froze as a new complete manifest (the guest runs meanwhile).
+    pub fn commit(&self) -> Result<String, DiskError> {
+        self.export.commit().map_err(|e| DiskError::Snapshot(e.to_string()))
+    }
+
     /// Bytes written since the last snapshot (dirty 4 KiB blocks).
     pub fn dirty_bytes(&self) -> u64 {
         self.export.stats().dirty_blocks as u64 * clade_nbd::BLOCK as u64

@@ -195,6 +195,31 @@ impl Vm {
         VmError::Qmp { source, stderr: stderr.trim().to_string() }
     }
 
+    /// `Some(why)` once the QEMU process has exited: its exit status and what it wrote on stderr (QEMU's own
+    /// error text). `None` while it runs.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = match self.child.try_wait() {
+            Ok(Some(s)) => s,
+            Ok(None) => return None,
+            Err(e) => return Some(format!("QEMU {} cannot be waited for: {e}", self.child.id())),
+        };
+        let stderr = std::fs::read_to_string(self.run_dir.join("qemu.stderr")).unwrap_or_default();
+        let tail: Vec<&str> = stderr.trim().lines().rev().take(6).collect();
+        let said = if tail.is_empty() {
+            "nothing on stderr".to_string()
+        } else {
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        };
+        Some(format!("QEMU exited ({status}); QEMU said: {said}"))
+    }
+
+    /// The last `n` lines of the serial console, joined with ` | `.
+    pub fn console_tail(&self, n: usize) -> String {
+        let c = self.console();
+        let lines: Vec<&str> = c.lines().rev().take(n).collect();
+        lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
     /// The serial console so far.
     pub fn console(&self) -> String {
         std::fs::read_to_string(self.run_dir.join("console.log")).unwrap_or_default()

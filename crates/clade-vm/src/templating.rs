@@ -115,31 +115,79 @@ pub struct CloneMark {
     /// Diverged page indexes, ascending, and their contents (4 KiB each, same order).
     pub pages: Vec<u64>,
     pub data: Vec<u8>,
+    pub phases: ClonePhases,
+}
+
+/// Where a clone mark's time went, in ms. `prescan` and `prefault` run before the guest stops.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ClonePhases {
+    pub prescan_ms: f64,
+    pub prefault_ms: f64,
+    pub stop_ms: f64,
+    pub devstate_ms: f64,
+    pub scan_ms: f64,
+    pub copy_ms: f64,
 }
 
 /// Pause a clone (RAM mapped `share=off`), save its device state alone with `xen-save-devices-state` (RAM is not
 /// streamed: the base file plus the diverged pages are the RAM), and read its diverged pages. The guest stays
 /// paused; the caller continues it.
+///
+/// Before the stop, the diverged pages are counted while the guest runs and a buffer that size (plus slack for
+/// what the guest writes meanwhile) is faulted in, so the paused copy takes no page faults; the copy itself is
+/// `process_vm_readv` (ramdiff).
 pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> {
+    let pid = vm.pid();
+    let io = move |e: std::io::Error| VmError::RunDir(format!("guest RAM of QEMU {pid}"), e);
+    let mut ph = ClonePhases::default();
+    let t = Instant::now();
+    let mapping = crate::ramdiff::find_mapping(pid, &vm.spec.ram.path).map_err(io)?;
+    let expected = crate::ramdiff::diverged_pages(pid, &mapping).map_err(io)?.len();
+    ph.prescan_ms = ms(t);
+    let t = Instant::now();
+    let page = crate::ramdiff::PAGE as usize;
+    // Slack: 1/8 more and at least 8 MiB; a guest that writes more than that before the stop grows the buffer
+    // inside the pause (correct, only slower).
+    let mut data = crate::ramdiff::prefaulted((expected + expected / 8 + 2048) * page);
+    ph.prefault_ms = ms(t);
+
     let start = Instant::now();
     let r = vm.qmp.execute("stop", json!({}));
     qmp(vm, r)?;
+    ph.stop_ms = ms(start);
+    // Device state (QEMU's main thread does the work) and the pages (our threads) at once.
     let tmp = dest.with_extension("tmp");
-    let r = vm.qmp.execute("xen-save-devices-state", json!({"filename": tmp.display().to_string(), "live": false}));
-    qmp(vm, r)?;
-    let io = |e: std::io::Error| VmError::RunDir(format!("guest RAM of QEMU {}", 0), e);
-    let mapping = crate::ramdiff::find_mapping(vm.pid(), &vm.spec.ram.path).map_err(io)?;
-    let pages = crate::ramdiff::diverged_pages(vm.pid(), &mapping).map_err(io)?;
-    let mut data = Vec::with_capacity(pages.len() * crate::ramdiff::PAGE as usize);
-    crate::ramdiff::read_pages(vm.pid(), &mapping, &pages, |_, bytes| {
-        data.extend_from_slice(bytes);
-        Ok(())
-    })
-    .map_err(io)?;
-    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4);
+    let (saved, copied) = std::thread::scope(|s| {
+        let data = &mut data;
+        let pages = s.spawn(move || -> std::io::Result<(Vec<u64>, f64, f64)> {
+            let t = Instant::now();
+            let pages = crate::ramdiff::diverged_pages(pid, &mapping)?;
+            let scan = ms(t);
+            let t = Instant::now();
+            data.resize(pages.len() * page, 0);
+            crate::ramdiff::read_pages_parallel(pid, &mapping, &pages, data, threads)?;
+            Ok((pages, scan, ms(t)))
+        });
+        let t = Instant::now();
+        let r = vm.qmp.execute("xen-save-devices-state", json!({"filename": tmp.display().to_string(), "live": false}));
+        let r = qmp(vm, r);
+        ph.devstate_ms = ms(t);
+        let copied = pages.join().unwrap_or_else(|_| Err(std::io::Error::other("page copy thread panicked")));
+        (r, copied)
+    });
+    saved?;
+    let (pages, scan_ms, copy_ms) = copied.map_err(io)?;
+    ph.scan_ms = scan_ms;
+    ph.copy_ms = copy_ms;
+    let pause_ms = ms(start);
     std::fs::rename(&tmp, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
     let state_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
-    Ok(CloneMark { stats: SaveStats { pause_ms, state_bytes }, pages, data })
+    Ok(CloneMark { stats: SaveStats { pause_ms, state_bytes }, pages, data, phases: ph })
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }
 
 /// Start a child of a clone's mark: QEMU maps the base RAM file `share=off` and waits on `-incoming defer`; the

@@ -67,6 +67,26 @@ fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
     let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
     assert!(state(&ls, &ids[2]).unwrap().starts_with("lost"), "{ls}");
 
+    // A QEMU that dies under a running sandbox: the supervisor notices, records the sandbox as failed with
+    // QEMU's exit status, and ends; `kill` then finds nothing running and cleans up.
+    let run = CladeHome::at(h).run_dir().join(&ids[0]);
+    let q = Command::new("pgrep").args(["-f", &format!("qemu-system.*{}", run.display())]).output().unwrap();
+    let qpid: i32 = String::from_utf8_lossy(&q.stdout).trim().lines().next().unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(qpid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let start = std::time::Instant::now();
+    let failed = loop {
+        let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
+        let row = ls.as_array().unwrap().iter().find(|r| r["id"] == ids[0].as_str()).cloned();
+        if row.as_ref().is_some_and(|r| r["state"] == "failed") {
+            break row.unwrap();
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "QEMU killed, sandbox still {row:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let why = failed["error"].as_str().unwrap_or_default();
+    assert!(why.contains("QEMU exited") && why.contains("SIGKILL"), "{failed}");
+    assert!(!run.exists(), "the failed sandbox's run dir is left");
+
     for i in &ids {
         ok(h, &["kill", i]);
     }

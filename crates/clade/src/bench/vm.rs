@@ -228,7 +228,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         let truth = (st.diverged_bytes + st.disk_dirty_bytes) as f64;
         let growth = after.saturating_sub(before);
         ratios.push(growth as f64 / truth);
-        last = serde_json::json!({"ram_pause_ms": st.ram_pause_ms, "store_growth_bytes": growth, "mark_stored_bytes": ms_.stored_bytes, "diverged_bytes": st.diverged_bytes, "disk_dirty_bytes": st.disk_dirty_bytes});
+        last = serde_json::json!({"stats": st, "store_growth_bytes": growth, "mark_stored_bytes": ms_.stored_bytes});
+        eprintln!("bench vm: mark {i}: {}", last);
         Box::new(s).kill()?;
     }
     let p = median(&pauses);

@@ -98,16 +98,20 @@ pub fn serve_restored_then(
     ready_hook();
     let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
     let end = serve(&sup, &listener, stop);
-    let state = match end {
-        End::Suspended => SandboxState::Suspended,
-        End::Killed | End::Signal => SandboxState::Dead,
+    let (state, error) = match end {
+        End::Suspended => (SandboxState::Suspended, None),
+        End::Killed | End::Signal => (SandboxState::Dead, None),
+        End::Failed(why) => {
+            eprintln!("supervisor: sandbox {} ended on its own: {why}", sup.id);
+            (SandboxState::Failed, Some(why))
+        }
     };
     sup.procs.forget_all("the sandbox ended");
     if let Some(s) = lock(&sup.sandbox).take() {
         let _ = s.kill();
     }
     let _ = sup.engine.ledger().set_supervisor(&sup.id, None, None);
-    let _ = sup.engine.ledger().set_sandbox_state(&sup.id, state, None);
+    let _ = sup.engine.ledger().set_sandbox_state(&sup.id, state, error.as_deref());
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -151,11 +155,13 @@ pub struct Supervisor {
     sock: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum End {
     Killed,
     Suspended,
     Signal,
+    /// The sandbox ended on its own (its QEMU died): why, in the backend's and QEMU's words.
+    Failed(String),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -198,7 +204,13 @@ impl Supervisor {
     }
 
     fn ended(&self) -> Option<End> {
-        *lock(&self.end)
+        lock(&self.end).clone()
+    }
+
+    /// Whether the sandbox ended on its own; checked between requests, without waiting for one that holds it.
+    fn check_exited(&self) -> Option<String> {
+        let mut g = self.sandbox.try_lock().ok()?;
+        g.as_mut()?.exited()
     }
 
     /// Record how the sandbox ends and wake the accept loop.
@@ -216,6 +228,9 @@ fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> E
         }
         if stop.load(Ordering::Relaxed) {
             return End::Signal;
+        }
+        if let Some(why) = sup.check_exited() {
+            return End::Failed(why);
         }
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(200u16)) {
