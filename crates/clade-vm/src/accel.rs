@@ -31,7 +31,7 @@ impl Accel {
                 // costs beyond its own pages (docs/vm.md). `CLADE_TCG_TB_MIB` bounds it.
                 let tb = tb_size_mib();
                 let accel = if tb > 0 { format!("tcg,thread=multi,tb-size={tb}") } else { "tcg,thread=multi".into() };
-                vec!["-accel".into(), accel, "-cpu".into(), "max".into()]
+                vec!["-accel".into(), accel, "-cpu".into(), tcg_cpu()]
             }
         }
     }
@@ -39,7 +39,7 @@ impl Accel {
     /// recorded too); under KVM `host` is the host's CPU, named by its model string.
     pub fn cpu_model(self) -> String {
         match self {
-            Accel::Tcg => "max".into(),
+            Accel::Tcg => tcg_cpu(),
             Accel::Kvm => {
                 let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
                 let model = info
@@ -57,6 +57,12 @@ impl Accel {
             Accel::Tcg => "tcg",
         }
     }
+}
+
+/// The CPU model TCG emulates (`CLADE_TCG_CPU`, default `max`). Marks record it: a mark restores only under the
+/// model it was taken with.
+pub fn tcg_cpu() -> String {
+    std::env::var("CLADE_TCG_CPU").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "max".into())
 }
 
 /// The TCG translation cache bound in MiB (`CLADE_TCG_TB_MIB`; 0 = QEMU's default).
