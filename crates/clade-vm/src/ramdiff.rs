@@ -86,8 +86,8 @@ pub fn diverged_pages(pid: u32, m: &Mapping) -> io::Result<Vec<u64>> {
 pub fn prefaulted(bytes: usize) -> Vec<u8> {
     let mut v = vec![0u8; bytes];
     // vec! of zeros maps the shared zero page lazily; a write per page gives each its own frame now.
-    for i in (0..bytes).step_by(PAGE as usize) {
-        v[i] = std::hint::black_box(1);
+    for b in v.iter_mut().step_by(PAGE as usize) {
+        *b = std::hint::black_box(1);
     }
     v
 }

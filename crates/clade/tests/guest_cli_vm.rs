@@ -69,7 +69,7 @@ fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
 
     // A QEMU that dies under a running sandbox: the supervisor notices, records the sandbox as failed with
     // QEMU's exit status, and ends; `kill` then finds nothing running and cleans up.
-    let run = CladeHome::at(h).run_dir().join(&ids[0]);
+    let run = clade_core::CladeHome::at(h).run_dir().join(&ids[0]);
     let q = Command::new("pgrep").args(["-f", &format!("qemu-system.*{}", run.display())]).output().unwrap();
     let qpid: i32 = String::from_utf8_lossy(&q.stdout).trim().lines().next().unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(qpid), nix::sys::signal::Signal::SIGKILL).unwrap();
