@@ -18,6 +18,7 @@ mod blob;
 mod blobgc;
 mod codec;
 mod error;
+mod fileput;
 mod fsutil;
 mod hash;
 mod ids;
@@ -54,7 +55,7 @@ use std::path::Path;
 /// The block size: unit of dedup, of change tracking and of manifest addressing.
 pub const BLOCK: usize = 4096;
 
-/// Bytes read per step when storing a file.
+/// Bytes per `ManifestBuilder::write` when storing a buffer.
 const PUT_CHUNK: usize = 8 << 20;
 
 impl Store {
@@ -70,53 +71,13 @@ impl Store {
         self.put_file_rehash(path, kind)
     }
 
-    /// Store a file, always reading and hashing all of it.
+    /// Store a file, always reading and hashing all of it (its holes excepted: they are zeros).
     pub fn put_file_rehash(&self, path: &Path, kind: ImageKind) -> Result<PutReport, StoreError> {
         use error::IoCtx;
         let start = std::time::SystemTime::now();
-        let mut f = std::fs::File::open(path).ctx("open", path)?;
+        let f = std::fs::File::open(path).ctx("open", path)?;
         let md = f.metadata().ctx("stat", path)?;
-        let size = md.len();
-        let mut b = self.derive(None, size)?.kind(kind);
-        // A reader thread reads and hashes the next buffer while this one is deduplicated and stored (and a
-        // pack thread writes new frames): three stages, no thread pool spinning between them.
-        type Hashed = (Vec<u8>, Vec<Option<ObjectId>>);
-        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<std::io::Result<Hashed>>(1);
-        let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        std::thread::scope(|scope| -> Result<(), StoreError> {
-            scope.spawn(move || {
-                let mut left = size;
-                while left > 0 {
-                    let mut buf = empty_rx.try_recv().unwrap_or_default();
-                    let want = (left as usize).min(PUT_CHUNK);
-                    let r = tree::read_full(&mut f, &mut buf, want).map(|n| {
-                        buf.truncate(n);
-                        let ids = hash::hash_blocks(&buf);
-                        (buf, ids)
-                    });
-                    let stop = !matches!(&r, Ok((b, _)) if !b.is_empty());
-                    left -= r.as_ref().map(|(b, _)| b.len() as u64).unwrap_or(0);
-                    if full_tx.send(r).is_err() || stop {
-                        break;
-                    }
-                }
-            });
-            let mut off = 0u64;
-            while off < size {
-                let (buf, ids) = match full_rx.recv() {
-                    Ok(r) => r.ctx("read", path)?,
-                    Err(_) => (Vec::new(), Vec::new()),
-                };
-                if buf.is_empty() {
-                    return Err(StoreError::Invalid(format!("{} shrank while being stored; retry", path.display())));
-                }
-                b.write_hashed(off, &buf, ids)?;
-                off += buf.len() as u64;
-                let _ = empty_tx.send(buf);
-            }
-            Ok(())
-        })?;
-        let r = b.finish()?;
+        let r = fileput::put(self, &f, path, md.len(), kind)?;
         if let Some(id) = &r.id {
             statcache::record(self, path, kind, &md, start, id);
         }

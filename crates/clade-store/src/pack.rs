@@ -9,7 +9,7 @@
 //! block against the object ids in the index.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{IoSlice, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -122,6 +122,28 @@ impl PackWriter {
         self.file.write_all(stored).ctx("write", &self.tmp)?;
         self.frames.push(FrameEntry { offset: self.offset, stored_len: stored.len() as u32, raw_len, codec, objects });
         self.offset += stored.len() as u64;
+        Ok(())
+    }
+
+    /// Append a raw frame given as slices (e.g. runs of new blocks in a read buffer), with one `writev`
+    /// per call instead of a copy into a frame buffer first.
+    pub fn add_vectored(
+        &mut self,
+        mut parts: Vec<IoSlice<'_>>,
+        raw_len: u32,
+        objects: Vec<ObjectId>,
+    ) -> Result<(), StoreError> {
+        let mut s = &mut parts[..];
+        while !s.is_empty() {
+            match self.file.write_vectored(s) {
+                Ok(0) => return Err(StoreError::io("write", &self.tmp, std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => IoSlice::advance_slices(&mut s, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(StoreError::io("write", &self.tmp, e)),
+            }
+        }
+        self.frames.push(FrameEntry { offset: self.offset, stored_len: raw_len, raw_len, codec: Codec::Raw, objects });
+        self.offset += raw_len as u64;
         Ok(())
     }
 

@@ -133,19 +133,6 @@ impl Session {
     /// Store blocks (each 4 KiB, the last maybe shorter), returning their slots in order.
     pub fn put_blocks(&mut self, data: &[u8], out: &mut Vec<Slot>) -> Result<(), StoreError> {
         let hashes = hash_parallel(data);
-        self.put_hashed(data, hashes, out)
-    }
-
-    /// As [`Session::put_blocks`], with the blocks' ids (`None` = all zero) already computed.
-    pub fn put_hashed(
-        &mut self,
-        data: &[u8],
-        hashes: Vec<Option<ObjectId>>,
-        out: &mut Vec<Slot>,
-    ) -> Result<(), StoreError> {
-        if hashes.len() != data.len().div_ceil(BLOCK) {
-            return Err(StoreError::Invalid("one id per block is needed".into()));
-        }
         let found: Vec<Option<(FrameId, u16)>> = {
             let idx = self.store.read_index();
             hashes.iter().map(|h| h.and_then(|h| idx.blocks.get(&h).copied())).collect()
@@ -230,15 +217,20 @@ impl Session {
 
     /// Publish a manifest (after [`Session::flush`]).
     pub fn publish_manifest(&self, m: &Manifest) -> Result<ManifestId, StoreError> {
-        let bytes = m.encode();
-        let id = ManifestId::of(&bytes);
-        let path = self.store.manifest_path(&id);
-        if !path.exists() {
-            fsutil::write_atomic(&self.store.inner.tmp, &path, &bytes)?;
-        }
-        self.store.blob_upload(&path)?;
-        Ok(id)
+        publish_manifest(&self.store, m)
     }
+}
+
+/// Publish a manifest whose frames are all durable (and uploaded).
+pub(crate) fn publish_manifest(store: &Store, m: &Manifest) -> Result<ManifestId, StoreError> {
+    let bytes = m.encode();
+    let id = ManifestId::of(&bytes);
+    let path = store.manifest_path(&id);
+    if !path.exists() {
+        fsutil::write_atomic(&store.inner.tmp, &path, &bytes)?;
+    }
+    store.blob_upload(&path)?;
+    Ok(id)
 }
 
 enum Msg {
@@ -367,7 +359,7 @@ fn pack_loop(
 }
 
 /// Publish a pack (fsync, rename, index, blob upload), then let its frames into the shared index.
-fn publish_pack(store: &Store, pack: Option<PackWriter>) -> Result<bool, StoreError> {
+pub(crate) fn publish_pack(store: &Store, pack: Option<PackWriter>) -> Result<bool, StoreError> {
     let Some(pack) = pack else { return Ok(false) };
     if pack.is_empty() {
         pack.abandon();
@@ -412,24 +404,10 @@ impl ImageState {
     }
 
     pub fn write(&mut self, s: &mut Session, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-        self.write_maybe_hashed(s, offset, data, None)
-    }
-
-    /// Write blocks whose ids (`None` = zero block) were computed by the caller (with `hash::hash_blocks`).
-    pub fn write_maybe_hashed(
-        &mut self,
-        s: &mut Session,
-        offset: u64,
-        data: &[u8],
-        hashes: Option<Vec<Option<ObjectId>>>,
-    ) -> Result<(), StoreError> {
         self.check(offset, data.len() as u64)?;
         let mut slots = std::mem::take(&mut self.scratch);
         slots.clear();
-        match hashes {
-            Some(h) => s.put_hashed(data, h, &mut slots)?,
-            None => s.put_blocks(data, &mut slots)?,
-        }
+        s.put_blocks(data, &mut slots)?;
         let first = offset / BLOCK as u64;
         for (i, slot) in slots.iter().enumerate() {
             self.overlay.insert(first + i as u64, *slot);
@@ -560,16 +538,6 @@ impl ManifestBuilder {
     /// Write `data` at `offset` (4 KiB aligned; a multiple of 4 KiB long unless it ends the image).
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
         self.image.write(&mut self.session, offset, data)
-    }
-
-    /// Write blocks already hashed by `hash::hash_blocks` (the file reader thread does that).
-    pub(crate) fn write_hashed(
-        &mut self,
-        offset: u64,
-        data: &[u8],
-        hashes: Vec<Option<ObjectId>>,
-    ) -> Result<(), StoreError> {
-        self.image.write_maybe_hashed(&mut self.session, offset, data, Some(hashes))
     }
 
     /// Make `offset..offset+len` zeros (4 KiB aligned).

@@ -1,5 +1,5 @@
-//! store-stress: put images into a store forever (full puts, derived marks, trees), printing each
-//! published id. The crash-safety test runs it and kills it with SIGKILL at random points.
+//! store-stress: put images into a store forever (full puts of buffers and of sparse files, derived
+//! marks), printing each published id. The crash-safety test runs it and kills it with SIGKILL at random points.
 //!
 //! `store-stress STORE_DIR SEED`
 
@@ -31,7 +31,25 @@ fn main() {
                 rng.fill(p);
             }
         }
-        let r = match (round % 2, last) {
+        let r = match (round % 3, last) {
+            (2, _) => {
+                // A sparse file (zero pages are holes), stored by the parallel file path.
+                let path = std::path::PathBuf::from(format!("{}.input", args[1]));
+                let f = std::fs::File::create(&path).and_then(|f| {
+                    f.set_len(data.len() as u64)?;
+                    for (i, p) in data.chunks(BLOCK).enumerate() {
+                        if p.iter().any(|b| *b != 0) {
+                            std::os::unix::fs::FileExt::write_all_at(&f, p, (i * BLOCK) as u64)?;
+                        }
+                    }
+                    Ok(())
+                });
+                if let Err(e) = f {
+                    eprintln!("store-stress: {}: {e}", path.display());
+                    std::process::exit(1);
+                }
+                store.put_file_rehash(&path, ImageKind::Mem)
+            }
             (1, Some(base)) => {
                 let mut b = match store.derive(Some(&base), data.len() as u64) {
                     Ok(b) => b,
