@@ -285,6 +285,10 @@ pub(crate) fn put(
             a = b;
         }
     }
+    // One pending entry per new block at most: size the table once instead of rehashing as it grows.
+    let data_blocks: usize = cells.iter().flat_map(|(_, r)| r.iter().map(|(a, b)| (b - a).div_ceil(BLOCK))).sum();
+    let mut pending = IdMap::default();
+    pending.reserve(data_blocks.min(1 << 20));
     let workers =
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 8).min(cells.len().max(1));
     let sh = Shared {
@@ -298,7 +302,7 @@ pub(crate) fn put(
             failed: false,
             frames: Vec::new(),
             fmap: IdMap::default(),
-            pending: IdMap::default(),
+            pending,
             extents: Vec::new(),
             carry: Carry::default(),
             bytes_new: 0,

@@ -51,6 +51,7 @@ impl Index {
             return;
         }
         self.packs.insert(pack, frames.len());
+        self.blocks.reserve(frames.iter().map(|f| f.objects.len()).sum());
         for f in frames {
             let fid = f.id();
             if self.frames.contains_key(&fid) {

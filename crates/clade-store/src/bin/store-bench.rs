@@ -1,9 +1,13 @@
 //! store-bench: the store's figures as ratios measured side by side in one run, printed as JSON lines.
 //!
-//! `store-bench [--size-mib N] [--dir DIR] [--store-dir DIR]`: builds an N MiB (default 1024) image of
-//! guest-RAM-like pages (zero pages, binaries, text, random bytes in runs) under DIR (default /dev/shm),
-//! then measures put vs `b3sum`, a second put, a 1%-changed copy (both as a full put and as a derived
-//! mark), get vs `cp`, and compression levels. Everything it creates is deleted at the end.
+//! `store-bench [--size-mib N] [--dir DIR] [--store-dir DIR] [--reps N] [--no-zstd]`: builds an N MiB
+//! (default 1024) image of guest-RAM-like pages (zero pages, binaries, text, random bytes in runs) under DIR
+//! (default /dev/shm), then measures put vs `b3sum` (each round: b3sum, a put into a fresh store, and
+//! writing just the put's new bytes into the store's file system, for reference), a second put, a
+//! 1%-changed copy (both as a full put and as a derived mark), get vs `cp`, and compression levels.
+//! `--image FILE...` (first on the command line) uses the concatenation of real files instead, e.g. guest RAM
+//! files of clade-vm, copied with their holes. Each bar's figure carries name/value/bar/pass for `./x bench`.
+//! Everything it creates is deleted at the end.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -144,6 +148,107 @@ fn sh(cmd: &mut Command) -> Result<(), String> {
     Ok(())
 }
 
+/// The data (non-hole) ranges of a file, as `SEEK_DATA`/`SEEK_HOLE` report them.
+fn data_ranges(path: &Path) -> std::io::Result<Vec<(u64, u64)>> {
+    use rustix::fs::{seek, SeekFrom};
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < size {
+        let Ok(d) = seek(&f, SeekFrom::Data(off)) else { break };
+        let h = seek(&f, SeekFrom::Hole(d)).map_err(std::io::Error::from)?.min(size);
+        out.push((d, h));
+        off = h.max(d + 1);
+    }
+    Ok(out)
+}
+
+/// Append `src` to `out` at `at`, copying only its data ranges: holes stay holes (a guest RAM file on tmpfs is
+/// sparse where the guest never wrote, and that is what clade stores), zero pages inside data stay data.
+fn sparse_copy(src: &Path, out: &std::fs::File, at: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(src)?;
+    let size = f.metadata()?.len();
+    let mut buf = vec![0u8; 8 << 20];
+    for (a, b) in data_ranges(src)? {
+        let mut p = a;
+        while p < b {
+            let n = ((b - p) as usize).min(buf.len());
+            f.read_exact_at(&mut buf[..n], p)?;
+            out.write_all_at(&buf[..n], at + p)?;
+            p += n as u64;
+        }
+    }
+    if out.metadata()?.len() < at + size {
+        out.set_len(at + size)?;
+    }
+    Ok(size)
+}
+
+/// Punch holes back where `path` had them before (`data` = its data ranges then), without changing a byte:
+/// `b3sum` maps its input, and a read fault on a tmpfs hole allocates a zero page, so every b3sum run would
+/// make a sparse input dense for the next put.
+fn restore_holes(path: &Path, data: &[(u64, u64)]) -> std::io::Result<()> {
+    use rustix::fs::{fallocate, FallocateFlags};
+    let f = std::fs::OpenOptions::new().write(true).open(path)?;
+    let size = f.metadata()?.len();
+    let mut prev = 0;
+    for &(a, b) in data.iter().chain(std::iter::once(&(size, size))) {
+        if a > prev {
+            fallocate(&f, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, prev, a - prev)
+                .map_err(std::io::Error::from)?;
+        }
+        prev = b;
+    }
+    Ok(())
+}
+
+/// The file system a directory is on, by `statfs` magic.
+fn fs_type(dir: &Path) -> String {
+    let mut p = dir.to_path_buf();
+    while !p.exists() {
+        if !p.pop() {
+            break;
+        }
+    }
+    match rustix::fs::statfs(&p).map(|s| s.f_type as u64) {
+        Ok(0x0102_1994) => "tmpfs".into(),
+        Ok(0xEF53) => "ext4".into(),
+        Ok(0x5846_5342) => "xfs".into(),
+        Ok(0x9123_683E) => "btrfs".into(),
+        Ok(m) => format!("0x{m:x}"),
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
+/// Write `bytes` (from `src`, repeated) to a new file `path`, fsync it, remove it: what writing the new
+/// data of a put costs by itself on that file system, without reading or hashing anything.
+fn write_only(path: &Path, src: &[u8], bytes: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = (left as usize).min(src.len());
+        f.write_all(&src[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()?;
+    drop(f);
+    std::fs::remove_file(path)
+}
+
+/// A figure with its bar, in the form `./x bench` summarizes (name, value, unit, bar, pass).
+fn bar_fields(v: &mut serde_json::Value, name: &str, value: f64, unit: &str, bar: &str, pass: bool) {
+    if let Some(o) = v.as_object_mut() {
+        o.insert("name".into(), name.into());
+        o.insert("value".into(), serde_json::json!(value));
+        o.insert("unit".into(), unit.into());
+        o.insert("bar".into(), bar.into());
+        o.insert("pass".into(), pass.into());
+    }
+}
+
 /// Real guest RAM files (`--ram FILE` ..., e.g. clade-vm's tmpfs RAM files): copied (sparse) into the work
 /// dir, then stored one after another into one store per zstd level, reporting dedup and compression.
 fn real_ram(work: &Path, files: &[PathBuf]) -> Result<(), Box<dyn std::error::Error>> {
@@ -260,16 +365,22 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
         if given.is_empty() {
             return make_image(&img, size);
         }
-        let mut out = std::fs::File::create(&img)?;
+        let out = std::fs::File::create(&img)?;
+        let mut at = 0;
         for g in &given {
-            std::io::copy(&mut std::fs::File::open(g)?, &mut out)?;
+            at += sparse_copy(g, &out, at)?;
         }
         Ok(())
     });
     r?;
     let size = std::fs::metadata(&img)?.len() as usize / BLOCK * BLOCK;
-    emit(serde_json::json!({"step": "make_image", "bytes": size, "secs": t, "dir": work.display().to_string(),
-        "from": given.iter().map(|g| g.display().to_string()).collect::<Vec<_>>()}));
+    let layout = data_ranges(&img)?;
+    let data_bytes: u64 = layout.iter().map(|(a, b)| b - a).sum();
+    emit(
+        serde_json::json!({"step": "make_image", "bytes": size, "data_bytes": data_bytes, "data_extents": layout.len(),
+        "secs": t, "dir": work.display().to_string(),
+        "from": given.iter().map(|g| g.display().to_string()).collect::<Vec<_>>()}),
+    );
 
     let data_dir =
         store_dir.map(|d| d.join(format!("clade-store-bench.{}", std::process::id()))).unwrap_or(work.join("store"));
@@ -277,11 +388,14 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
 
     // Warm the page cache, then b3sum (all cores) vs put (compression off).
     sh(Command::new("cat").arg(&img).stdout(std::process::Stdio::null()))?;
-    let _ = &data_dir;
     // Alternate b3sum and a put into a fresh store, `--reps` times (default 5): the machine is shared, so
     // each figure is the median of the per-round ratios, with their spread.
     let reps: usize = arg("--reps").map(|s| s.parse()).transpose()?.unwrap_or(5).max(1);
     let (mut b3s, mut b3_cpus, mut puts, mut put_cpus, mut put_ratios) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut wos, mut wo_cpus) = (vec![], vec![]);
+    let sparse = data_bytes < size as u64;
+    let mut chunk = vec![0u8; 1 << 20];
+    rand::rngs::StdRng::seed_from_u64(3).fill(&mut chunk[..]);
     let mut r1 = None;
     for _ in 0..reps {
         let c0 = cpu();
@@ -290,6 +404,12 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
         let c1 = cpu();
         b3s.push(t);
         b3_cpus.push(c1.1 - c0.1);
+        if sparse {
+            restore_holes(&img, &layout)?;
+            if data_ranges(&img)? != layout {
+                return Err("could not restore the input's holes after b3sum".into());
+            }
+        }
         let _ = std::fs::remove_dir_all(&data_dir);
         let s = Store::open(&data_dir, cfg.clone())?;
         let c0 = cpu();
@@ -298,33 +418,51 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
         puts.push(tp);
         put_cpus.push(c1.0 - c0.0);
         put_ratios.push(t / tp);
-        r1 = Some(r?);
+        let r = r?;
+        // Reference: writing just the new bytes into the store's file system (no read, no hash).
+        let c0 = cpu();
+        let (tw, w) = secs(|| write_only(&data_dir.with_extension("write-only"), &chunk, r.bytes_new));
+        w?;
+        wos.push(tw);
+        wo_cpus.push(cpu().0 - c0.0);
+        r1 = Some(r);
     }
     let (b3, b3_cpu, t_put1, put_cpu) = (median(&b3s), median(&b3_cpus), median(&puts), median(&put_cpus));
     let r1 = r1.ok_or("no put")?;
     let store = Store::open(&data_dir, cfg)?;
     let stored1 = du(&data_dir);
-    emit(serde_json::json!({
-        "figure": "put_vs_b3sum", "bytes": size, "b3sum_secs": b3, "put_secs": t_put1,
+    let ratio = median(&put_ratios);
+    let mut v = serde_json::json!({
+        "figure": "put_vs_b3sum", "bytes": size, "data_bytes": data_bytes, "b3sum_secs": b3, "put_secs": t_put1,
         "b3sum_mb_s": size as f64 / b3 / 1e6, "put_mb_s": size as f64 / t_put1 / 1e6,
-        "ratio": median(&put_ratios), "ratio_min": min(&put_ratios), "ratio_max": max(&put_ratios), "reps": reps,
-        "bar": 0.7, "compression": "off",
+        "ratio": ratio, "ratio_min": min(&put_ratios), "ratio_max": max(&put_ratios), "reps": reps,
+        "ratios": put_ratios, "compression": "off",
         "b3sum_cpu_secs": b3_cpu, "put_cpu_secs": put_cpu, "cpu_ratio": b3_cpu / put_cpu,
+        "write_only_secs": median(&wos), "write_only_cpu_secs": median(&wo_cpus),
+        // The best ratio a put could have if it cost no more than b3sum's own pass plus writing its new bytes.
+        "floor_ratio": b3_cpu / (b3_cpu + median(&wo_cpus)),
         "bytes_new": r1.bytes_new, "bytes_zero": r1.bytes_zero, "bytes_dedup": r1.bytes_dedup,
         "manifest_bytes": r1.manifest_bytes, "store_bytes": stored1, "store_dir": data_dir.display().to_string(),
+        "store_fs": fs_type(&data_dir), "input_fs": fs_type(work),
         "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
-    }));
+    });
+    bar_fields(&mut v, "store put / b3sum (same file, zstd off)", ratio, "x", ">= 0.7x", ratio >= 0.7);
+    emit(v);
     // The stat cache only trusts files whose ctime is older than the put that read them.
     let (_, r) = secs(|| store.put_file(&img, ImageKind::Mem));
     r?;
 
     let (t_put2, r2) = secs(|| store.put_file(&img, ImageKind::Mem));
     let r2 = r2?;
-    emit(serde_json::json!({
-        "figure": "second_put", "first_secs": t_put1, "second_secs": t_put2, "ratio": t_put1 / t_put2, "bar": 5.0,
+    let growth2 = du(&data_dir) - stored1;
+    let mut v = serde_json::json!({
+        "figure": "second_put", "first_secs": t_put1, "second_secs": t_put2, "ratio": t_put1 / t_put2,
         "new_objects": r2.new_objects, "bytes_new": r2.bytes_new, "same_id": r1.id == r2.id, "unchanged_file": r2.unchanged_file,
-        "store_growth_bytes": du(&data_dir) - stored1,
-    }));
+        "store_growth_bytes": growth2,
+    });
+    let pass = t_put1 / t_put2 >= 5.0 && r2.new_objects == 0 && r1.id == r2.id;
+    bar_fields(&mut v, "store second put / first (0 new objects)", t_put1 / t_put2, "x", ">= 5x, 0 new", pass);
+    emit(v);
 
     let (t_put2r, r2r) = secs(|| store.put_file_rehash(&img, ImageKind::Mem));
     let r2r = r2r?;
@@ -342,7 +480,7 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
         v
     };
     let copy = work.join("copy.bin");
-    std::fs::copy(&img, &copy)?;
+    sparse_copy(&img, &std::fs::File::create(&copy)?, 0)?;
     let mut new_pages: Vec<Vec<u8>> = Vec::new();
     {
         let f = std::fs::OpenOptions::new().write(true).open(&copy)?;
@@ -358,11 +496,14 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
     let (t_put3, r3) = secs(|| store.put_file(&copy, ImageKind::Mem));
     let r3 = r3?;
     let grown = du(&data_dir) - before;
-    emit(serde_json::json!({
+    let g3 = grown as f64 / changed_bytes as f64;
+    let mut v = serde_json::json!({
         "figure": "one_percent_copy_put", "changed_pages": changed.len(), "changed_bytes": changed_bytes,
-        "store_growth_bytes": grown, "ratio": grown as f64 / changed_bytes as f64, "bar": 1.25,
+        "store_growth_bytes": grown, "ratio": g3,
         "bytes_new": r3.bytes_new, "manifest_bytes": r3.manifest_bytes, "secs": t_put3,
-    }));
+    });
+    bar_fields(&mut v, "store growth of a 1%-changed copy / 1%", g3, "x", "<= 1.25x", g3 <= 1.25);
+    emit(v);
 
     // The same change as a mark: base manifest + only the changed pages.
     let before = du(&data_dir);
@@ -381,7 +522,7 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
     let grown4 = du(&data_dir) - before;
     emit(serde_json::json!({
         "figure": "one_percent_mark_derive", "changed_bytes": changed_bytes, "store_growth_bytes": grown4,
-        "ratio": grown4 as f64 / changed_bytes as f64, "bar": 1.25, "secs": t_mark,
+        "ratio": grown4 as f64 / changed_bytes as f64, "bar": "<= 1.25x", "secs": t_mark,
         "bytes_new": r4.bytes_new, "manifest_bytes": r4.manifest_bytes,
         "frames_in_manifest": store.manifest(r4.id.as_ref().ok_or("no id")?)?.frames.len(),
     }));
@@ -410,12 +551,15 @@ fn bench(work: &Path, mib: usize, store_dir: Option<PathBuf>) -> Result<(), Box<
     }
     let (t_cp, t_get, cp_cpu, get_cpu) = (median(&cps), median(&gets), median(&cp_cpus), median(&get_cpus));
     let same = std::fs::read(&dest_get)? == std::fs::read(&copy)?;
-    emit(serde_json::json!({
-        "figure": "get_vs_cp", "bytes": size, "cp_secs": t_cp, "get_secs": t_get, "ratio": median(&get_ratios),
-        "ratio_min": min(&get_ratios), "ratio_max": max(&get_ratios), "reps": reps,
-        "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(), "bar": 0.8, "cp_cpu_secs": cp_cpu, "get_cpu_secs": get_cpu,
+    let gr = median(&get_ratios);
+    let mut v = serde_json::json!({
+        "figure": "get_vs_cp", "bytes": size, "cp_secs": t_cp, "get_secs": t_get, "ratio": gr,
+        "ratio_min": min(&get_ratios), "ratio_max": max(&get_ratios), "reps": reps, "ratios": get_ratios,
+        "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(), "cp_cpu_secs": cp_cpu, "get_cpu_secs": get_cpu,
         "identical": same,
-    }));
+    });
+    bar_fields(&mut v, "store get / cp (same data, local tier)", gr, "x", ">= 0.8x", gr >= 0.8 && same);
+    emit(v);
     let _ = std::fs::remove_file(&dest_cp);
     let _ = std::fs::remove_file(&dest_get);
     let _ = std::fs::remove_file(&copy);
