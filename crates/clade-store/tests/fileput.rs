@@ -94,20 +94,22 @@ fn scattered_new_pages_are_gathered_into_full_frames() {
     let d = tempfile::tempdir().unwrap();
     let s = Store::open(&d.path().join("s"), StoreConfig { compression_level: None, ..cfg() }).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    let mut data = vec![0u8; 4096 * BLOCK]; // 16 MiB
+    // 48 MiB: more cells than the workers may hold ahead of their turn.
+    let n = 12288;
+    let mut data = vec![0u8; n * BLOCK];
     rng.fill(&mut data[..]);
     let f = d.path().join("img");
     write_file(&f, &data, false);
     let r1 = check(&s, &f, &data);
-    assert_eq!(r1.new_frames, 16, "{r1:?}");
-    // 2% of pages changed at random: ~82 new pages, in a single frame, not one tiny frame per 1 MiB.
-    for _ in 0..82 {
-        let p = rng.random_range(0..4096);
+    assert_eq!(r1.new_frames, 48, "{r1:?}");
+    // 2% of pages changed at random: ~245 new pages, in a single frame, not one tiny frame per 1 MiB.
+    for _ in 0..245 {
+        let p = rng.random_range(0..n);
         rng.fill(&mut data[p * BLOCK..(p + 1) * BLOCK]);
     }
     write_file(&f, &data, false);
     let r2 = check(&s, &f, &data);
-    assert!(r2.new_objects > 70 && r2.new_frames == 1, "{r2:?}");
+    assert!(r2.new_objects > 230 && r2.new_frames == 1, "{r2:?}");
     assert!(s.fsck().unwrap().ok);
 }
 
