@@ -37,6 +37,16 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// The `q` quantile (0..=1) of `v`, nearest rank.
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}
+
 /// Least-squares slope of y over x.
 pub fn slope(x: &[f64], y: &[f64]) -> f64 {
     let n = x.len() as f64;
