@@ -179,6 +179,18 @@ impl CtSandbox {
         console_of(self.init_pid())
     }
 
+    /// The overlay's lowerdir list (agent layer, template rootfs), `:`-separated.
+    pub fn lower(&self) -> &str {
+        &self.lower
+    }
+
+    /// Drop the host's agent connection and wait until the sandbox holds no socket of the host's network
+    /// namespace, as a mark does first: the state in which an outside CRIU can dump it (the bench's peer arm).
+    /// The agent is not reconnected.
+    pub fn detach_agent(&mut self) -> Result<(), BackendError> {
+        self.drop_agent()
+    }
+
     /// Bytes charged to the sandbox's memory cgroup.
     pub fn cgroup_memory(&self) -> Option<u64> {
         self.res.cgroup.as_ref()?.memory_usage()

@@ -33,6 +33,10 @@ pub const SERVICES_DIR: &str = "/etc/clade/services.d";
 /// filesystem has them).
 pub fn copy_tree(step: &str, src: &Path, dst: &Path) -> Result<()> {
     std::fs::create_dir_all(dst).ctx("create", dst)?;
+    // A cached stage reached through a symlink (a home borrowing another's cache): copy what it points to,
+    // not the link (`cp -a` never follows it).
+    let src = std::fs::canonicalize(src).unwrap_or_else(|_| src.to_path_buf());
+    let src = src.as_path();
     let mut c = Command::new("cp");
     c.arg("-a").arg("--reflink=auto").arg("-T").arg(src).arg(dst);
     run(step, &mut c).map(|_| ())

@@ -92,6 +92,9 @@ enum Command {
     /// The vm backend's benchmark figures (run by `./x bench vm`).
     #[command(hide = true, name = "bench-vm")]
     BenchVm(bench::vm::Args),
+    /// The seeds' headline with the browser template on one backend (run by `./x bench browser`).
+    #[command(hide = true, name = "bench-browser")]
+    BenchBrowser(bench::browser::Args),
     /// E2B SDK vs library: create to first command (run by `./x bench e2b`).
     #[command(hide = true, name = "bench-e2b")]
     BenchE2b(bench::e2b::Args),
@@ -144,6 +147,7 @@ fn main() {
         Command::BenchRoam(a) => bench::roam::run(a),
         Command::BenchReport(a) => bench::report::run(a),
         Command::BenchApi(a) => bench::api::run(a),
+        Command::BenchBrowser(a) => bench::browser::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

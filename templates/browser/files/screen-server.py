@@ -7,6 +7,9 @@ GET /ready          -> {"title", "differ_fraction", "ready"}: 200 when the scree
                        desktop in more than 10% of pixels AND the page has a title, else 503.
 """
 import json
+import os
+import random
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -76,5 +79,14 @@ class Handler(BaseHTTPRequestHandler):
         sys.stderr.write("screen-server: " + fmt % args + "\n")
 
 
+def reseed(*_):
+    """Hygiene: clade-agent signals registered processes on every restore (siblings must not share RNG state)."""
+    random.seed(os.urandom(32))
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGUSR1, reseed)
+    os.makedirs("/run/clade/restore-signal.d", exist_ok=True)
+    with open(f"/run/clade/restore-signal.d/{os.getpid()}", "w") as f:
+        f.write(str(int(signal.SIGUSR1)))
     ThreadingHTTPServer(("0.0.0.0", 9000), Handler).serve_forever()

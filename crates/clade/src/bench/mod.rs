@@ -3,6 +3,7 @@
 //! its bar (issue 7) and whether it passed, computed from the samples.
 
 pub mod api;
+pub mod browser;
 pub mod e2b;
 pub mod html;
 pub mod report;

@@ -203,7 +203,7 @@ fn build_with(
         if let Some(t) = &ready {
             say(format!("  [{:>6.1} s] base: waiting for ready ({t:?})", t0.elapsed().as_secs_f64()));
             s.agent()
-                .wait_ready(t.clone(), Duration::from_secs(120))
+                .wait_ready(t.clone(), Duration::from_secs(600))
                 .map_err(|e| EngineError::Invalid(format!("ready: {e}")))?;
         }
         say(format!("  [{:>6.1} s] base: marking", t0.elapsed().as_secs_f64()));

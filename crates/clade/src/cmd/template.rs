@@ -12,7 +12,7 @@ use clap::{Subcommand, ValueEnum};
 pub enum Command {
     /// Build a template: cached rootfs, then per backend (vm: ext4 image in the store; ct: the rootfs).
     Build {
-        /// The spec file (template.toml).
+        /// The spec file (template.toml), or the directory holding it.
         spec: PathBuf,
         /// Print the record as JSON on stdout.
         #[arg(long)]
@@ -74,6 +74,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     match cmd {
         Command::Build { spec, json, backend, agent, no_agent, keep_image } => {
+            let spec = if spec.is_dir() { spec.join("template.toml") } else { spec };
             let spec = TemplateSpec::load(&spec).map_err(coded)?;
             let agent = if no_agent { None } else { agent.or_else(super::agent_binary) };
             let backends = match backend {

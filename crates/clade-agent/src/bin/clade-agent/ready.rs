@@ -41,10 +41,12 @@ fn parse_url(url: &str) -> Result<(String, String), AgentError> {
     Ok((hostport, path.to_string()))
 }
 
-fn url_ok(hostport: &str, path: &str) -> bool {
+/// A readiness URL may do real work before it answers (the browser template's takes a screenshot and compares
+/// it, seconds under TCG): the answer is awaited until the wait's own deadline, never less than 1 s.
+fn url_ok(hostport: &str, path: &str, deadline: Instant) -> bool {
     let Some(addr) = hostport.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else { return false };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1))));
     let host = hostport.rsplit_once(':').map(|h| h.0).unwrap_or(hostport);
     if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
         return false;
@@ -71,7 +73,7 @@ pub fn wait(target: &ReadyTarget, timeout_ms: u64) -> Response {
         }
         ReadyTarget::Url { url } => {
             let (hp, path) = parse_url(url)?;
-            (url.clone(), Box::new(move || url_ok(&hp, &path)))
+            (url.clone(), Box::new(move || url_ok(&hp, &path, deadline)))
         }
         ReadyTarget::File { path } => {
             let p = crate::fsops::check_path(path)?;
