@@ -6,6 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// Where CRIU looks for the inodes of inotify/fanotify watches (DESIGN.md, measured with Chromium here).
+pub const IRMAP_SCAN_PATHS: [&str; 1] = ["/usr/share/zoneinfo"];
+
 /// One dump's inputs.
 pub struct DumpSpec<'a> {
     pub criu: &'a Path,
@@ -48,10 +51,18 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
         .arg("-o")
         .arg(&spec.log)
         .args(["--external", "mnt[]", "--network-lock", "skip", "--tcp-established", "--file-locks"])
-        .args(["--ghost-limit", "64M", "--action-script"])
+        .args(["--ghost-limit", "64M"])
+        // Inotify watches (Chromium watches the time zone database) are dumped as file handles, which an
+        // overlay without nfs_export cannot open again: CRIU then finds the watched inode by scanning paths.
+        .args(IRMAP_SCAN_PATHS.iter().flat_map(|p| ["--irmap-scan-path", p]))
+        .arg("--action-script")
         .arg(&script);
     if spec.leave_running {
         cmd.arg("--leave-running");
+    }
+    if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
+        // Timestamped debug log (where a pause goes); off by default, the log is then a few lines.
+        cmd.arg("-v4");
     }
     if let Some(ino) = spec.external_net {
         cmd.arg("--external").arg(format!("net[{ino}]:{}", crate::net::EXT_KEY));

@@ -129,6 +129,7 @@ impl CtBackend {
         if cfg.ksm {
             ksm_enable();
         }
+        overcommit_for_criu();
         std::fs::create_dir_all(home.run_dir())
             .map_err(|e| BackendError::Failed(format!("create {}: {e}", home.run_dir().display())))?;
         let lazy_min = std::sync::atomic::AtomicU64::new(cfg.lazy_min_bytes.unwrap_or(u64::MAX));
@@ -231,6 +232,20 @@ fn ksm_enable() {
         std::fs::read_to_string(ksm.join("pages_to_scan")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
     if pages < 1000 {
         let _ = std::fs::write(ksm.join("pages_to_scan"), "1000");
+    }
+}
+
+/// CRIU 4.2 premaps every private mapping of a restored task writable before filling it, so a large
+/// `PROT_NONE` reservation (Chromium's V8 and PartitionAlloc reserve tens of GiB to a TiB of address space) is
+/// charged in full against the overcommit limit; the kernel's default heuristic (`vm.overcommit_memory = 0`)
+/// refuses a single such mapping larger than RAM + swap and the restore fails with `Unable to map ANON_VMA:
+/// Cannot allocate memory` (upstream CRIU issue 2364, fixed after 4.2). Mode 1 (always overcommit, what
+/// Kubernetes' kubelet sets on every node) lets it through; the memory cgroup still bounds what is really
+/// used. Strict accounting (mode 2) is an operator's choice and left alone.
+fn overcommit_for_criu() {
+    let path = Path::new("/proc/sys/vm/overcommit_memory");
+    if std::fs::read_to_string(path).map(|s| s.trim() == "0").unwrap_or(false) {
+        let _ = std::fs::write(path, "1");
     }
 }
 

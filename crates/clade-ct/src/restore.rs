@@ -56,6 +56,8 @@ pub struct CtPrepared {
     procs: std::path::PathBuf,
     kdat: std::path::PathBuf,
     fail_at: Option<FailPoint>,
+    /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
+    loopback: Option<std::fs::File>,
     prepare_took: std::time::Duration,
     phases: Vec<(&'static str, std::time::Duration)>,
 }
@@ -85,7 +87,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         });
     }
     check_compat(&mark.compat, &b.host_compat())?;
-    let egress = crate::net::mark_egress(mark)?;
+    let net = crate::net::mark_net(mark)?;
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     let lower =
         mark.manifests.get(ROLE_ROOTFS).cloned().ok_or_else(|| BackendError::Corrupt("mark names no rootfs".into()))?;
@@ -109,7 +111,8 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, img, root) =
         (res.rw().join("upper"), res.rw().join("work"), run_dir.join("img"), run_dir.join("root"));
-    b.store.get_dir(&upper_id, &upper).map_err(|e| failed(format!("lay out the upper: {e}")))?;
+    upper_for(b, &upper_id, &upper)?;
+    lap("upper", &mut phases);
     images_for(b, &img_id, &img)?;
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
@@ -120,8 +123,13 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     let procs = cg.procs_file();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
-    if egress {
-        res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
+    let mut loopback = None;
+    match net {
+        crate::net::MarkNet::Egress => {
+            res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
+        }
+        crate::net::MarkNet::Loopback => loopback = Some(crate::net::loopback_netns().map_err(failed)?),
+        crate::net::MarkNet::Saved => {}
     }
     b.check_fail(FailPoint::Network)?;
     // Lower layers named as store trees (a sandbox from another host) are mounted lazily (crate::lower).
@@ -157,6 +165,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         procs,
         kdat,
         fail_at: b.fail_at(),
+        loopback,
         prepare_took: t0.elapsed(),
         phases,
     })
@@ -195,19 +204,24 @@ impl CtPrepared {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null());
+        if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
+            cmd.arg("-v4");
+        }
         let ksm = self.ksm;
         let root2 = root.clone();
         let kdat2 = kdat.clone();
         // Egress: the fresh namespace made in prepare goes to CRIU as the mark's external one (crate::net).
+        // Loopback: the namespace made in prepare, likewise.
         let netns = match &res.net {
-            Some(net) => {
-                let f = std::fs::File::open(net.netns_path())
-                    .map_err(|e| failed(format!("open {}: {e}", net.netns_path().display())))?;
-                cmd.arg("--inherit-fd").arg(format!("fd[{}]:{}", crate::net::INHERIT_FD, crate::net::EXT_KEY));
-                Some(f)
-            }
-            None => None,
+            Some(net) => Some(
+                std::fs::File::open(net.netns_path())
+                    .map_err(|e| failed(format!("open {}: {e}", net.netns_path().display())))?,
+            ),
+            None => self.loopback.take(),
         };
+        if netns.is_some() {
+            cmd.arg("--inherit-fd").arg(format!("fd[{}]:{}", crate::net::INHERIT_FD, crate::net::EXT_KEY));
+        }
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
         // an open+write of the cgroup file, prctl, dup2) on data prepared before the fork.
@@ -227,7 +241,13 @@ impl CtPrepared {
         let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
         res.init = pid;
         if !out.success() || pid.is_none() {
-            return Err(failed(format!("criu restore failed ({out}): {}", crate::dump::log_tail(&log))));
+            let tail = crate::dump::log_tail(&log);
+            let hint = if tail.contains("Unable to map ANON_VMA: Cannot allocate memory") {
+                " (large PROT_NONE reservations are charged in full by CRIU 4.2: set vm.overcommit_memory=1)"
+            } else {
+                ""
+            };
+            return Err(failed(format!("criu restore failed ({out}): {tail}{hint}")));
         }
         lap("criu", &mut phases);
         check(FailPoint::Processes)?;
@@ -271,6 +291,41 @@ fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool, kdat: &Path)
                 0 as libc::c_ulong,
             );
         }
+    }
+    Ok(())
+}
+
+/// A mark's upper is laid out (and hash-verified) once per host under `$CLADE_HOME/cache/ct-uppers/<tree id>`,
+/// read-only; each restore gets its own copy (`cp -a`: whiteouts, `trusted.overlay.*` xattrs and owners kept),
+/// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
+/// store's read (decompress, verify, write) took 100-300 ms on this host.
+fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
+    let cache = b.home.cache_dir().join("ct-uppers").join(id.to_hex());
+    if !cache.exists() {
+        let parent = cache.parent().unwrap_or(&cache);
+        std::fs::create_dir_all(parent).map_err(|e| failed(format!("create {}: {e}", parent.display())))?;
+        let tmp = cache.with_extension(format!("tmp{}-{}", std::process::id(), dest.display().to_string().len()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        b.store.get_dir(id, &tmp).map_err(|e| failed(format!("lay out the upper: {e}")))?;
+        if std::fs::rename(&tmp, &cache).is_err() {
+            // Another restore laid it out first.
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg("-T")
+        .arg(&cache)
+        .arg(dest)
+        .output()
+        .map_err(|e| failed(format!("run cp: {e}")))?;
+    if !out.status.success() {
+        return Err(failed(format!(
+            "copy the upper {} to {}: {}",
+            cache.display(),
+            dest.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     Ok(())
 }

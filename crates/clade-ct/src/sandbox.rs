@@ -35,7 +35,7 @@ pub struct CtSandbox {
     pub(crate) dumps: u32,
     /// Time from the start call to the agent's first answer.
     pub startup: Duration,
-    /// Time since the start call at the end of each phase (restore: verified, files, criu, agent).
+    /// Time since the start call at the end of each phase (restore: verified, upper, files, criu, agent).
     pub phases: Vec<(&'static str, Duration)>,
 }
 
@@ -275,10 +275,8 @@ impl CtSandbox {
             return Err(e);
         }
         let criu = self.criu.clone();
-        let external_net = match &self.res.net {
-            Some(_) => Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?),
-            None => None,
-        };
+        // The namespace is always external (crate::net): egress or loopback, a restore brings a fresh one.
+        let external_net = Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?);
         let spec = dump::DumpSpec {
             criu: &criu,
             pid: self.init_pid(),
@@ -311,9 +309,8 @@ impl CtSandbox {
             (ROLE_ROOTFS.to_string(), self.lower.clone()),
         ]
         .into();
-        if self.res.net.is_some() {
-            manifests.insert(crate::net::ROLE_NETWORK.to_string(), crate::net::EGRESS.to_string());
-        }
+        let mode = if self.res.net.is_some() { crate::net::EGRESS } else { crate::net::LOOPBACK };
+        manifests.insert(crate::net::ROLE_NETWORK.to_string(), mode.to_string());
         Ok(MarkState {
             backend: BackendKind::Ct,
             manifests,

@@ -1,7 +1,8 @@
 #!/bin/sh
-# The blank desktop (Xvfb + openbox, before Chromium): the reference the readiness check compares against.
+# The blank desktop (Xvfb + openbox, before Chromium): the reference the readiness check compares against, a
+# copy of Xvfb's framebuffer file (XWD format, `Xvfb -fbdir`). Both live in the overlay's /tmp, not on a
+# tmpfs of the sandbox: CRIU stores a tmpfs as a gzipped tar on every mark and unpacks it on every restore.
 set -eu
-mkdir -p /run/clade-browser
-sleep 0.3
-DISPLAY=:99 import -window root /run/clade-browser/blank.tmp.png
-mv /run/clade-browser/blank.tmp.png /run/clade-browser/blank.png
+sleep 0.1
+cp /tmp/clade-browser/Xvfb_screen0 /tmp/clade-browser/blank.xwd.tmp
+mv /tmp/clade-browser/blank.xwd.tmp /tmp/clade-browser/blank.xwd

@@ -90,7 +90,7 @@ impl Peer {
         let inner = format!(
             "mount -t overlay overlay -o lowerdir={}:{},upperdir={},workdir={} {} && exec {} restore -D {} -W {} -o {} \
              --root {} --ext-mount-map auto --restore-detached --manage-cgroups=ignore --tcp-close --file-locks \
-             --network-lock skip --pidfile {}",
+             --network-lock skip --pidfile {}{}",
             self.dir.join("upper").display(),
             self.lower,
             r.join("upper").display(),
@@ -102,6 +102,7 @@ impl Peer {
             sh_quote(&log),
             sh_quote(&r.join("root")),
             sh_quote(&pidfile),
+            if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() { " -v4" } else { "" },
         );
         let t0 = Instant::now();
         let status = Command::new("unshare")
@@ -117,6 +118,9 @@ impl Peer {
         };
         if let Some(pid) = pid {
             end_tree(pid);
+        }
+        if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
+            let _ = std::fs::copy(&log, format!("/tmp/ct-bench-peer-restore-{i}.log"));
         }
         let _ = std::fs::remove_dir_all(&r);
         result
