@@ -5,12 +5,17 @@
 #   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
-#   ct     issue 8's figures on the minimal rootfs                    (crates/clade-ct/src/bin/ct-bench.rs)
+#   ct     issue 8's figures: minimal rootfs and the browser template, vs plain CRIU by hand
+#                                                                     (crates/clade-ct/src/bin/ct-bench/)
+#   browser  the seeds' headline (issue 10) with the browser template on ct, then vm (TCG: slow)
+#                                                                     (crates/clade/src/bench/browser.rs)
 #   fleet  seed 004's fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
 #   api    issue 9's: HTTP vs library exec, 32 clients on ct, restart  (crates/clade/src/bench/api.rs)
 # Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
-# Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes).
+# Default: all. --quick: fewer samples and smaller images (a CI-like check, minutes; browser on ct only).
+# `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
+# and ~1 GB of packages from the Debian mirror the first time, with a progress line per step.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 quick=0
@@ -18,11 +23,11 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct|e2b|roam|fleet|api) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|vm|ct|browser|e2b|roam|fleet|api) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, browser, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
   esac
 done
-[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct fleet roam api)
+[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct browser fleet roam api)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -38,13 +43,29 @@ run() { # name, command...
   fi
 }
 failed=()
+# The browser template built for one backend (cached after the first time); prints its record's path.
+browser_template() { # backend
+  echo "=== bench: browser template for $1 (built when missing; the first time downloads ~1 GB)" >&2
+  "$bin/clade" template build templates/browser --backend "$1" --json |
+    python3 -c 'import json, os, sys; r = json.load(sys.stdin)["record"]; print(os.path.join(os.path.dirname(r["rootfs"]), "template.json"))'
+}
 for w in "${what[@]}"; do
   case "$w" in
     store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi ;;
     nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
-    ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5; else run ct $bin/ct-bench --n 20; fi ;;
+    ct) if tpl=$(browser_template ct); then
+          if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5 --mem-counts 1,2 --mark-gap-secs 10 --browser "$tpl"
+          else run ct $bin/ct-bench --n 20 --browser "$tpl"; fi
+        else echo "=== bench ct: FAILED to build the browser template" >&2; failed+=(ct); fi ;;
+    browser) if [ $quick = 1 ]; then
+          run browser-ct $bin/clade bench-browser --backend ct --n 5 --mem-counts 1,2 --mark-gap-secs 10 --out "$out/browser-ct.json"
+        else
+          run browser-ct $bin/clade bench-browser --backend ct --n 20 --out "$out/browser-ct.json"
+          # TCG: Chromium in a guest is slow; the count is chosen to fit in about 30 minutes (docs/vm.md).
+          run browser-vm $bin/clade bench-browser --backend vm --n 5 --mem-counts 1,2,4 --cold-mem-counts 1,2 --out "$out/browser-vm.json"
+        fi ;;
     fleet) # costs from this run's vm/ct outputs or the ledger; measured on ct now when there are none
       run fleet sh -c "$bin/clade fleet simulate --figures 2>/dev/null || $bin/clade fleet simulate --measure --figures" ;;
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)

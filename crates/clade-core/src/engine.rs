@@ -372,9 +372,20 @@ impl Engine {
             }
         };
         let boot = start.elapsed();
-        provision(sandbox.as_ref())?;
-        let state = sandbox.mark(&MarkOptions { label: Some(format!("base:{}", image.name)), not_clean: false })?;
-        let mark = self.record_mark(&rec.branch, &state, &MarkOptions { label: None, not_clean: false }, true)?;
+        let marked = provision(sandbox.as_ref()).and_then(|()| {
+            let state =
+                sandbox.mark(&MarkOptions { label: Some(format!("base:{}", image.name)), not_clean: false })?;
+            self.record_mark(&rec.branch, &state, &MarkOptions { label: None, not_clean: false }, true)
+        });
+        let mark = match marked {
+            Ok(m) => m,
+            Err(e) => {
+                // The sandbox ends with the error (dropped); its record says why instead of `starting` forever.
+                let _ = sandbox.kill();
+                self.ledger().set_sandbox_state(&rec.id, SandboxState::Failed, Some(&e.to_string()))?;
+                return Err(e);
+            }
+        };
         sandbox.kill()?;
         {
             let l = self.ledger();

@@ -235,6 +235,32 @@ fn ksm_enable() {
     }
 }
 
+fn ksm_counter(name: &str) -> u64 {
+    std::fs::read_to_string(Path::new("/sys/kernel/mm/ksm").join(name))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Wait until KSM has merged what it can of the memory registered so far: at least two more full scans of
+/// every mergeable area (the first pass only checksums a page, a later one merges it), then no change of
+/// `pages_sharing` between two readings; at most `max`. Returns `pages_sharing`. For measurements (benches,
+/// tests): a sandbox's memory is shared again only after this.
+pub fn ksm_settle(max: Duration) -> u64 {
+    let t0 = Instant::now();
+    let scans = ksm_counter("full_scans");
+    let mut last = ksm_counter("pages_sharing");
+    while t0.elapsed() < max {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = ksm_counter("pages_sharing");
+        if ksm_counter("full_scans") >= scans + 2 && now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
 /// CRIU 4.2 premaps every private mapping of a restored task writable before filling it, so a large
 /// `PROT_NONE` reservation (Chromium's V8 and PartitionAlloc reserve tens of GiB to a TiB of address space) is
 /// charged in full against the overcommit limit; the kernel's default heuristic (`vm.overcommit_memory = 0`)

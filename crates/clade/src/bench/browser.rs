@@ -124,19 +124,6 @@ fn kill_all(v: Vec<Box<dyn Sandbox>>) {
     }
 }
 
-/// Wait until KSM stops merging more (ct restores are KSM-mergeable): two equal readings in a row, at most `max`.
-fn settle_ksm(max: Duration) {
-    let read = || std::fs::read_to_string("/sys/kernel/mm/ksm/pages_sharing").unwrap_or_default();
-    let t0 = Instant::now();
-    let (mut last, mut same) = (read(), 0);
-    while t0.elapsed() < max && same < 2 {
-        std::thread::sleep(Duration::from_secs(1));
-        let now = read();
-        same = if now == last { same + 1 } else { 0 };
-        last = now;
-    }
-}
-
 pub fn run(a: Args) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     let kind = a.backend;
@@ -181,6 +168,10 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
 
     // 1. Time to agent-ready, interleaved: cold, restore, cold, restore, ...
     let (mut cold, mut rest, mut rest_only, mut hyg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // One untimed start of each arm first (warm page cache, as seed 000 measured; the first restore of a mark
+    // on a host also lays its state out of the store).
+    run.cold()?.0.kill()?;
+    run.restore()?.0.kill()?;
     for i in 0..n {
         let (s, tc) = run.cold()?;
         s.kill()?;
@@ -231,7 +222,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         }
         std::thread::sleep(Duration::from_secs(3));
         if kind == BackendKind::Ct {
-            settle_ksm(Duration::from_secs(60));
+            clade_ct::ksm_settle(Duration::from_secs(120));
         }
         ys.push(pss(&sibs) as f64);
         eprintln!("bench browser ({}): {c} restored: PSS {:.0} MiB", kind.as_str(), ys[ys.len() - 1] / 1048576.0);

@@ -148,29 +148,6 @@ fn slope(x: &[f64], y: &[f64]) -> f64 {
     num / den
 }
 
-/// Wait until KSM stops merging more (two equal readings of pages_sharing), at most `max`.
-fn ksm_settle(max: Duration) -> u64 {
-    let read = || -> u64 {
-        std::fs::read_to_string("/sys/kernel/mm/ksm/pages_sharing")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    let t0 = Instant::now();
-    let mut last = read();
-    let mut same = 0;
-    while t0.elapsed() < max {
-        std::thread::sleep(Duration::from_millis(1000));
-        let now = read();
-        same = if now == last { same + 1 } else { 0 };
-        last = now;
-        if same >= 2 {
-            break;
-        }
-    }
-    last
-}
-
 /// A figure line (the fields every bench prints; `./x bench` summarises `pass`).
 fn figure(name: String, value: f64, unit: &str, bar: &str, pass: bool, samples: &[f64], detail: serde_json::Value) {
     println!(
@@ -296,6 +273,11 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
     }
     std::thread::sleep(Duration::from_secs(gap));
     let m2 = base.mark(&MarkOptions::default()).map_err(|e| e.to_string())?;
+    if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
+        for k in [1, 2] {
+            let _ = std::fs::copy(base.run_dir().join(format!("dump-{k}.log")), format!("/tmp/ct-bench-{wl}-dump-{k}.log"));
+        }
+    }
     let _ = Box::new(base).kill();
     println!(
         "{}",
@@ -335,6 +317,11 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
     // without hygiene (the peer's work).
     let (mut cold, mut rest, mut rest_only, mut hyg, mut peers) = (vec![], vec![], vec![], vec![], vec![]);
     let mut plain = Vec::new();
+    // One untimed start of each arm first, as seed 000 measured with a warm page cache: the first restore of
+    // a mark on a host also lays its images and upper out of the store (once per mark and host).
+    let _ = Box::new(b.cold(w)?.0).kill();
+    let _ = Box::new(b.restore(w, &m2)?.0).kill();
+    peer.restore(n, &w.peer_url, w.timeout)?;
     for i in 0..n {
         let (c, tc) = b.cold(w)?;
         let _ = Box::new(c).kill();
@@ -450,7 +437,7 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
         for _ in 0..k {
             rs.push(b.restore(w, &m2)?.0);
         }
-        let sharing = ksm_settle(Duration::from_secs(60));
+        let sharing = clade_ct::ksm_settle(Duration::from_secs(120));
         let (rest_pss, rest_cg) = (pss_of(&rs), cgroup_of(&rs));
         let merge_any = rs[0].pids().iter().all(|p| {
             std::fs::read_to_string(format!("/proc/{p}/ksm_stat")).unwrap_or_default().contains("merge_any: yes")
