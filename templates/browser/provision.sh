@@ -43,8 +43,6 @@ while time.monotonic() - t0 < 1800:
                 ws = [t for t in json.load(r) if t.get("type") == "page"][0]["webSocketDebuggerUrl"]
             c = CDP(ws, timeout=20)
             res = c.send("Runtime.evaluate", expression="[document.readyState, document.title, location.href, document.documentElement.outerHTML.length, navigator.userAgent].join(' | ')")
-            if "about:blank" in json.dumps(res) and time.monotonic() - t0 > 100:
-                say("EXPERIMENT: navigating again: " + json.dumps(c.send("Page.navigate", url="file:///srv/browser/page.html"))[:300])
             c.close()
             say(f"page: {json.dumps(res)[:300]}")
         except Exception as e:  # noqa: BLE001 - diagnostics only
