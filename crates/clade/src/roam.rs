@@ -24,6 +24,8 @@ use crate::ops::{check_id, conflict, invalid, not_found};
 
 /// The mark role whose value is the ct overlay's lower directories (`a:b`), not a store id.
 const ROLE_ROOTFS: &str = "rootfs";
+/// A mark's network mode (`loopback`, `egress`): a word, not stored data; it travels in the mark's record.
+const ROLE_NETWORK: &str = "network";
 
 /// What another host's ledger needs to resume the sandbox.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -109,11 +111,11 @@ fn write_owner(engine: &Engine, sbx: &str, host: &str, state: &str) -> anyhow::R
     Ok(())
 }
 
-/// Split a mark's roles into store manifests and trees (the rootfs role is neither).
+/// Split a mark's roles into store manifests and trees (the rootfs and network roles are neither).
 fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<ManifestId>, Vec<TreeId>, u64)> {
     let (mut mans, mut trees, mut bytes) = (Vec::new(), Vec::new(), 0u64);
     for (role, v) in &mark.manifests {
-        if role == ROLE_ROOTFS {
+        if role == ROLE_ROOTFS || role == ROLE_NETWORK {
             continue;
         }
         let s = v.as_str();
