@@ -88,24 +88,30 @@ HYGIENE_LOCK = threading.Lock()
 
 
 def new_context():
-    """Clear the cookies, open the page in a new browser context, close the old pages."""
+    """Clear the cookies, open the page in a new browser context, close the old pages. Under TCG with other
+    guests beside it a CDP answer can take tens of seconds: generous timeouts, and three attempts before the
+    failure is what /ready reports."""
     import time
 
     t0 = time.monotonic()
-    try:
-        c = CDP(browser_ws_url())
+    state = None
+    for attempt in range(3):
         try:
-            old = [t["targetId"] for t in c.send("Target.getTargets")["targetInfos"] if t.get("type") == "page"]
-            c.send("Storage.clearCookies")
-            ctx = c.send("Target.createBrowserContext")["browserContextId"]
-            c.send("Target.createTarget", url=PAGE, browserContextId=ctx)
-            for t in old:
-                c.send("Target.closeTarget", targetId=t)
-        finally:
-            c.close()
-        state = None
-    except Exception as e:  # noqa: BLE001 - reported by /ready
-        state = f"browser hygiene failed: {e}"
+            c = CDP(browser_ws_url(timeout=60), timeout=120)
+            try:
+                old = [t["targetId"] for t in c.send("Target.getTargets")["targetInfos"] if t.get("type") == "page"]
+                c.send("Storage.clearCookies")
+                ctx = c.send("Target.createBrowserContext")["browserContextId"]
+                c.send("Target.createTarget", url=PAGE, browserContextId=ctx)
+                for t in old:
+                    c.send("Target.closeTarget", targetId=t)
+            finally:
+                c.close()
+            state = None
+            break
+        except Exception as e:  # noqa: BLE001 - reported by /ready after the last attempt
+            state = f"browser hygiene failed (attempt {attempt + 1} of 3): {e!r}"
+            sys.stderr.write(f"screen-server: {state}\n")
     with HYGIENE_LOCK:
         HYGIENE.update(state=state, took_ms=round((time.monotonic() - t0) * 1000, 1))
 

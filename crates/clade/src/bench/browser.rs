@@ -67,8 +67,10 @@ fn pct(v: &[f64], p: f64) -> f64 {
 }
 
 fn counts(s: &str) -> anyhow::Result<Vec<usize>> {
-    let v: Vec<usize> =
-        s.split(',').map(|x| x.trim().parse().map_err(|_| anyhow!("{s:?}: comma-separated counts"))).collect::<Result<_, _>>()?;
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| x.trim().parse().map_err(|_| anyhow!("{s:?}: comma-separated counts")))
+        .collect::<Result<_, _>>()?;
     if v.is_empty() || v.contains(&0) {
         return Err(anyhow!("{s:?}: counts must be at least 1"));
     }
@@ -156,12 +158,15 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         seq: Default::default(),
     };
     let accel = match kind {
-        BackendKind::Vm => clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None)?.accel().as_str().to_string(),
+        BackendKind::Vm => {
+            clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None)?.accel().as_str().to_string()
+        }
         BackendKind::Ct => "none (namespaces)".to_string(),
     };
     let n = a.n.unwrap_or(if kind == BackendKind::Vm { 6 } else { 20 });
     let mem = counts(&a.mem_counts)?;
-    let cold_mem = counts(a.cold_mem_counts.as_deref().unwrap_or(if kind == BackendKind::Vm { "1,2" } else { &a.mem_counts }))?;
+    let cold_mem =
+        counts(a.cold_mem_counts.as_deref().unwrap_or(if kind == BackendKind::Vm { "1,2" } else { &a.mem_counts }))?;
     let mut figs = Vec::new();
     let name = |what: &str| format!("{} browser: {what}", kind.as_str());
     let ctx = serde_json::json!({"backend": kind, "accel": accel, "template": record.name, "template_hash": record.hash, "base": mark.id});
@@ -194,24 +199,30 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let (c50, r50, c95, r95) = (median(&cold), median(&rest), pct(&cold, 0.95), pct(&rest, 0.95));
     let detail = serde_json::json!({"ctx": ctx, "n": n, "cold_ms": cold, "restore_hygiene_ms": rest, "restore_only_ms": rest_only,
         "hygiene_ms": hyg, "cold_p50_ms": c50, "cold_p95_ms": c95, "restore_p50_ms": r50, "restore_p95_ms": r95});
-    emit(&mut figs, Figure {
-        name: name("restore with hygiene p50 / cold p50, to agent-ready (screenshot + title)"),
-        value: r50 / c50,
-        unit: "x".into(),
-        bar: "<= 0.5x (seeds' floor; seed 000 measured 0.57x)".into(),
-        pass: r50 / c50 <= 0.5,
-        samples: rest.clone(),
-        detail: detail.clone(),
-    });
-    emit(&mut figs, Figure {
-        name: name("restore with hygiene p95 vs cold p95"),
-        value: r95,
-        unit: "ms".into(),
-        bar: format!("<= cold p95 ({c95:.0} ms)"),
-        pass: r95 <= c95,
-        samples: rest.clone(),
-        detail: serde_json::json!({"ctx": ctx, "cold_p95_ms": c95, "cold_ms": cold}),
-    });
+    emit(
+        &mut figs,
+        Figure {
+            name: name("restore with hygiene p50 / cold p50, to agent-ready (screenshot + title)"),
+            value: r50 / c50,
+            unit: "x".into(),
+            bar: "<= 0.5x (seeds' floor; seed 000 measured 0.57x)".into(),
+            pass: r50 / c50 <= 0.5,
+            samples: rest.clone(),
+            detail: detail.clone(),
+        },
+    );
+    emit(
+        &mut figs,
+        Figure {
+            name: name("restore with hygiene p95 vs cold p95"),
+            value: r95,
+            unit: "ms".into(),
+            bar: format!("<= cold p95 ({c95:.0} ms)"),
+            pass: r95 <= c95,
+            samples: rest.clone(),
+            detail: serde_json::json!({"ctx": ctx, "cold_p95_ms": c95, "cold_ms": cold}),
+        },
+    );
 
     // 2. Memory per added sandbox: restored siblings (slope over `mem`) against cold sandboxes (over `cold_mem`).
     let mut ys = Vec::new();
@@ -244,16 +255,19 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     // One count only: the per-sandbox average stands in for the slope.
     let per = |x: &[f64], y: &[f64]| if x.len() >= 2 { slope(x, y) } else { y[0] / x[0] };
     let (rs, cs) = (per(&xs, &ys), per(&cxs, &cys));
-    emit(&mut figs, Figure {
-        name: name("host memory per added restored sibling / per added cold sandbox (PSS slope)"),
-        value: rs / cs,
-        unit: "x".into(),
-        bar: "<= 1.0x (seed 000: 1.038x)".into(),
-        pass: rs / cs <= 1.0,
-        samples: ys.clone(),
-        detail: serde_json::json!({"ctx": ctx, "restored_counts": xs, "restored_sum_pss_bytes": ys, "cold_counts": cxs,
+    emit(
+        &mut figs,
+        Figure {
+            name: name("host memory per added restored sibling / per added cold sandbox (PSS slope)"),
+            value: rs / cs,
+            unit: "x".into(),
+            bar: "<= 1.0x (seed 000: 1.038x)".into(),
+            pass: rs / cs <= 1.0,
+            samples: ys.clone(),
+            detail: serde_json::json!({"ctx": ctx, "restored_counts": xs, "restored_sum_pss_bytes": ys, "cold_counts": cxs,
             "cold_sum_pss_bytes": cys, "restored_mib_per_sibling": rs / 1048576.0, "cold_mib_per_sandbox": cs / 1048576.0}),
-    });
+        },
+    );
 
     // 3. Mark pause and storage: a restored, agent-ready sandbox marked twice, `mark_gap_secs` apart.
     let (mut s, ..) = run.restore()?;
@@ -263,27 +277,33 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let m2 = s.mark(&MarkOptions::default()).context("second mark")?;
     s.kill()?;
     let pause = ms(m1.pause).max(ms(m2.pause));
-    emit(&mut figs, Figure {
-        name: name("mark pause of an agent-ready sandbox (worse of two marks)"),
-        value: pause,
-        unit: "ms".into(),
-        bar: "<= 200 ms (seed 000's dump: 810 ms)".into(),
-        pass: pause <= 200.0,
-        samples: vec![ms(m1.pause), ms(m2.pause)],
-        detail: serde_json::json!({"ctx": ctx, "logical_bytes": [m1.logical_bytes, m2.logical_bytes]}),
-    });
+    emit(
+        &mut figs,
+        Figure {
+            name: name("mark pause of an agent-ready sandbox (worse of two marks)"),
+            value: pause,
+            unit: "ms".into(),
+            bar: "<= 200 ms (seed 000's dump: 810 ms)".into(),
+            pass: pause <= 200.0,
+            samples: vec![ms(m1.pause), ms(m2.pause)],
+            detail: serde_json::json!({"ctx": ctx, "logical_bytes": [m1.logical_bytes, m2.logical_bytes]}),
+        },
+    );
     let ratio = m2.stored_bytes as f64 / m1.stored_bytes.max(1) as f64;
-    emit(&mut figs, Figure {
-        name: name(&format!("storage of a second mark {} s later / the first", a.mark_gap_secs)),
-        value: ratio,
-        unit: "ratio".into(),
-        bar: "<= 0.25".into(),
-        pass: ratio <= 0.25,
-        samples: vec![m1.stored_bytes as f64, m2.stored_bytes as f64],
-        detail: serde_json::json!({"ctx": ctx, "first_stored_bytes": m1.stored_bytes, "second_stored_bytes": m2.stored_bytes,
+    emit(
+        &mut figs,
+        Figure {
+            name: name(&format!("storage of a second mark {} s later / the first", a.mark_gap_secs)),
+            value: ratio,
+            unit: "ratio".into(),
+            bar: "<= 0.25".into(),
+            pass: ratio <= 0.25,
+            samples: vec![m1.stored_bytes as f64, m2.stored_bytes as f64],
+            detail: serde_json::json!({"ctx": ctx, "first_stored_bytes": m1.stored_bytes, "second_stored_bytes": m2.stored_bytes,
             "first_logical_bytes": m1.logical_bytes, "second_logical_bytes": m2.logical_bytes,
             "note": "the store already holds the base mark: the first mark of a restored sibling is stored against it"}),
-    });
+        },
+    );
 
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("bench/out/browser-{}.json", kind.as_str())));
     if let Some(dir) = out.parent() {

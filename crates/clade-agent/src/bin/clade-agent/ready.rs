@@ -42,34 +42,54 @@ fn parse_url(url: &str) -> Result<(String, String), AgentError> {
 }
 
 /// A readiness URL may do real work before it answers (the browser template's takes a screenshot and compares
-/// it, seconds under TCG): the answer is awaited until the wait's own deadline, never less than 1 s.
-fn url_ok(hostport: &str, path: &str, deadline: Instant) -> bool {
-    let Some(addr) = hostport.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else { return false };
+/// it, seconds under TCG): the answer is awaited until the wait's own deadline, never less than 1 s. Not ready:
+/// what it answered (status line and the start of the body), for the timeout's message.
+fn url_ok(hostport: &str, path: &str, deadline: Instant) -> Result<(), String> {
+    let addr = hostport
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| format!("{hostport} does not resolve"))?;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).map_err(|e| format!("connect: {e}"))?;
     let _ = s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1))));
     let host = hostport.rsplit_once(':').map(|h| h.0).unwrap_or(hostport);
-    if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
-        return false;
-    }
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
     let mut head = [0u8; 16];
     let mut got = 0;
     while got < 12 {
         match s.read(&mut head[got..]) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
+            Err(e) => return Err(format!("read: {e}")),
             Ok(n) => got += n,
         }
     }
-    let line = String::from_utf8_lossy(&head[..got]);
-    line.starts_with("HTTP/") && line.split_whitespace().nth(1).is_some_and(|c| c.starts_with('2') && c.len() == 3)
+    let line = String::from_utf8_lossy(&head[..got]).into_owned();
+    if line.starts_with("HTTP/") && line.split_whitespace().nth(1).is_some_and(|c| c.starts_with('2') && c.len() == 3) {
+        return Ok(());
+    }
+    // Only on failure: the rest of a short answer, so the error says why (e.g. the template's reason).
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut rest = Vec::with_capacity(512);
+    let _ = s.take(512).read_to_end(&mut rest);
+    let text = format!("{line}{}", String::from_utf8_lossy(&rest));
+    let body = text.split_once("\r\n\r\n").map(|(h, b)| (h.lines().next().unwrap_or(""), b));
+    Err(match body {
+        Some((status, b)) => format!("{status}: {}", b.trim().chars().take(300).collect::<String>()),
+        None => text.lines().next().unwrap_or("no answer").chars().take(300).collect(),
+    })
 }
 
 pub fn wait(target: &ReadyTarget, timeout_ms: u64) -> Response {
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_millis(timeout_ms);
-    let (what, check): (String, Box<dyn Fn() -> bool>) = match target {
+    let (what, check): (String, Box<dyn Fn() -> Result<(), String>>) = match target {
         ReadyTarget::Port { port } => {
             let p = *port;
-            (format!("tcp port {p}"), Box::new(move || port_listens(p)))
+            (
+                format!("tcp port {p}"),
+                Box::new(move || if port_listens(p) { Ok(()) } else { Err("not listening".into()) }),
+            )
         }
         ReadyTarget::Url { url } => {
             let (hp, path) = parse_url(url)?;
@@ -77,14 +97,17 @@ pub fn wait(target: &ReadyTarget, timeout_ms: u64) -> Response {
         }
         ReadyTarget::File { path } => {
             let p = crate::fsops::check_path(path)?;
-            (path.clone(), Box::new(move || p.exists()))
+            (path.clone(), Box::new(move || if p.exists() { Ok(()) } else { Err("does not exist".into()) }))
         }
     };
     loop {
-        if check() {
-            return Ok(Reply::Ready { waited_ms: t0.elapsed().as_millis() as u64 });
-        }
+        let last = match check() {
+            Ok(()) => return Ok(Reply::Ready { waited_ms: t0.elapsed().as_millis() as u64 }),
+            Err(e) => e,
+        };
         if Instant::now() >= deadline {
+            let what =
+                if matches!(target, ReadyTarget::Url { .. }) { format!("{what} (last answer: {last})") } else { what };
             return Err(AgentError::Timeout { what, waited_ms: t0.elapsed().as_millis() as u64 });
         }
         std::thread::sleep(POLL);
@@ -101,5 +124,23 @@ mod tests {
         assert_eq!(parse_url("http://h").unwrap(), ("h:80".into(), "/".into()));
         assert!(parse_url("https://h").is_err());
         assert!(parse_url("http:///x").is_err());
+    }
+
+    #[test]
+    fn a_url_timeout_says_what_the_url_answered() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { break };
+                let mut buf = [0u8; 1024];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 27\r\n\r\n{\"hygiene\": \"pending\", \"x\":1}");
+            }
+        });
+        let err = wait(&ReadyTarget::Url { url: format!("http://127.0.0.1:{port}/ready") }, 150).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("not ready after"), "{msg}");
+        assert!(msg.contains("last answer: HTTP/1.0 503 Service Unavailable: {\"hygiene\": \"pending\""), "{msg}");
     }
 }

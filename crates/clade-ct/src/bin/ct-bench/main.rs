@@ -94,7 +94,9 @@ impl Bench {
     fn restore_plain(&self, w: &Workload, mark: &MarkState) -> Result<(CtSandbox, Duration), String> {
         let t0 = Instant::now();
         let sb = self.backend.restore_ct(mark, &self.ident("n")).map_err(|e| e.to_string())?;
-        sb.agent().wait_ready(w.ready.clone(), w.timeout).map_err(|e| format!("{} restore: agent-ready: {e}", w.name))?;
+        sb.agent()
+            .wait_ready(w.ready.clone(), w.timeout)
+            .map_err(|e| format!("{} restore: agent-ready: {e}", w.name))?;
         Ok((sb, t0.elapsed()))
     }
 
@@ -108,7 +110,9 @@ impl Bench {
         if !h.errors.is_empty() {
             eprintln!("ct-bench: {}: hygiene reported {:?}", w.name, h.errors);
         }
-        sb.agent().wait_ready(w.ready.clone(), w.timeout).map_err(|e| format!("{} restore: agent-ready: {e}", w.name))?;
+        sb.agent()
+            .wait_ready(w.ready.clone(), w.timeout)
+            .map_err(|e| format!("{} restore: agent-ready: {e}", w.name))?;
         if std::env::var_os("CT_BENCH_PHASES").is_some() {
             let p: Vec<(String, f64)> = sb.phases.iter().map(|(k, d)| (k.to_string(), ms(*d))).collect();
             eprintln!("{}", json!({"phases": p, "hygiene_ms": ms(h.took), "scripts": h.on_restore_scripts}));
@@ -176,7 +180,8 @@ fn browser_workload(path: &str) -> Result<Workload, String> {
     if p.is_dir() {
         p = p.join("template.json");
     }
-    let text = std::fs::read_to_string(&p).map_err(|e| format!("--browser {}: {e} (build templates/browser first)", p.display()))?;
+    let text = std::fs::read_to_string(&p)
+        .map_err(|e| format!("--browser {}: {e} (build templates/browser first)", p.display()))?;
     let r: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
     let url = r["ready"]["url"]
         .as_str()
@@ -275,7 +280,8 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
     let m2 = base.mark(&MarkOptions::default()).map_err(|e| e.to_string())?;
     if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
         for k in [1, 2] {
-            let _ = std::fs::copy(base.run_dir().join(format!("dump-{k}.log")), format!("/tmp/ct-bench-{wl}-dump-{k}.log"));
+            let _ =
+                std::fs::copy(base.run_dir().join(format!("dump-{k}.log")), format!("/tmp/ct-bench-{wl}-dump-{k}.log"));
         }
     }
     let _ = Box::new(base).kill();
@@ -443,7 +449,12 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
             std::fs::read_to_string(format!("/proc/{p}/ksm_stat")).unwrap_or_default().contains("merge_any: yes")
         });
         if control.len() == 2 {
-            audit = Some(clade_ct::audit_with_control(&rs[0].pids(), &rs[1].pids(), &control[0].pids(), &control[1].pids()));
+            audit = Some(clade_ct::audit_with_control(
+                &rs[0].pids(),
+                &rs[1].pids(),
+                &control[0].pids(),
+                &control[1].pids(),
+            ));
         }
         println!(
             "{}",

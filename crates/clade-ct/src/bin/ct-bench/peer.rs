@@ -76,7 +76,14 @@ impl Peer {
         if !out.status.success() || !upper.exists() {
             return Err(format!("peer: criu dump failed ({}): {}", out.status, clade_ct::dump::log_tail(&log)));
         }
-        Ok(Peer { image_bytes: dir_bytes(&img), dir, shm, criu: criu.to_path_buf(), lower: sb.lower().to_string(), dump_ms })
+        Ok(Peer {
+            image_bytes: dir_bytes(&img),
+            dir,
+            shm,
+            criu: criu.to_path_buf(),
+            lower: sb.lower().to_string(),
+            dump_ms,
+        })
     }
 
     /// One restore by hand, timed from the script's start to agent-ready; the restored tree is then killed.
@@ -148,7 +155,8 @@ fn end_tree(pid: i32) {
 /// GET `url` every 10 ms from a thread that joined the sandbox's network namespace, until it answers 2xx.
 fn poll_in_netns(pid: i32, url: &str, deadline: Instant) -> Result<(), String> {
     let rest = url.strip_prefix("http://").ok_or_else(|| format!("{url}: only http:// URLs"))?;
-    let (hostport, path) = rest.split_once('/').map(|(h, p)| (h.to_string(), format!("/{p}"))).unwrap_or((rest.into(), "/".into()));
+    let (hostport, path) =
+        rest.split_once('/').map(|(h, p)| (h.to_string(), format!("/{p}"))).unwrap_or((rest.into(), "/".into()));
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| format!("open netns of {pid}: {e}"))?;
     let url = url.to_string();
     std::thread::spawn(move || -> Result<(), String> {
