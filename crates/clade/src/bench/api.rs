@@ -175,7 +175,10 @@ fn classify(r: &anyhow::Result<(u16, Vec<u8>)>, took: Duration) -> (Outcome, Str
         Ok((s, body)) => {
             let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
             let msg = format!("{s} {}", String::from_utf8_lossy(body));
-            if (400..500).contains(s) && v["error"]["code"].is_string() {
+            // A JSON 4xx, or the daemon's 503 `stopping` (an operation its shutdown cancelled before it began).
+            if ((400..500).contains(s) && v["error"]["code"].is_string())
+                || (*s == 503 && v["error"]["code"] == "stopping")
+            {
                 (Outcome::Refused, msg)
             } else {
                 (Outcome::Unclean, msg)
@@ -573,7 +576,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             name: "api restart under load: requests that failed uncleanly (5xx, hang, malformed)".into(),
             value: unclean as f64,
             unit: "count".into(),
-            bar: "0 (clean: connection closed or refused, or a JSON 4xx)".into(),
+            bar: "0 (clean: connection closed or refused, a JSON 4xx, or 503 `stopping`: not started, nothing done)"
+                .into(),
             pass: unclean == 0 && stats.unclean.is_empty(),
             samples: vec![],
             detail: serde_json::json!({"failed": failed, "outcomes": outcomes, "unclean": stats.unclean}),

@@ -52,6 +52,15 @@ impl From<anyhow::Error> for ApiError {
 
 impl From<tokio::task::JoinError> for ApiError {
     fn from(e: tokio::task::JoinError) -> Self {
+        if e.is_cancelled() {
+            // A blocking operation is cancelled only before it started, by the daemon's shutdown: nothing was
+            // done, and the request may be sent again to the next daemon (503 is HTTP's "retry later").
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "stopping",
+                "the daemon is stopping and did not start this operation; nothing was done: send it again",
+            );
+        }
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the operation's thread failed: {e}"))
     }
 }
@@ -108,5 +117,21 @@ mod tests {
         assert_eq!(refused(Resource::Disk).status, StatusCode::INSUFFICIENT_STORAGE);
         let coded = anyhow::anyhow!(crate::admit::Refused { resource: Resource::Cpu, message: "cpu".into() });
         assert_eq!(crate::cmd::exit_code(&coded), 5);
+    }
+
+    #[test]
+    fn a_cancelled_operation_is_503_stopping_and_a_panic_500() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let (cancelled, panicked) = rt.block_on(async {
+            let pending = tokio::spawn(async { tokio::time::sleep(std::time::Duration::from_secs(60)).await });
+            pending.abort();
+            let panics = tokio::spawn(async { panic!("boom") });
+            (pending.await.unwrap_err(), panics.await.unwrap_err())
+        });
+        let c = ApiError::from(cancelled);
+        assert_eq!((c.status, c.code), (StatusCode::SERVICE_UNAVAILABLE, "stopping"));
+        assert!(c.message.contains("nothing was done"), "{}", c.message);
+        let p = ApiError::from(panicked);
+        assert_eq!((p.status, p.code), (StatusCode::INTERNAL_SERVER_ERROR, "internal"));
     }
 }
