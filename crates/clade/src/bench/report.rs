@@ -26,35 +26,50 @@ pub struct Args {
 pub enum Bar {
     AtMost(f64),
     AtLeast(f64),
+    /// A count that must be exactly this (`0`, `0 (clean: ...)`, `= running after the restart (5)`), or a
+    /// check whose value is 1 when it passed (`pass: ...` with unit `pass`).
+    Exactly(f64),
 }
 
 impl Bar {
-    /// `<= 1.5`, `>= 20`, `at most 2x ...`, `at least 0.7`; anything else has no bar (a reported figure).
+    /// `<= 1.5`, `>= 20`, `at most 2x ...`, `at least 0.7`; `0 ...` or `= N` or `= words (N)` (exactly N);
+    /// `pass...` (exactly 1: a check); anything else has no bar (a reported figure).
     pub fn parse(text: &str) -> Option<Bar> {
         let t = text.trim();
-        let (rest, at_most) = if let Some(r) = t.strip_prefix("<=").or_else(|| t.strip_prefix("at most")) {
-            (r, true)
-        } else if let Some(r) = t.strip_prefix(">=").or_else(|| t.strip_prefix("at least")) {
-            (r, false)
-        } else {
-            return None;
+        let number = |r: &str| -> Option<f64> {
+            let num: String =
+                r.trim_start().chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == '-').collect();
+            num.parse().ok()
         };
-        let num: String =
-            rest.trim_start().chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == '-').collect();
-        let v: f64 = num.parse().ok()?;
-        Some(if at_most { Bar::AtMost(v) } else { Bar::AtLeast(v) })
+        if let Some(r) = t.strip_prefix("<=").or_else(|| t.strip_prefix("at most")) {
+            return number(r).map(Bar::AtMost);
+        }
+        if let Some(r) = t.strip_prefix(">=").or_else(|| t.strip_prefix("at least")) {
+            return number(r).map(Bar::AtLeast);
+        }
+        if let Some(r) = t.strip_prefix('=') {
+            // `= 5`, or the first number in parentheses of `= running after the restart (5)`.
+            return number(r).or_else(|| r.split_once('(').and_then(|(_, n)| number(n))).map(Bar::Exactly);
+        }
+        if t.starts_with("pass") {
+            return Some(Bar::Exactly(1.0));
+        }
+        // A bare count: `0`, `0 (clean: ...)`.
+        let first = t.split_whitespace().next().unwrap_or("");
+        first.parse::<f64>().ok().map(Bar::Exactly)
     }
 
     pub fn passes(&self, value: f64) -> bool {
         match *self {
             Bar::AtMost(l) => value <= l,
             Bar::AtLeast(l) => value >= l,
+            Bar::Exactly(l) => (value - l).abs() < 1e-9,
         }
     }
 
     pub fn limit(&self) -> f64 {
         match *self {
-            Bar::AtMost(l) | Bar::AtLeast(l) => l,
+            Bar::AtMost(l) | Bar::AtLeast(l) | Bar::Exactly(l) => l,
         }
     }
 }
@@ -241,6 +256,11 @@ mod tests {
         assert_eq!(Bar::parse(">= 20"), Some(Bar::AtLeast(20.0)));
         assert_eq!(Bar::parse("at most 2x clade's library call"), Some(Bar::AtMost(2.0)));
         assert_eq!(Bar::parse("reported"), None);
+        assert_eq!(Bar::parse("0"), Some(Bar::Exactly(0.0)));
+        assert_eq!(Bar::parse("0 (clean: connection closed or refused)"), Some(Bar::Exactly(0.0)));
+        assert_eq!(Bar::parse("= running after the restart (5)"), Some(Bar::Exactly(5.0)));
+        assert_eq!(Bar::parse("pass: nothing writable shared"), Some(Bar::Exactly(1.0)));
+        assert!(Bar::Exactly(0.0).passes(0.0) && !Bar::Exactly(0.0).passes(1.0));
         assert!(Bar::AtMost(1.0).passes(1.0) && !Bar::AtMost(1.0).passes(1.01));
         assert!(Bar::AtLeast(0.7).passes(0.9) && !Bar::AtLeast(0.7).passes(0.5));
     }
