@@ -258,9 +258,38 @@ fn plot(r: &Row) -> Option<String> {
             (!x.is_empty() && !series.is_empty())
                 .then(|| xy_svg(&x, &series, p["xlabel"].as_str().unwrap_or(""), p["ylabel"].as_str().unwrap_or("")))
         }
+        _ if inferred(r, limit).is_some() => inferred(r, limit),
         _ if r.samples.len() >= 2 => Some(arms_svg(&[("samples".into(), r.samples.clone())], &r.unit, limit)),
         _ => limit.map(|l| arms_svg(&[("value".into(), vec![r.value])], &r.unit, Some(l))),
     }
+}
+
+/// A plot read off the detail of a figure that names none, from the shapes the benches already record:
+/// a memory curve (`counts` or `restored_counts` with `*pss*_bytes` series of the same length, drawn in MiB)
+/// or the latency distributions of two or more arms (`<arm>_ms` arrays: cold, restore, fork, peer, ...).
+fn inferred(r: &Row, limit: Option<f64>) -> Option<String> {
+    let d = r.detail.as_object()?;
+    let xkey = ["counts", "restored_counts"].into_iter().find(|k| d.get(*k).is_some_and(|v| floats(v).len() >= 2));
+    if let Some(xk) = xkey {
+        let x = floats(&d[xk]);
+        let series: Vec<(String, Vec<f64>)> = d
+            .iter()
+            .filter(|(k, v)| k.contains("pss") && k.ends_with("_bytes") && floats(v).len() == x.len())
+            .map(|(k, v)| {
+                let name = k.trim_end_matches("_bytes").replace("_sum_pss", "").replace("sum_pss", "sandboxes");
+                (name, floats(v).iter().map(|b| b / 1048576.0).collect())
+            })
+            .collect();
+        if !series.is_empty() {
+            return Some(xy_svg(&x, &series, "sandboxes side by side", "summed PSS (MiB)"));
+        }
+    }
+    let arms: Vec<(String, Vec<f64>)> = d
+        .iter()
+        .filter(|(k, v)| k.ends_with("_ms") && floats(v).len() >= 2)
+        .map(|(k, v)| (k.trim_end_matches("_ms").to_string(), floats(v)))
+        .collect();
+    (arms.len() >= 2).then(|| arms_svg(&arms, "ms", if r.unit == "ms" { limit } else { None }))
 }
 
 fn verdict(r: &Row) -> &'static str {
@@ -408,5 +437,30 @@ mod tests {
         assert!(h.contains("1 PASS") && h.contains("1 FAIL") && h.contains("1 reported"));
         assert!(h.contains("<polyline") && h.contains("bar 2"));
         assert!(!h.contains("<script"), "self-contained and static");
+    }
+
+    #[test]
+    fn plots_are_inferred_from_recorded_arms_and_memory_curves() {
+        let lat = row(
+            "restore / cold",
+            "<= 0.33x",
+            0.6,
+            vec![5.0, 6.0],
+            serde_json::json!({"cold_ms": [10.0, 12.0], "restore_hygiene_ms": [5.0, 6.0], "n": 2}),
+        );
+        let svg = plot(&lat).expect("an arms plot");
+        assert!(svg.contains("cold") && svg.contains("restore_hygiene"), "{svg}");
+        let mem = row(
+            "memory slope",
+            "<= 1.0x",
+            0.3,
+            vec![],
+            serde_json::json!({"counts": [1.0, 4.0, 8.0], "cold_sum_pss_bytes": [1048576.0, 4194304.0, 8388608.0],
+                "restored_sum_pss_bytes": [1048576.0, 2097152.0, 3145728.0], "slope": 1.0}),
+        );
+        let svg = plot(&mem).expect("an xy plot");
+        assert!(svg.contains("<polyline") && svg.contains("restored") && svg.contains("cold"), "{svg}");
+        let single = row("one arm", "<= 2", 1.0, vec![], serde_json::json!({"cold_ms": [1.0, 2.0]}));
+        assert!(!plot(&single).unwrap_or_default().contains("cold"), "one arm is not a comparison");
     }
 }

@@ -41,15 +41,16 @@ impl Bar {
                 r.trim_start().chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == '-').collect();
             num.parse().ok()
         };
+        // `<= 5`, or the first number in parentheses of `<= cold p95 (1322 ms)` / `= running after (5)`.
+        let limit = |r: &str| number(r).or_else(|| r.split_once('(').and_then(|(_, n)| number(n)));
         if let Some(r) = t.strip_prefix("<=").or_else(|| t.strip_prefix("at most")) {
-            return number(r).map(Bar::AtMost);
+            return limit(r).map(Bar::AtMost);
         }
         if let Some(r) = t.strip_prefix(">=").or_else(|| t.strip_prefix("at least")) {
-            return number(r).map(Bar::AtLeast);
+            return limit(r).map(Bar::AtLeast);
         }
         if let Some(r) = t.strip_prefix('=') {
-            // `= 5`, or the first number in parentheses of `= running after the restart (5)`.
-            return number(r).or_else(|| r.split_once('(').and_then(|(_, n)| number(n))).map(Bar::Exactly);
+            return limit(r).map(Bar::Exactly);
         }
         if t.starts_with("pass") {
             return Some(Bar::Exactly(1.0));
@@ -257,6 +258,7 @@ mod tests {
         assert_eq!(Bar::parse("at most 2x clade's library call"), Some(Bar::AtMost(2.0)));
         assert_eq!(Bar::parse("reported"), None);
         assert_eq!(Bar::parse("0"), Some(Bar::Exactly(0.0)));
+        assert_eq!(Bar::parse("<= cold p95 (1322 ms)"), Some(Bar::AtMost(1322.0)));
         assert_eq!(Bar::parse("0 (clean: connection closed or refused)"), Some(Bar::Exactly(0.0)));
         assert_eq!(Bar::parse("= running after the restart (5)"), Some(Bar::Exactly(5.0)));
         assert_eq!(Bar::parse("pass: nothing writable shared"), Some(Bar::Exactly(1.0)));
