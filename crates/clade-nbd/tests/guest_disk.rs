@@ -30,12 +30,14 @@ echo "NEW=$(cat /mnt/new.txt)"
 echo "MD5=$(md5sum /mnt/blob | cut -d' ' -f1)"
 umount /mnt
 "#;
+// Rewrites 40 files of 512 KiB in a loop: 20 MiB live on the 64 MiB disk, so it never runs out of space
+// (with 101 files it filled the disk and the guest sometimes ended before the test could stop it).
 const CHURN: &str = r#"
 echo WRITING
 i=0
 while true; do
   dd if=/dev/urandom of=/mnt/f$i bs=64k count=8 2>/dev/null
-  i=$((i+1)); [ $i -gt 100 ] && i=0 && sync
+  i=$((i+1)); [ $i -ge 40 ] && i=0 && sync
 done
 "#;
 
@@ -50,6 +52,11 @@ fn ext4_image(dir: &Path) -> std::path::PathBuf {
     assert!(ok, "mkfs.ext4: {out}");
     img
 }
+
+/// One guest at a time: with both tests' TCG guests running side by side on this 2-core host, the churning
+/// guest now and then reset itself silently (QEMU exit 0, nothing on the console, 2026-12-03: about 1 run
+/// in 4; never in 24 runs alone). Not understood; the property under test does not need the parallelism.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)> {
     for t in ["qemu-system-x86_64", "mkfs.ext4", "cpio"] {
@@ -81,6 +88,7 @@ fn export_of(s: &Store, id: &ManifestId) -> Arc<Export> {
 
 #[test]
 fn guest_files_survive_snapshot_and_new_export() {
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let Some((dir, k, initrd, img)) = setup() else { return };
     let (s, id0) = stored(dir.path(), &img);
     let e1 = export_of(&s, &id0);
@@ -110,13 +118,14 @@ fn guest_files_survive_snapshot_and_new_export() {
 
 #[test]
 fn guest_fsck_is_clean_after_snapshot_taken_paused_mid_write() {
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let Some((dir, k, initrd, img)) = setup() else { return };
     let (s, id0) = stored(dir.path(), &img);
     let e = export_of(&s, &id0);
     let srv = TestServer::start(vec![("disk", e.clone())]);
-    let g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "churn");
+    let mut g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "churn");
     g.wait_for("WRITING", BOOT);
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(1));
     let r = g.qmp(r#"{"execute":"stop"}"#);
     assert!(r.contains("return"), "{r}");
     let before = e.stats().dirty_blocks;
@@ -134,6 +143,16 @@ fn guest_fsck_is_clean_after_snapshot_taken_paused_mid_write() {
     // pass must find a clean filesystem.
     let f1: i32 = g.value("FSCK1=").unwrap().parse().unwrap();
     assert!(f1 <= 1, "{console}");
-    assert!(!console.contains("? yes"), "e2fsck had to fix something:\n{console}");
+    // ext4 keeps the superblock's free block and inode totals only lazily (the kernel does not journal them;
+    // the group descriptors are the truth), so after any crash-consistent image e2fsck may recompute those two
+    // summary counts: that is not damage. Any other fix is.
+    let lines: Vec<&str> = console.lines().map(|l| l.trim_start_matches("guest: ")).collect();
+    let fixes: Vec<&str> = lines
+        .windows(2)
+        .filter(|w| w[1].starts_with("Fix? yes"))
+        .map(|w| w[0])
+        .filter(|l| !(l.starts_with("Free blocks count wrong (") || l.starts_with("Free inodes count wrong (")))
+        .collect();
+    assert!(fixes.is_empty(), "e2fsck had to fix {fixes:?}:\n{console}");
     assert_eq!(g.value("FSCK2=").as_deref(), Some("0"), "{console}");
 }
