@@ -7,6 +7,19 @@ use std::process::Command;
 
 const DONE: &str = ".clade-testroot-v2";
 
+/// A template image of the test rootfs (`hash = "test"`, no disk manifest, 1 vCPU): what tests and benches
+/// start ct sandboxes from.
+pub fn image(name: &str, rootfs: PathBuf, memory_mib: u32, egress: bool) -> clade_core::backend::TemplateImage {
+    clade_core::backend::TemplateImage {
+        name: name.into(),
+        hash: "test".into(),
+        rootfs,
+        disk_manifest: None,
+        shape: clade_core::backend::Shape { memory_mib, vcpus: 1, disk_gib: 1 },
+        egress,
+    }
+}
+
 /// The cached test rootfs under `$CLADE_HOME/tmp/ct-test-rootfs`, built on first use (a few seconds).
 pub fn ensure(home: &clade_core::CladeHome, agent_bin: &Path) -> Result<PathBuf, String> {
     let dest = home.tmp_dir().join("ct-test-rootfs");

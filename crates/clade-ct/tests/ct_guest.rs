@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clade_agent::ExecSpec;
-use clade_core::backend::{Identity, MarkOptions, Sandbox, Shape, TemplateImage};
+use clade_core::backend::{Identity, MarkOptions, Sandbox, TemplateImage};
 use clade_core::CladeHome;
 use clade_ct::{CtBackend, CtConfig, CtSandbox, FailPoint};
 
@@ -43,14 +43,7 @@ fn env(name: &str) -> Option<Env> {
     let h = CladeHome::at(&home);
     let store = clade_store::Store::open(&h.store_dir(), Default::default()).expect("store");
     let backend = CtBackend::new(h, store, cfg).expect("backend");
-    let image = TemplateImage {
-        name: "ct-test".into(),
-        hash: "test".into(),
-        rootfs,
-        disk_manifest: None,
-        shape: Shape { memory_mib: 512, vcpus: 1, disk_gib: 1 },
-        egress: false,
-    };
+    let image = clade_ct::testroot::image("ct-test", rootfs, 512, false);
     Some(Env { backend, image, home })
 }
 

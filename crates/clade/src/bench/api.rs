@@ -21,11 +21,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
-use clade_core::backend::{BackendKind, Shape, TemplateImage};
+use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 use clade_ledger::{Mark, SandboxState};
 
-use super::{median, Figure};
+use super::{median, percentile, Figure};
 use crate::ops::{ExecRequest, Ops};
 use crate::remote::Remote;
 
@@ -58,15 +58,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn pct(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[((s.len() - 1) as f64 * p).round() as usize]
-}
-
 fn emit(figs: &mut Vec<Figure>, f: Figure) {
     println!("{}", serde_json::to_string(&f).unwrap_or_default());
     figs.push(f);
@@ -92,14 +83,7 @@ fn base_mark(home: &CladeHome, ops: &Ops, template: &str) -> anyhow::Result<(Mar
         ops.engine.ledger().put_template(&tid, "ctbox", &serde_json::json!({}))?;
     }
     let backend = clade_ct::CtBackend::new(home.clone(), ops.engine.store.clone(), cfg)?;
-    let image = TemplateImage {
-        name: "ctbox".into(),
-        hash: "test".into(),
-        rootfs,
-        disk_manifest: None,
-        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-        egress: false,
-    };
+    let image = clade_ct::testroot::image("ctbox", rootfs, 256, false);
     let (mark, _) = ops.engine.build_base(&backend as &dyn clade_core::backend::Backend, &tid, &image, &|_| Ok(()))?;
     Ok((mark, "ct test rootfs".into()))
 }
@@ -386,13 +370,13 @@ fn load_figures(figs: &mut Vec<Figure>, tag: &str, s: &Stats, secs: u64, clients
             figs,
             Figure {
                 name: format!("api {tag}: {op} latency p99 ({clients} clients, ct)"),
-                value: pct(&v, 0.99),
+                value: percentile(&v, 0.99),
                 unit: "ms".into(),
                 bar: "reported".into(),
                 pass: !v.is_empty(),
                 samples: vec![],
-                detail: serde_json::json!({"p50_ms": pct(&v, 0.5), "p90_ms": pct(&v, 0.9), "p99_ms": pct(&v, 0.99),
-                    "max_ms": pct(&v, 1.0), "n": v.len(), "base": base}),
+                detail: serde_json::json!({"p50_ms": percentile(&v, 0.5), "p90_ms": percentile(&v, 0.9), "p99_ms": percentile(&v, 0.99),
+                    "max_ms": percentile(&v, 1.0), "n": v.len(), "base": base}),
             },
         );
     }
@@ -471,7 +455,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             pass: ratio <= 1.5,
             samples: h.clone(),
             detail: serde_json::json!({"http_p50_ms": median(&h), "library_p50_ms": median(&l),
-                "http_p99_ms": pct(&h, 0.99), "library_p99_ms": pct(&l, 0.99), "pairs": pairs,
+                "http_p99_ms": percentile(&h, 0.99), "library_p99_ms": percentile(&l, 0.99), "pairs": pairs,
                 "library_ms": l, "base": base, "host": host}),
         },
     );

@@ -21,7 +21,7 @@ use clade_core::backend::{Backend, BackendKind, MarkOptions, MarkState, Sandbox,
 use clade_core::engine::Engine;
 use clade_core::{hygiene, CladeHome};
 
-use super::{median, slope, Figure};
+use super::{median, percentile, slope, Figure};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -55,15 +55,6 @@ pub struct Args {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-fn pct(v: &[f64], p: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s[((s.len() - 1) as f64 * p).round() as usize]
 }
 
 fn counts(s: &str) -> anyhow::Result<Vec<usize>> {
@@ -196,7 +187,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         rest_only.push(ms(tro));
         hyg.push(ms(th));
     }
-    let (c50, r50, c95, r95) = (median(&cold), median(&rest), pct(&cold, 0.95), pct(&rest, 0.95));
+    let (c50, r50, c95, r95) = (median(&cold), median(&rest), percentile(&cold, 0.95), percentile(&rest, 0.95));
     let detail = serde_json::json!({"ctx": ctx, "n": n, "cold_ms": cold, "restore_hygiene_ms": rest, "restore_only_ms": rest_only,
         "hygiene_ms": hyg, "cold_p50_ms": c50, "cold_p95_ms": c95, "restore_p50_ms": r50, "restore_p95_ms": r95});
     emit(

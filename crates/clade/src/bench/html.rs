@@ -258,9 +258,13 @@ fn plot(r: &Row) -> Option<String> {
             (!x.is_empty() && !series.is_empty())
                 .then(|| xy_svg(&x, &series, p["xlabel"].as_str().unwrap_or(""), p["ylabel"].as_str().unwrap_or("")))
         }
-        _ if inferred(r, limit).is_some() => inferred(r, limit),
-        _ if r.samples.len() >= 2 => Some(arms_svg(&[("samples".into(), r.samples.clone())], &r.unit, limit)),
-        _ => limit.map(|l| arms_svg(&[("value".into(), vec![r.value])], &r.unit, Some(l))),
+        _ => inferred(r, limit).or_else(|| {
+            if r.samples.len() >= 2 {
+                Some(arms_svg(&[("samples".into(), r.samples.clone())], &r.unit, limit))
+            } else {
+                limit.map(|l| arms_svg(&[("value".into(), vec![r.value])], &r.unit, Some(l)))
+            }
+        }),
     }
 }
 

@@ -32,7 +32,7 @@ pub fn clade_with(home: &Path, env: &[(&str, &str)], args: &[&str]) -> (i32, Str
 /// A temp home borrowing the real home's CRIU, with the `ctbox` template's ct base built on clade-ct's test
 /// rootfs (busybox + the agent). `None` (and a printed reason) where CRIU is not installed.
 pub fn ct_home(prefix: &str) -> Option<tempfile::TempDir> {
-    use clade_core::backend::{Backend, Shape, TemplateImage};
+    use clade_core::backend::Backend;
     let real = clade_core::CladeHome::at(real_home());
     let cfg = match clade_ct::CtConfig::from_home(&real) {
         Ok(c) if c.criu.exists() => c,
@@ -53,14 +53,7 @@ pub fn ct_home(prefix: &str) -> Option<tempfile::TempDir> {
     let tid = clade_ledger::TemplateId::new("tmpl-ctbox");
     engine.ledger().put_template(&tid, "ctbox", &serde_json::json!({})).unwrap();
     let backend = clade_ct::CtBackend::new(home.clone(), engine.store.clone(), cfg).unwrap();
-    let image = TemplateImage {
-        name: "ctbox".into(),
-        hash: "test".into(),
-        rootfs,
-        disk_manifest: None,
-        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-        egress: false,
-    };
+    let image = clade_ct::testroot::image("ctbox", rootfs, 256, false);
     let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
     eprintln!("ct base {} built in {boot:?}", mark.id);
     Some(t)
