@@ -27,10 +27,6 @@ start=$(date +%s.%N)
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
 # chromium: the benchmark report is checked to render in it (a test), as a reader would open it.
 pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
-done
 apt_updated=0
 apt_update() {
   [ $apt_updated = 1 ] && return 0
@@ -38,14 +34,26 @@ apt_update() {
   apt-get update -qq || die "apt-get update failed: check that the Debian mirror in /etc/apt/sources.list is reachable"
   apt_updated=1
 }
-if [ ${#missing[@]} -gt 0 ]; then
+find_missing() {
+  missing=()
+  for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
+  done
+}
+# Twice: an install can remove a package that was there (a machine with backports' qemu-utils 10 loses it when
+# bookworm's qemu-system-x86 7.2 comes in), so what is missing is looked at again after each round.
+for round in 1 2; do
+  find_missing
+  [ ${#missing[@]} -eq 0 ] && break
   say "installing Debian packages: ${missing[*]}"
   if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
     apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
       || die "could not install ${missing[*]}: see the apt-get output above; the Debian mirror must be reachable"
   fi
-fi
+done
+find_missing
+[ ${#missing[@]} -eq 0 ] || die "still missing after installing: ${missing[*]} (apt removed them again; install them by hand with apt-get install)"
 command -v cargo >/dev/null || die "no cargo on PATH: install the Rust toolchain (rustup) first"
 
 # ---- 2. Guest kernel --------------------------------------------------------------------------------------

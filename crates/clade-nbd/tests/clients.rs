@@ -92,6 +92,7 @@ fn qemu_img_convert_and_map_see_base_plus_overlay() {
 fn nbdinfo_and_nbdcopy_work() {
     need!("nbdinfo");
     need!("nbdcopy");
+    need!("qemu-io");
     let base = pattern(4 * MIB);
     let srv = TestServer::start(vec![("base", mem_export(base.clone(), true))]);
     let (ok, out) = run(Command::new("nbdinfo").arg("--json").arg(srv.uri()));
