@@ -4,12 +4,16 @@
 //! 2. the manifests nothing names any more are unpublished from the store, the root RAM files of vm marks
 //!    that went are unlinked (a running sibling's `MAP_PRIVATE` mapping keeps its pages: unlinking only drops
 //!    the name), and the store's gc frees the packs no live manifest, tree or lease uses;
-//! 3. the ledger forgets the marks being collected (from now on they are unknown: 404).
+//! 3. the host caches laid out from trees no mark names any more (the `ct` backend's uppers and CRIU images
+//!    under `$CLADE_HOME/cache/ct-uppers|ct-images/<tree>`) are removed;
+//! 4. the ledger forgets the marks being collected (from now on they are unknown: 404).
 //!
 //! A run killed after step 1 leaves marks "being collected" with their manifests still published; the
 //! ledger keeps those marks' manifest names, so the next run unpublishes them and finishes the job.
 
-use std::time::{Duration, Instant};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
 
 use clade_ledger::{CollectOptions, CollectReport};
 use serde::Serialize;
@@ -26,6 +30,9 @@ pub struct GcOutcome {
     /// Root RAM files unlinked, and their bytes.
     pub ram_files_deleted: usize,
     pub ram_bytes_freed: u64,
+    /// Host cache directories of trees no mark names (ct uppers and images), and their bytes.
+    pub cache_dirs_deleted: usize,
+    pub cache_bytes_freed: u64,
     pub store: clade_store::GcReport,
     pub took_ms: f64,
 }
@@ -69,6 +76,14 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
         }
     }
     let store = engine.store.gc(dry_run)?;
+    // The live set as of now; a dry run's ledger still names the marks it would delete, so leave those out.
+    let mut live: BTreeSet<String> = engine.ledger().live_manifests()?.iter().map(|m| m.as_str().to_string()).collect();
+    if dry_run {
+        for m in &unreferenced {
+            live.remove(m);
+        }
+    }
+    let (cache_dirs_deleted, cache_bytes_freed) = sweep_tree_caches(&engine.home.cache_dir(), &live, dry_run)?;
     if !dry_run {
         engine.ledger().finish_collecting()?;
     }
@@ -82,7 +97,8 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
             None,
             serde_json::json!({
                 "marks_deleted": ledger.deleted.len(), "manifests_deleted": manifests_deleted,
-                "bytes_freed": store.bytes_freed + ram_bytes_freed,
+                "bytes_freed": store.bytes_freed + ram_bytes_freed + cache_bytes_freed,
+                "cache_dirs_deleted": cache_dirs_deleted,
             }),
         );
     }
@@ -92,9 +108,60 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
         manifests_deleted,
         ram_files_deleted,
         ram_bytes_freed,
+        cache_dirs_deleted,
+        cache_bytes_freed,
         store,
         took_ms: took.as_secs_f64() * 1e3,
     })
+}
+
+/// The per-host caches a `ct` restore lays out from a mark's trees, named by the tree's id.
+const TREE_CACHES: [&str; 2] = ["ct-uppers", "ct-images"];
+/// A half-laid-out cache (`<tree>.tmp<pid>-<n>`) older than this belongs to a restore that died.
+const TEMP_AGE: Duration = Duration::from_secs(3600);
+
+/// Remove (or, in a dry run, count) the cache directories of trees `live` does not name, and temp directories
+/// left by dead restores. Each is renamed aside first, so a restore never sees half of one under its name: a
+/// restore copying from it at that moment fails cleanly, and none can start (its mark is gone or collecting).
+fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> anyhow::Result<(usize, u64)> {
+    let (mut dirs, mut bytes) = (0, 0);
+    for kind in TREE_CACHES {
+        let Ok(rd) = std::fs::read_dir(cache.join(kind)) else { continue };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stale = match name.split_once(".tmp") {
+                Some(_) => e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| SystemTime::now().duration_since(t).unwrap_or_default() > TEMP_AGE),
+                None if name.starts_with(".gc-") => true,
+                None => !live.contains(&name),
+            };
+            if !stale {
+                continue;
+            }
+            dirs += 1;
+            bytes += du(&e.path());
+            if dry_run {
+                continue;
+            }
+            let aside = cache.join(kind).join(format!(".gc-{}", name.trim_start_matches(".gc-")));
+            if aside != e.path() {
+                std::fs::rename(e.path(), &aside)?;
+            }
+            std::fs::remove_dir_all(&aside)?;
+        }
+    }
+    Ok((dirs, bytes))
+}
+
+/// Bytes of the regular files under `p` (symlinks not followed).
+fn du(p: &Path) -> u64 {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::read_dir(p).map(|rd| rd.flatten().map(|e| du(&e.path())).sum()).unwrap_or(0),
+        Ok(m) if m.is_file() => m.len(),
+        _ => 0,
+    }
 }
 
 /// `CLADE_GC_PAUSE_MS`: sleep between the ledger's collection and the store's, so a test can fork a mark

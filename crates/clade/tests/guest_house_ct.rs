@@ -15,6 +15,18 @@ fn ok(home: &Path, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
 }
 
+/// The ct restore caches under `$CLADE_HOME/cache` (kind, tree id).
+fn tree_caches(h: &Path) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for kind in ["ct-uppers", "ct-images"] {
+        for e in std::fs::read_dir(h.join("cache").join(kind)).into_iter().flatten().flatten() {
+            v.push((kind.to_string(), e.file_name().to_string_lossy().into_owned()));
+        }
+    }
+    v.sort();
+    v
+}
+
 #[test]
 fn guest_house_ct_gc_conflict_crash_and_audit() {
     let Some(t) = common::ct_home("clade-house-ct") else { return };
@@ -27,6 +39,16 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     let m = ok(h, &["mark", &sbx, "--label", "doomed", "--json"]);
     let mark = m["id"].as_str().unwrap().to_string();
     let branch = m["branch"].as_str().unwrap().to_string();
+    // One restore of it lays its upper and CRIU images out in the host's caches (which gc must clear later).
+    let sib = ok(h, &["fork", &mark, "--json"]);
+    let sib = sib["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let listed = ok(h, &["ls", "--json"]);
+    let sib_branch = listed.as_array().unwrap().iter().find(|r| r["id"] == sib.as_str()).unwrap()["branch"].clone();
+    ok(h, &["kill", &sib, "--json"]);
+    // Its branch would keep the mark (a fork point); it goes too.
+    ok(h, &["branches", "rm", sib_branch.as_str().unwrap(), "--json"]);
+    let cached = tree_caches(h);
+    assert!(cached.len() >= 4, "the base's and the doomed mark's uppers and images are cached: {cached:?}");
     let (code, _, err) = common::clade(h, &["branches", "rm", &branch]);
     assert_eq!(code, 4, "a branch with a live sandbox is refused as a conflict: {err}");
     ok(h, &["kill", &sbx, "--json"]);
@@ -62,6 +84,14 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     assert_eq!(code, 4, "still being collected after the crash");
     let done = ok(h, &["gc", "--json"]);
     assert!(done["manifests_deleted"].as_u64().unwrap() >= 1, "the mark's manifests were unpublished: {done}");
+    // The doomed mark's caches went with it (two trees); what is left is a tree the store still publishes.
+    let left = tree_caches(h);
+    assert_eq!(done["cache_dirs_deleted"], 2, "{done}");
+    assert_eq!(left.len(), cached.len() - 2, "{left:?} vs {cached:?}");
+    for (kind, tree) in &left {
+        let published = h.join("store/trees").join(&tree[..2]).join(tree);
+        assert!(published.exists(), "cache {kind}/{tree} is of a tree the store no longer has");
+    }
     let (code, _, err) = common::clade(h, &["fork", "doomed"]);
     assert_eq!(code, 3, "collected: now unknown: {err}");
     // The base was needed elsewhere: still forks.
