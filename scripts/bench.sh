@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ./x bench [WHAT...] [--quick]: run the benches, side by side with their peers in one run each; every bench
 # prints JSON lines (one per figure, with its bar and PASS/FAIL computed from the samples) into bench/out/.
-#   store  put/get vs b3sum/cp, dedup of a 1%-changed copy          (crates/clade-store/src/bin/store-bench.rs)
+#   store  put/get vs b3sum/cp, dedup of a 1%-changed copy; synthetic, then real guest RAM when a vm base
+#          left a RAM file                                          (crates/clade-store/src/bin/store-bench.rs)
 #   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
@@ -12,6 +13,7 @@
 #   fleet  seed 004's fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
 #   api    issue 9's: HTTP vs library exec, 32 clients on ct, restart  (crates/clade/src/bench/api.rs)
+#   e2b    issue 11's: the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade/src/bench/e2b.rs)
 # Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
@@ -27,7 +29,8 @@ for a in "$@"; do
     *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, browser, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
   esac
 done
-[ ${#what[@]} -gt 0 ] || what=(store nbd agent vm ct browser fleet roam api)
+# store after browser: its second run takes the largest guest RAM file a vm base left (the browser's, 2 GiB).
+[ ${#what[@]} -gt 0 ] || what=(nbd agent vm ct browser store fleet roam api e2b)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -49,9 +52,19 @@ browser_template() { # backend
   "$bin/clade" template build templates/browser --backend "$1" --json |
     python3 -c 'import json, os, sys; r = json.load(sys.stdin)["record"]; print(os.path.join(os.path.dirname(r["rootfs"]), "template.json"))'
 }
+# The minimal template's bases on both backends (cached after the first build).
+minimal_bases() {
+  $bin/clade template build templates/minimal/template.toml >&2
+  $bin/clade base build minimal --backend vm >&2
+  $bin/clade base build minimal --backend ct >&2
+}
 for w in "${what[@]}"; do
   case "$w" in
-    store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi ;;
+    store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi
+      # The issue's named input too: the largest guest RAM file a vm base left on this host's RAM tmpfs.
+      ram=$(ls -S "${CLADE_SHM:-/dev/shm/clade}"/ram/*.ram 2>/dev/null | head -n1 || true)
+      if [ -n "$ram" ] && [ $quick = 0 ]; then run store-ram $bin/store-bench --image "$ram"
+      else echo "=== bench store-ram: skipped (${ram:+--quick}${ram:-no vm base RAM file yet: run ./x bench vm first})" >&2; fi ;;
     nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
@@ -69,13 +82,11 @@ for w in "${what[@]}"; do
     fleet) # costs from this run's vm/ct outputs or the ledger; measured on ct now when there are none
       run fleet sh -c "$bin/clade fleet simulate --figures 2>/dev/null || $bin/clade fleet simulate --measure --figures" ;;
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
-      # The minimal template's bases on both backends (cached after the first build).
-      $bin/clade template build templates/minimal/template.toml >&2
-      $bin/clade base build minimal --backend vm >&2
-      $bin/clade base build minimal --backend ct >&2
+      minimal_bases
       run roam $bin/clade bench-roam --rounds $r --out "$out/roam.json" ;;
     api) if [ $quick = 1 ]; then run api $bin/clade bench-api --quick --out "$out/api.json"; else run api $bin/clade bench-api --out "$out/api.json"; fi ;;
-    e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # needs the minimal base on both backends and the e2b SDK (./x setup)
+    e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # the e2b SDK comes from ./x setup
+      minimal_bases
       run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
       run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
   esac

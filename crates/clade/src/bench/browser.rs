@@ -296,7 +296,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             detail: serde_json::json!({"ctx": ctx, "base_stored_bytes": first, "base_logical_bytes": mark.logical_bytes,
             "sibling_first_stored_bytes": m1.stored_bytes, "sibling_second_stored_bytes": m2.stored_bytes,
             "first_logical_bytes": m1.logical_bytes, "second_logical_bytes": m2.logical_bytes,
-            "note": "samples: the base mark, the restored sibling's first mark (stored against the base), its second"}),
+            "note": "samples: the base mark, the restored sibling's first mark (stored against the base), its second",
+            "plot": {"kind": "xy", "x": [1, 2, 3], "series": {"stored MiB": [mib(first), mib(m1.stored_bytes), mib(m2.stored_bytes)]},
+                "xlabel": "mark: 1 the base, 2 a restored sibling's first, 3 its second", "ylabel": "stored MiB"}}),
         },
     );
 
@@ -323,4 +325,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
 fn emit(figs: &mut Vec<Figure>, f: Figure) {
     println!("{}", serde_json::to_string(&f).unwrap_or_default());
     figs.push(f);
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
 }

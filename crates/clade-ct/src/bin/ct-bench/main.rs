@@ -310,7 +310,9 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
         "<= 0.25",
         ratio <= 0.25,
         &[m1.stored_bytes as f64, m2.stored_bytes as f64],
-        json!({"first_stored_bytes": m1.stored_bytes, "second_stored_bytes": m2.stored_bytes, "logical_bytes": m1.logical_bytes}),
+        json!({"first_stored_bytes": m1.stored_bytes, "second_stored_bytes": m2.stored_bytes, "logical_bytes": m1.logical_bytes,
+            "plot": {"kind": "xy", "x": [1, 2], "series": {"stored MiB": [m1.stored_bytes as f64 / 1048576.0, m2.stored_bytes as f64 / 1048576.0]},
+                "xlabel": format!("mark: 1 the first, 2 the second ({gap} s later)"), "ylabel": "stored MiB"}}),
     );
 
     // The peer's checkpoint: another cold session at agent-ready, dumped by plain CRIU as seed 000 did.
