@@ -5,6 +5,8 @@
 #          left a RAM file                                          (crates/clade-store/src/bin/store-bench.rs)
 #   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
+#   template  issue 6's: a cold build of minimal vs a cache hit, its image's stored bytes vs its files
+#                                                        (crates/clade-template/src/bin/template-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
 #   ct     issue 8's figures: minimal rootfs and the browser template, vs plain CRIU by hand
 #                                                                     (crates/clade-ct/src/bin/ct-bench/)
@@ -25,12 +27,12 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|vm|ct|browser|e2b|roam|fleet|api) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, vm, ct, browser, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|template|vm|ct|browser|e2b|roam|fleet|api) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, template, vm, ct, browser, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
   esac
 done
 # store after browser: its second run takes the largest guest RAM file a vm base left (the browser's, 2 GiB).
-[ ${#what[@]} -gt 0 ] || what=(nbd agent vm ct browser store fleet roam api e2b)
+[ ${#what[@]} -gt 0 ] || what=(nbd agent template vm ct browser store fleet roam api e2b)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -67,6 +69,7 @@ for w in "${what[@]}"; do
       else echo "=== bench store-ram: skipped (${ram:+--quick}${ram:-no vm base RAM file yet: run ./x bench vm first})" >&2; fi ;;
     nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
+    template) run template $bin/template-bench templates/minimal/template.toml ;;
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5 --mem-counts 1,2 --mark-gap-secs 10  # minimal only
         elif tpl=$(browser_template ct); then run ct $bin/ct-bench --n 20 --browser "$tpl"
