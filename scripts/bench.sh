@@ -65,8 +65,9 @@ for w in "${what[@]}"; do
     store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi
       # The named input too: the largest guest RAM file a vm base left on this host's RAM tmpfs.
       ram=$(ls -S "${CLADE_SHM:-/dev/shm/clade}"/ram/*.ram 2>/dev/null | head -n1 || true)
-      if [ -n "$ram" ] && [ $quick = 0 ]; then run store-ram $bin/store-bench --image "$ram"
-      else echo "=== bench store-ram: skipped (${ram:+--quick}${ram:-no vm base RAM file yet: run ./x bench vm first})" >&2; fi ;;
+      if [ $quick = 1 ]; then echo "=== bench store-ram: skipped by --quick" >&2
+      elif [ -z "$ram" ]; then echo "=== bench store-ram: skipped (no vm base RAM file yet: run ./x bench vm first)" >&2
+      else run store-ram $bin/store-bench --image "$ram"; fi ;;
     nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     template) run template $bin/template-bench templates/minimal/template.toml ;;
