@@ -141,7 +141,7 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
                 continue;
             }
             dirs += 1;
-            bytes += du(&e.path());
+            bytes += dir_bytes(&e.path());
             if dry_run {
                 continue;
             }
@@ -155,10 +155,12 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
     Ok((dirs, bytes))
 }
 
-/// Bytes of the regular files under `p` (symlinks not followed).
-fn du(p: &Path) -> u64 {
+/// Bytes of the regular files under `p` (symlinks not followed); also the bench's store footprint.
+pub(crate) fn dir_bytes(p: &Path) -> u64 {
     match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => std::fs::read_dir(p).map(|rd| rd.flatten().map(|e| du(&e.path())).sum()).unwrap_or(0),
+        Ok(m) if m.is_dir() => {
+            std::fs::read_dir(p).map(|rd| rd.flatten().map(|e| dir_bytes(&e.path())).sum()).unwrap_or(0)
+        }
         Ok(m) if m.is_file() => m.len(),
         _ => 0,
     }
