@@ -90,3 +90,25 @@ impl CladeHome {
         }))
     }
 }
+
+/// A temp name beside `dest` (`<name>.tmp<pid>-<n>`), unique across the threads of this process as well as
+/// across processes: two restores laying out the same cache at once each write their own temp, and the one
+/// that loses the rename drops its copy. (A name made of the pid alone let two threads share one temp.)
+pub fn temp_beside(dest: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    dest.with_file_name(format!("{name}.tmp{}-{n}", std::process::id()))
+}
+
+#[cfg(test)]
+mod temp_tests {
+    #[test]
+    fn temp_names_differ_within_a_process() {
+        let d = std::path::Path::new("/x/cache/abc");
+        let (a, b) = (super::temp_beside(d), super::temp_beside(d));
+        assert_ne!(a, b);
+        assert!(a.to_string_lossy().starts_with("/x/cache/abc.tmp"), "{a:?}");
+    }
+}

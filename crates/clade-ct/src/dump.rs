@@ -97,7 +97,11 @@ fn write_exec(path: &Path, text: &str) -> Result<(), String> {
 
 /// The error lines of a CRIU log (or its last lines), for an error message a user can act on.
 pub fn log_tail(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let text = match std::fs::read_to_string(log) {
+        Ok(t) if t.trim().is_empty() => return format!("CRIU wrote nothing to its log {}", log.display()),
+        Ok(t) => t,
+        Err(e) => return format!("CRIU left no readable log ({}: {e})", log.display()),
+    };
     let errs: Vec<&str> = text.lines().filter(|l| l.contains("Error") || l.contains("error")).collect();
     let lines: Vec<&str> =
         if errs.is_empty() { text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect() } else { errs };

@@ -297,12 +297,12 @@ fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool, kdat: &Path)
 
 /// A store tree laid out once per host under `$CLADE_HOME/cache/<kind>/<tree id>` (read from the store,
 /// hash-verified, written to a temp name and renamed; a racing restore that lost the rename drops its copy).
-fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, dest: &Path, what: &str) -> Result<PathBuf, BackendError> {
+fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<PathBuf, BackendError> {
     let cache = b.home.cache_dir().join(kind).join(id.to_hex());
     if !cache.exists() {
         let parent = cache.parent().unwrap_or(&cache);
         std::fs::create_dir_all(parent).map_err(|e| failed(format!("create {}: {e}", parent.display())))?;
-        let tmp = cache.with_extension(format!("tmp{}-{}", std::process::id(), dest.display().to_string().len()));
+        let tmp = clade_core::home::temp_beside(&cache);
         let _ = std::fs::remove_dir_all(&tmp);
         b.store.get_dir(id, &tmp).map_err(|e| failed(format!("lay out {what}: {e}")))?;
         if std::fs::rename(&tmp, &cache).is_err() {
@@ -318,7 +318,7 @@ fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, dest: &Path, what: &str) 
 /// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
 /// store's read (decompress, verify, write) took 100-300 ms on this host.
 fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
-    let cache = cached_tree(b, "ct-uppers", id, dest, "the upper")?;
+    let cache = cached_tree(b, "ct-uppers", id, "the upper")?;
     let out = Command::new("cp")
         .arg("-a")
         .arg("-T")
@@ -341,7 +341,7 @@ fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError
 /// each restore gets a directory of hard links to them, as CRIU writes `stats-restore` into its image dir.
 /// Siblings after the first skip the store read and the copy.
 fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
-    let cache = cached_tree(b, "ct-images", id, dest, "the images")?;
+    let cache = cached_tree(b, "ct-images", id, "the images")?;
     std::fs::create_dir(dest).map_err(|e| failed(format!("create {}: {e}", dest.display())))?;
     let rd = std::fs::read_dir(&cache).map_err(|e| failed(format!("read {}: {e}", cache.display())))?;
     for e in rd.flatten() {

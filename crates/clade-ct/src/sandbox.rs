@@ -135,7 +135,7 @@ fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, Back
     if dir.exists() {
         return Ok(dir);
     }
-    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = clade_core::home::temp_beside(&dir);
     let dest = tmp.join(crate::spawn::AGENT_PATH.trim_start_matches('/'));
     let res = (|| {
         std::fs::create_dir_all(dest.parent().unwrap_or(&tmp))?;

@@ -117,7 +117,7 @@ pub fn cached_initramfs(
 }
 
 fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<(), BootError> {
-    let tmp = dest.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = clade_core::home::temp_beside(dest);
     std::fs::write(&tmp, bytes)
         .and_then(|_| std::fs::rename(&tmp, dest))
         .map_err(|e| BootError::Write(dest.display().to_string(), e))
