@@ -85,6 +85,9 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
         return Err("criu dump did not run the post-dump script (the upper was not copied)".into());
     }
     let frozen = frozen_time(&spec.images.join("stats-dump")).unwrap_or(wall);
+    // CRIU's own stats (freezing, frozen, memdump, memwrite times, pages) kept beside the log, where a slow pause
+    // can be taken apart afterwards (the images themselves go into the store and are removed).
+    let _ = std::fs::copy(spec.images.join("stats-dump"), spec.log.with_extension("stats"));
     Ok(DumpTimes { frozen, wall })
 }
 

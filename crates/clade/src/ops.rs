@@ -608,7 +608,7 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
     let mut out = Vec::new();
     std::thread::scope(|scope| -> anyhow::Result<()> {
         let handles: Vec<_> =
-            claimed.iter().map(|(id, sock)| scope.spawn(move || pool::claim(engine, mark, id, sock))).collect();
+            claimed.iter().map(|(id, conn)| scope.spawn(move || pool::claim(engine, mark, id, conn))).collect();
         for h in handles {
             out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
         }

@@ -88,25 +88,32 @@ pub fn refill(home: &CladeHome, mark: &str) -> anyhow::Result<usize> {
     Ok(want.saturating_sub(have))
 }
 
-/// Take one waiting member, if any: its sandbox id and its claimed socket.
-pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, PathBuf)> {
+/// Take one waiting, live member, if any: its sandbox id and a connection to it. A member whose process is gone
+/// (a host restart leaves its socket file behind) refuses the connection: its socket is removed and the next
+/// member tried, so a dead pool costs a fork nothing but a cold start.
+pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
     let (ready, _) = members(home, mark);
     for sock in ready {
-        let id = sock.file_stem()?.to_str()?.to_string();
+        let Some(id) = sock.file_stem().and_then(|s| s.to_str()).map(str::to_string) else { continue };
         let claimed = sock.with_extension("claimed");
-        if std::fs::rename(&sock, &claimed).is_ok() {
-            return Some((SandboxId::new(id), claimed));
+        if std::fs::rename(&sock, &claimed).is_err() {
+            continue; // another fork took it
+        }
+        let conn = UnixStream::connect(&claimed);
+        let _ = std::fs::remove_file(&claimed);
+        match conn {
+            Ok(s) => return Some((SandboxId::new(id), s)),
+            Err(e) => eprintln!("clade: pool member {id} of {mark} is gone ({e}); dropped it"),
         }
     }
     None
 }
 
 /// Claim a taken member: record the sandbox, tell the member to run, wait for its `Ready`.
-pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, sock: &Path) -> anyhow::Result<Ready> {
+pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, conn: &UnixStream) -> anyhow::Result<Ready> {
     engine.new_sandbox_with_id(from_ledger(mark.backend), Some(mark), Some(id.clone()))?;
-    let mut s = UnixStream::connect(sock).with_context(|| format!("pool member {}", sock.display()))?;
+    let mut s = conn.try_clone().with_context(|| format!("pool member {id}"))?;
     s.set_read_timeout(Some(CLAIM_TIMEOUT))?;
-    let _ = std::fs::remove_file(sock);
     s.write_all(b"{\"op\":\"claim\"}\n")?;
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line)?;
@@ -117,12 +124,9 @@ pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, sock: &Path) -> anyho
 pub fn drain(home: &CladeHome, mark: &str) -> usize {
     let _ = std::fs::remove_file(pool_dir(home, mark).join("size"));
     let mut n = 0;
-    while let Some((_, sock)) = take(home, mark) {
-        if let Ok(mut s) = UnixStream::connect(&sock) {
-            let _ = s.write_all(b"{\"op\":\"drain\"}\n");
-            n += 1;
-        }
-        let _ = std::fs::remove_file(&sock);
+    while let Some((_, mut s)) = take(home, mark) {
+        let _ = s.write_all(b"{\"op\":\"drain\"}\n");
+        n += 1;
     }
     n
 }
@@ -200,3 +204,26 @@ impl Drop for RemoveOnDrop {
 
 /// How long a fork waits for a claimed member.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn take_drops_dead_members_and_hands_out_live_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let home = CladeHome::at(tmp.path());
+        let dir = pool_dir(&home, "mk-x");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A member whose process died: its socket file stays, nobody listens.
+        drop(UnixListener::bind(dir.join("sb-dead.sock")).unwrap());
+        assert!(take(&home, "mk-x").is_none(), "a dead member was handed out");
+        assert!(std::fs::read_dir(&dir).unwrap().next().is_none(), "the dead member's socket was left");
+        // A live one is taken once, and its socket leaves the pool.
+        let live = UnixListener::bind(dir.join("sb-live.sock")).unwrap();
+        let (id, _conn) = take(&home, "mk-x").expect("the live member");
+        assert_eq!(id.as_str(), "sb-live");
+        assert!(live.accept().is_ok());
+        assert!(take(&home, "mk-x").is_none());
+    }
+}
