@@ -85,9 +85,9 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
                     rep.findings.push(Finding {
                         kind: "lost",
                         detail: format!(
-                            "the ledger says {} but its supervisor ({:?}) is gone: `clade kill {id}` reaps it",
+                            "the ledger says {} but its supervisor ({}) is gone: `clade kill {id}` reaps it",
                             r.state.as_str(),
-                            r.supervisor_pid
+                            r.supervisor_pid.map_or("never started".to_string(), |p| format!("pid {p}"))
                         ),
                         id,
                         fixed: false,
