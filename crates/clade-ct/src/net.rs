@@ -274,6 +274,52 @@ pub fn leftovers_of_id(id: &str) -> Vec<String> {
     leftovers_of(&netns, "-")
 }
 
+/// Take down what sandbox `id`'s network left on the host when nobody released it (its supervisor was
+/// killed): the NAT element and host link of the veth whose peer is in namespace `clade-<id>`, then the
+/// namespace. Every step runs; returns what was removed (empty when nothing was left).
+pub fn release_by_id(id: &str) -> Vec<String> {
+    let netns = format!("{NETNS_PREFIX}{id}");
+    if !std::path::Path::new(NETNS_DIR).join(&netns).exists() {
+        return Vec::new();
+    }
+    let mut removed = Vec::new();
+    // `eth0@if123`: the peer's host end has ifindex 123.
+    let peer = Command::new("ip").args(["-n", &netns, "-o", "link", "show"]).stderr(Stdio::null()).output();
+    let host_index = peer.ok().and_then(|o| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        text.split_whitespace()
+            .find_map(|w| w.split_once("@if").and_then(|(_, n)| n.trim_end_matches(':').parse::<u32>().ok()))
+    });
+    let link = host_index.and_then(|want| {
+        host_state().links.into_iter().find(|l| {
+            std::fs::read_to_string(format!("/sys/class/net/{l}/ifindex")).ok().and_then(|s| s.trim().parse().ok())
+                == Some(want)
+        })
+    });
+    if let Some(link) = link {
+        let addr = Command::new("ip").args(["-o", "-4", "addr", "show", "dev", &link]).output().ok().and_then(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            let cidr = text.split_whitespace().skip_while(|w| *w != "inet").nth(1)?.to_string();
+            cidr.split('/').next()?.parse::<std::net::Ipv4Addr>().ok()
+        });
+        if let Some(a) = addr {
+            let subnet = format!("{}/30", ip4(u32::from(a) & !3));
+            if nat_elements().contains(&subnet)
+                && run("nft", &["delete", "element", "ip", "clade", "egress", &format!("{{ {subnet} }}")], None).is_ok()
+            {
+                removed.push(format!("nat element {subnet}"));
+            }
+        }
+        if run("ip", &["link", "del", &link], None).is_ok() {
+            removed.push(format!("link {link}"));
+        }
+    }
+    if run("ip", &["netns", "del", &netns], None).is_ok() {
+        removed.push(format!("netns {netns}"));
+    }
+    removed
+}
+
 /// How a mark's network namespace comes back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MarkNet {

@@ -282,6 +282,20 @@ fn privileged_guest_net_egress_siblings_none_and_cleanup() {
         }
     }
     e.backend.inject_failure(None);
+
+    // A supervisor killed outright never releases its sandbox's network: `release_by_id` (what `clade kill`
+    // of a lost sandbox and `clade audit --fix` use) finds the veth, the NAT element and the namespace by id.
+    let leak_id = format!("leak-{}", std::process::id());
+    let leaked = clade_ct::net::SandboxNet::create(&leak_id).expect("a network to leak");
+    let (leak_link, leak_ns, leak_addr) = (leaked.link.clone(), leaked.netns.clone(), leaked.addr.to_string());
+    std::mem::forget(leaked);
+    let s = host_state();
+    assert!(s.links.contains(&leak_link) && s.netns.contains(&leak_ns), "{s:?}");
+    let removed = clade_ct::net::release_by_id(&leak_id);
+    assert_eq!(removed.len(), 3, "NAT element, link and namespace: {removed:?}");
+    assert_net_gone("a leaked network released by id", &leak_link, &leak_ns, &leak_addr);
+    assert!(clade_ct::net::release_by_id(&leak_id).is_empty(), "a second release found something");
+
     Box::new(base2).kill().unwrap();
     Box::new(none).kill().unwrap();
     let after = host_state();

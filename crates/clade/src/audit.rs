@@ -33,7 +33,7 @@ const CGROUP_ROOTS: [&str; 2] = ["/sys/fs/cgroup/memory/clade", "/sys/fs/cgroup/
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
     /// lost, unresumable, missing-manifest, orphan-process, stray-supervisor, leftover-mount, leftover-cgroup,
-    /// leftover-run-dir, leftover-ram-file.
+    /// leftover-network, leftover-run-dir, leftover-ram-file.
     pub kind: &'static str,
     /// The sandbox or mark it concerns.
     pub id: String,
@@ -153,7 +153,7 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
     }
     let shm = home.shm_dir();
     for id in &gone {
-        leftovers_of(&run, &shm, id, fix, &mut rep.findings);
+        leftovers_of(&run, &shm, id, fix, true, &mut rep.findings);
     }
     rep.ok = rep.findings.iter().all(|f| f.fixed);
     Ok(rep)
@@ -174,9 +174,19 @@ fn stored(ops: &Ops, m: &ManifestId) -> bool {
     }
 }
 
+/// Take down at once everything sandbox `id` still holds on the host (its processes, mounts, cgroup, network,
+/// run dirs, RAM file): `clade kill` of a sandbox whose supervisor died, which the ledger now calls dead.
+pub fn take_down(home: &clade_core::CladeHome, id: &str) -> Vec<Finding> {
+    let mut out = Vec::new();
+    leftovers_of(&home.run_dir(), &home.shm_dir(), id, true, false, &mut out);
+    out
+}
+
 /// What a gone sandbox `id` still holds on the host; taken down with `fix`. `shm` is the host's guest-RAM
-/// directory (per-sandbox RAM files of cold vm sandboxes in `run/`, lazy RAM mounts in `lazy/`).
-fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, out: &mut Vec<Finding>) {
+/// directory (per-sandbox RAM files of cold vm sandboxes in `run/`, lazy RAM mounts in `lazy/`). With `settle`,
+/// cgroups, run dirs and RAM files younger than the settle time are left alone (a sandbox may be starting).
+fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: &mut Vec<Finding>) {
+    let settled = |p: &Path| !settle || settled(p);
     let dir = run.join(id);
     let lazy = shm.join("lazy").join(id);
     let needle = format!("{}/", dir.display());
@@ -201,6 +211,13 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, out: &mut Vec<Findi
             let fixed = fix && remove_cgroup(&cg);
             out.push(Finding { kind: "leftover-cgroup", id: id.into(), detail: cg.display().to_string(), fixed });
         }
+    }
+    // A ct sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.
+    let netns = Path::new("/run/netns").join(format!("{}{id}", clade_ct::net::NETNS_PREFIX));
+    if netns.exists() && settled(&netns) {
+        let removed = if fix { clade_ct::net::release_by_id(id) } else { Vec::new() };
+        let detail = if removed.is_empty() { netns.display().to_string() } else { removed.join(", ") };
+        out.push(Finding { kind: "leftover-network", id: id.into(), detail, fixed: fix && !netns.exists() });
     }
     for d in [dir.clone(), run.join(format!("{id}.sup"))] {
         if d.is_dir() && settled(&d) {

@@ -393,9 +393,16 @@ impl Ops {
                 }
                 self.engine.ledger().set_sandbox_state(&id, SandboxState::Dead, None)?;
                 let reaped = reap_orphans(home, sandbox);
+                // Its processes (a ct sandbox's are in its cgroup), mounts, network and run dirs.
+                let left = crate::audit::take_down(home, sandbox);
+                let not_fixed: Vec<String> =
+                    left.iter().filter(|f| !f.fixed).map(|f| format!("{} {}", f.kind, f.detail)).collect();
                 let _ = std::fs::remove_dir_all(sup_dir(home, sandbox));
                 let _ = std::fs::remove_dir_all(home.run_dir().join(sandbox));
-                Ok(serde_json::json!({"killed": sandbox, "reaped": reaped}))
+                if !not_fixed.is_empty() {
+                    eprintln!("clade: {sandbox}: could not take down {} (see `clade audit`)", not_fixed.join("; "));
+                }
+                Ok(serde_json::json!({"killed": sandbox, "reaped": reaped, "taken_down": left.len()}))
             }
         }
     }

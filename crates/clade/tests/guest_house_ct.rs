@@ -130,6 +130,48 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     assert_eq!(code, 0, "clean after --fix: {out}");
 }
 
+/// A ct sandbox whose supervisor is killed outright: reported lost, and `clade kill` takes down at once what it
+/// left (its processes, which sit in its cgroup and name no run dir, the cgroup, its tmpfs and run dirs);
+/// `clade audit` is clean right after, without waiting for anything to settle.
+#[test]
+fn guest_house_ct_lost_supervisor_kill_takes_everything_down() {
+    let Some(t) = common::ct_home("clade-lost-ct") else { return };
+    let h = t.path();
+    let run = ok(h, &["run", "ctbox", "--backend", "ct", "--json"]);
+    let sbx = run["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let ls = ok(h, &["ls", "--json"]);
+    let sup =
+        ls.as_array().unwrap().iter().find(|r| r["id"] == sbx.as_str()).unwrap()["supervisor_pid"].as_i64().unwrap();
+    let cg = Path::new("/sys/fs/cgroup/memory/clade").join(&sbx);
+    let procs: Vec<i32> = std::fs::read_to_string(cg.join("cgroup.procs"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert!(!procs.is_empty(), "the sandbox's processes are in its cgroup");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sup as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let ls = ok(h, &["ls", "--json"]);
+    let state = ls.as_array().unwrap().iter().find(|r| r["id"] == sbx.as_str()).unwrap()["state"].to_string();
+    assert!(state.contains("lost"), "{ls}");
+    let killed = ok(h, &["kill", &sbx, "--json"]);
+    assert!(killed["taken_down"].as_u64().unwrap() >= 2, "{killed}");
+    // Gone, or a zombie waiting for the host's init to reap it (its parent, the supervisor, is dead).
+    let running = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|st| st.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+    };
+    for pid in procs {
+        assert!(!running(pid), "process {pid} of the lost sandbox still runs");
+    }
+    let rundir = h.join("run").join(&sbx);
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!cg.exists() && !rundir.exists(), "cgroup or run dir left");
+    assert!(!mounts.contains(&rundir.display().to_string()), "a mount under {} left", rundir.display());
+    let (code, out, err) = common::clade(h, &["audit"]);
+    assert_eq!(code, 0, "clean right after kill: {err}{out}");
+}
+
 #[test]
 fn guest_house_completions_for_each_shell() {
     for shell in ["bash", "zsh", "fish"] {
