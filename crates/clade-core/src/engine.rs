@@ -253,13 +253,20 @@ impl Engine {
     }
 
     /// A warm-pool member made ready to be claimed: restored, hygiene applied (its identity is its own, named
-    /// when it was prepared), then paused. Nothing is recorded yet: the sandbox exists in the ledger only once
-    /// claimed.
-    pub fn warm(&self, p: PreparedRestore) -> Result<Warm> {
+    /// when it was prepared), its template's readiness waited for when `ready` names one (so a claimed browser
+    /// has its new, clean context loaded, not pending), then paused. Nothing is recorded yet: the sandbox
+    /// exists in the ledger only once claimed.
+    pub fn warm(&self, p: PreparedRestore, ready: Option<(clade_agent::ReadyTarget, Duration)>) -> Result<Warm> {
         let start = Instant::now();
         let mut sandbox = p.prepared.start()?;
         let restore = start.elapsed();
         let hygiene = if p.clean { Some(hygiene::apply(sandbox.agent(), &p.identity, true)?) } else { None };
+        if let Some((target, timeout)) = ready {
+            sandbox
+                .agent()
+                .wait_ready(target, timeout)
+                .map_err(|e| BackendError::Failed(format!("pool member: the template's readiness: {e}")))?;
+        }
         sandbox.pause()?;
         Ok(Warm { sandbox, hygiene, restore, warmed: start.elapsed(), paused_at: Instant::now() })
     }

@@ -143,7 +143,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         .prepare(backend.as_ref(), &id, &mark, 1)?
         .ok_or_else(|| anyhow!("the {} backend has no warm pool (restores are not split)", backend.kind().as_str()))?;
     // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
-    let warm = engine.warm(prepared)?;
+    let warm = engine.warm(prepared, base_readiness(&engine, &mark))?;
     let tmp = dir.join(format!("{id}.bind"));
     let listener = UnixListener::bind(&tmp)?;
     std::fs::rename(&tmp, dir.join(format!("{id}.sock")))?;
@@ -193,6 +193,14 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         let _ = writeln!(out, "{reply}");
     };
     super::server::serve_restored_then(engine, backend, id, restored, 1, &stop, notify)
+}
+
+/// When the mark is a template's base, that template's readiness check (a browser's page loaded after its
+/// hygiene), waited for before a member pauses; other marks have none recorded.
+fn base_readiness(engine: &Engine, mark: &Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
+    let base = engine.ledger().bases().ok()?.into_iter().find(|b| b.mark == mark.id)?;
+    let record = clade_template::find(&engine.home, base.template.as_str()).ok()?;
+    crate::cmd::base::ready_target(&record).map(|t| (t, Duration::from_secs(120)))
 }
 
 struct RemoveOnDrop(PathBuf);
