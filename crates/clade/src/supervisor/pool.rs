@@ -196,8 +196,9 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
 }
 
 /// When the mark is a template's base, that template's readiness check (a browser's page loaded after its
-/// hygiene), waited for before a member pauses; other marks have none recorded.
-fn base_readiness(engine: &Engine, mark: &Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
+/// hygiene), waited for before a member pauses and before a restored sandbox is announced ready; other marks
+/// have none recorded.
+pub(crate) fn base_readiness(engine: &Engine, mark: &Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
     let base = engine.ledger().bases().ok()?.into_iter().find(|b| b.mark == mark.id)?;
     let record = clade_template::find(&engine.home, base.template.as_str()).ok()?;
     crate::cmd::base::ready_target(&record).map(|t| (t, Duration::from_secs(120)))

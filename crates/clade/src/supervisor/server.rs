@@ -62,6 +62,14 @@ pub fn run(
             return Err(e.into());
         }
     };
+    // A template's base: ready means the template's own readiness (a browser's new clean context loaded after
+    // hygiene), not only the agent's hello. A sandbox that does not get there is still served (and says so
+    // in the supervisor's log): it runs, and the user can look at it.
+    if let Some((target, timeout)) = super::pool::base_readiness(&engine, &m) {
+        if let Err(e) = restored.sandbox.agent().wait_ready(target, timeout) {
+            eprintln!("clade supervisor: {id}: the template's readiness was not reached: {e}");
+        }
+    }
     serve_restored(engine, backend, id, restored, generation, &stop)
 }
 
