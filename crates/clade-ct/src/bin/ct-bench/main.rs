@@ -210,7 +210,31 @@ fn browser_workload(path: &str) -> Result<Workload, String> {
     })
 }
 
+const USAGE: &str = "ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] \
+                     [--only browser|minimal] [--mark-gap-secs 60] [--no-ksm]";
+
+/// Every argument is a known flag (with its value); `--help` prints the usage. A typo must not start a
+/// ten-minute run with the defaults.
+fn check_args() -> Result<bool, String> {
+    const VALUED: [&str; 6] = ["--n", "--payload-mib", "--mem-counts", "--mark-gap-secs", "--only", "--browser"];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "-h" | "--help" => return Ok(false),
+            "--no-ksm" => i += 1,
+            a if VALUED.contains(&a) && i + 1 < args.len() => i += 2,
+            a => return Err(format!("unknown or incomplete argument {a:?}; usage: {USAGE}")),
+        }
+    }
+    Ok(true)
+}
+
 fn run() -> Result<(), String> {
+    if !check_args()? {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let n: usize = arg("--n", "10").parse().map_err(|_| "--n: a number")?;
     let payload: u32 = arg("--payload-mib", "32").parse().map_err(|_| "--payload-mib: a number")?;
     let counts: Vec<usize> = arg("--mem-counts", "1,4,8").split(',').filter_map(|s| s.parse().ok()).collect();
