@@ -191,5 +191,16 @@ fn privileged_net_reset_destroys_established_connections() {
     let s = String::from_utf8_lossy(&server.output().unwrap().stdout).into_owned();
     let k = String::from_utf8_lossy(&client.output().unwrap().stdout).into_owned();
     assert!(s.contains("reset") || k.contains("reset"), "server: {s} client: {k}");
+    // Both processes have exited; the kept end's RST travels through loopback's softirq, which a loaded host
+    // may defer: wait (bounded) for no established socket to be left, then nothing matches any more.
+    let t0 = Instant::now();
+    loop {
+        let ss = out(&c, "cat /proc/net/tcp");
+        if !ss.lines().any(|l| l.split_whitespace().nth(3) == Some("01")) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "an established socket outlived both ends' processes:\n{ss}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(c.net_reset(Some("127.0.0.1".parse().unwrap()), &[]).unwrap(), 0);
 }
