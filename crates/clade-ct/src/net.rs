@@ -275,14 +275,14 @@ pub fn leftovers_of_id(id: &str) -> Vec<String> {
 }
 
 /// Take down what sandbox `id`'s network left on the host when nobody released it (its supervisor was
-/// killed): the NAT element and host link of the veth whose peer is in namespace `clade-<id>`, then the
-/// namespace. Every step runs; returns what was removed (empty when nothing was left).
+/// killed): the namespace `clade-<id>`, the host link of the veth whose peer is in it and, derived from that
+/// link's slot as [`SandboxNet::create`] assigns it, the NAT element; then the same [`SandboxNet::release`] a
+/// live sandbox uses. Returns what was removed (empty when nothing was left).
 pub fn release_by_id(id: &str) -> Vec<String> {
     let netns = format!("{NETNS_PREFIX}{id}");
     if !std::path::Path::new(NETNS_DIR).join(&netns).exists() {
         return Vec::new();
     }
-    let mut removed = Vec::new();
     // `eth0@if123`: the peer's host end has ifindex 123.
     let peer = Command::new("ip").args(["-n", &netns, "-o", "link", "show"]).stderr(Stdio::null()).output();
     let host_index = peer.ok().and_then(|o| {
@@ -296,28 +296,20 @@ pub fn release_by_id(id: &str) -> Vec<String> {
                 == Some(want)
         })
     });
-    if let Some(link) = link {
-        let addr = Command::new("ip").args(["-o", "-4", "addr", "show", "dev", &link]).output().ok().and_then(|o| {
-            let text = String::from_utf8_lossy(&o.stdout).into_owned();
-            let cidr = text.split_whitespace().skip_while(|w| *w != "inet").nth(1)?.to_string();
-            cidr.split('/').next()?.parse::<std::net::Ipv4Addr>().ok()
-        });
-        if let Some(a) = addr {
-            let subnet = format!("{}/30", ip4(u32::from(a) & !3));
-            if nat_elements().contains(&subnet)
-                && run("nft", &["delete", "element", "ip", "clade", "egress", &format!("{{ {subnet} }}")], None).is_ok()
-            {
-                removed.push(format!("nat element {subnet}"));
-            }
-        }
-        if run("ip", &["link", "del", &link], None).is_ok() {
-            removed.push(format!("link {link}"));
-        }
-    }
-    if run("ip", &["netns", "del", &netns], None).is_ok() {
-        removed.push(format!("netns {netns}"));
-    }
-    removed
+    let base =
+        link.as_deref().and_then(|l| l.strip_prefix(LINK_PREFIX)?.parse::<u32>().ok()).map(|slot| NET_BASE + slot * 4);
+    let mut net = SandboxNet {
+        netns,
+        link: link.unwrap_or_default(),
+        host_addr: ip4(base.map_or(0, |b| b + 1)),
+        addr: ip4(base.map_or(0, |b| b + 2)),
+        nat: base.is_some_and(|b| nat_elements().contains(&format!("{}/30", ip4(b)))),
+        released: false,
+    };
+    let before = net.leftovers();
+    let _ = net.release();
+    let after = net.leftovers();
+    before.into_iter().filter(|l| !after.contains(l)).collect()
 }
 
 /// How a mark's network namespace comes back.

@@ -26,13 +26,21 @@ pub fn ensure(home: &clade_core::CladeHome, agent_bin: &Path) -> Result<PathBuf,
     if dest.join(DONE).exists() {
         return Ok(dest);
     }
-    let tmp = home.tmp_dir().join(format!("ct-test-rootfs.tmp{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
+    // Tests of one binary run in parallel and may all find it missing: each builds its own temp (unique per
+    // thread), the first rename wins and the others drop theirs.
+    let tmp = clade_core::home::temp_beside(&dest);
     build(&tmp, agent_bin).inspect_err(|_| {
         let _ = std::fs::remove_dir_all(&tmp);
     })?;
-    let _ = std::fs::remove_dir_all(&dest);
-    std::fs::rename(&tmp, &dest).map_err(|e| format!("rename into {}: {e}", dest.display()))?;
+    if dest.exists() && !dest.join(DONE).exists() {
+        let _ = std::fs::remove_dir_all(&dest); // an older layout, or one cut short
+    }
+    if let Err(e) = std::fs::rename(&tmp, &dest) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !dest.join(DONE).exists() {
+            return Err(format!("rename into {}: {e}", dest.display()));
+        }
+    }
     Ok(dest)
 }
 

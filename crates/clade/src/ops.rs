@@ -392,13 +392,12 @@ impl Ops {
                     return Err(not_found(format!("sandbox {sandbox} is already dead")));
                 }
                 self.engine.ledger().set_sandbox_state(&id, SandboxState::Dead, None)?;
-                let reaped = reap_orphans(home, sandbox);
-                // Its processes (a ct sandbox's are in its cgroup), mounts, network and run dirs.
+                // What its dead supervisor left: processes naming its run dir (its QEMU, a restored tree's
+                // helper) and those in its cgroup (a ct sandbox's), mounts, network, run dirs.
                 let left = crate::audit::take_down(home, sandbox);
+                let reaped = left.iter().filter(|f| f.kind == "orphan-process").count();
                 let not_fixed: Vec<String> =
                     left.iter().filter(|f| !f.fixed).map(|f| format!("{} {}", f.kind, f.detail)).collect();
-                let _ = std::fs::remove_dir_all(sup_dir(home, sandbox));
-                let _ = std::fs::remove_dir_all(home.run_dir().join(sandbox));
                 if !not_fixed.is_empty() {
                     eprintln!("clade: {sandbox}: could not take down {} (see `clade audit`)", not_fixed.join("; "));
                 }
@@ -629,23 +628,6 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
         let _ = pool::refill(home, mark.id.as_str());
     }
     Ok((out, took))
-}
-
-/// Kill processes a dead supervisor left behind: those whose command line names the sandbox's run dir (its
-/// QEMU, or a restored tree's helper). Returns how many were signalled.
-fn reap_orphans(home: &CladeHome, sandbox: &str) -> usize {
-    let needle = home.run_dir().join(sandbox).display().to_string() + "/";
-    let mut n = 0;
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-        if String::from_utf8_lossy(&cmd).contains(&needle) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-            n += 1;
-        }
-    }
-    n
 }
 
 /// Whether a supervisor pid is alive (and is a clade supervisor, not a reused pid).
