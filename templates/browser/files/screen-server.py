@@ -3,7 +3,7 @@
 
 GET /title          -> {"title": ..., "url": ...} of Chromium's page, from CDP's /json/list
 GET /screenshot.png -> the X display as PNG (ImageMagick `import -window root`; for people, seconds under load)
-GET /ready          -> {"title", "differ_fraction", "ready"}: 200 when the screenshot differs from the blank
+GET /ready          -> {"title", "differ_fraction[_at_least]", "ready"}: 200 when the screenshot differs from the blank
                        desktop in more than 10% of pixels AND the page has a title AND no browser hygiene is
                        pending, else 503.
 POST /hygiene       -> 202: clear the cookies and replace the page by the same page in a new browser context
@@ -13,9 +13,14 @@ POST /hygiene       -> 202: clear the cookies and replace the page by the same p
 The readiness screenshot is Xvfb's own framebuffer (`-fbdir`: the screen memory-mapped in a file, XWD format):
 reading it is the screenshot, without an X round trip or a PNG encoder (`import` took ~2 s of a 2.4 s check on
 this 2-core host). Pixels are compared 32 bits at a time: XOR of the two frames, zero words counted in C.
+The agent polls /ready every 10 ms while the browser loads and paints on the same 2 cores, so a poll is
+cheap: no pixels before the page has a title, and then bands of rows equal to the blank are skipped with a
+memcmp and counting stops once 10% is passed (~2 ms instead of the full frame's ~30 ms of CPU; a restored
+browser's hygiene reached ready 271 -> 193 ms p50, measured in a live sandbox).
 """
 import array
 import json
+import mmap
 import os
 import random
 import signal
@@ -52,34 +57,72 @@ def screenshot():
 
 
 def pixels(path):
-    """(width, height, pixel bytes, colour mask of a pixel) of an XWD file of 32 bits per pixel (what Xvfb
-    writes for depth 24; the fourth byte is padding and not compared)."""
+    """(width, height, pixels, colour mask of a pixel) of an XWD file of 32 bits per pixel (what Xvfb writes
+    for depth 24; the fourth byte is padding and not compared). The pixels are a read-only mapping of the
+    file: slicing it reads only the rows asked for."""
     with open(path, "rb") as f:
-        data = f.read()
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     head = struct.unpack(">25I", data[:100])
     header_size, width, height, bpp, bytes_per_line, ncolors = head[0], head[4], head[5], head[11], head[12], head[19]
     mask = head[14] | head[15] | head[16]
     if bpp != 32 or bytes_per_line != width * 4:
         raise RuntimeError(f"{path}: {bpp} bits per pixel, {bytes_per_line} bytes per line: expected 32, {width * 4}")
     start = header_size + ncolors * 12
-    return width, height, data[start : start + bytes_per_line * height], mask
+    if len(data) < start + bytes_per_line * height:
+        raise RuntimeError(f"{path}: {len(data)} bytes, too short for {width}x{height}")
+    return width, height, memoryview(data)[start : start + bytes_per_line * height], mask
 
 
 _MASKS = {}
 
 
-def differ_fraction():
-    """Fraction of pixels of the screen that differ from the blank desktop."""
+def _row_mask(mask, width):
+    if (mask, width) not in _MASKS:
+        _MASKS[(mask, width)] = int.from_bytes(struct.pack("<I", mask) * width, "little")
+    return _MASKS[(mask, width)]
+
+
+def _differing(now, blank, mask, width):
+    """Pixels of one stretch of rows that differ (32-bit words, padding byte masked off)."""
+    xor = (int.from_bytes(now, "little") ^ int.from_bytes(blank, "little")) & _row_mask(mask, len(now) // 4)
+    words = array.array("I", xor.to_bytes(len(now), "little"))
+    return len(words) - words.count(0)
+
+
+def _frames():
     w, h, now, mask = pixels(FRAMEBUFFER)
     bw, bh, blank, _ = pixels(BLANK)
     if (w, h) != (bw, bh):
         raise RuntimeError(f"screen is {w}x{h}, the blank desktop {bw}x{bh}")
-    if (mask, w * h) not in _MASKS:
-        _MASKS[(mask, w * h)] = int.from_bytes(struct.pack("<I", mask) * (w * h), "little")
-    xor = int.from_bytes(now, "little") ^ int.from_bytes(blank, "little")
-    diff = (xor & _MASKS[(mask, w * h)]).to_bytes(len(now), "little")
-    words = array.array("I", diff)
-    return (len(words) - words.count(0)) / (w * h)
+    return w, h, now, blank, mask
+
+
+BAND = 16  # rows compared at once
+
+
+def differ_fraction():
+    """Fraction of pixels of the screen that differ from the blank desktop (exact; ~30 ms of CPU here)."""
+    w, h, now, blank, mask = _frames()
+    return _differing(now, blank, mask, w) / (w * h)
+
+
+def differs_more_than(threshold):
+    """(decided, fraction seen): whether more than `threshold` of the pixels differ from the blank desktop.
+    The readiness check runs every 10 ms while a browser paints on the same 2 cores, so it stops as soon as
+    the answer is known: bands of rows equal to the blank cost a memcmp, and counting stops once the
+    threshold is passed. The fraction is exact when the answer is no, a lower bound when it is yes."""
+    w, h, now, blank, mask = _frames()
+    need = threshold * w * h
+    seen = 0
+    step = BAND * w * 4
+    for off in range(0, len(now), step):
+        a, b = now[off : off + step], blank[off : off + step]
+        if a == b:
+            continue
+        seen += _differing(a, b, mask, w)
+        if seen > need:
+            return True, seen / (w * h)
+    return False, seen / (w * h)
 
 
 # Browser hygiene: None (nothing pending), "pending", or the error of the last attempt.
@@ -139,9 +182,13 @@ class Handler(BaseHTTPRequestHandler):
                     self.reply(503, {"ready": False, "hygiene": pending})
                     return
                 info = page()
-                frac = differ_fraction()
-                ready = frac > THRESHOLD and bool(info["title"])
-                self.reply(200 if ready else 503, {**info, "differ_fraction": round(frac, 4), "ready": ready})
+                if not info["title"]:
+                    # no title yet: not ready whatever the screen shows, and the pixels are not worth the CPU
+                    self.reply(503, {**info, "ready": False})
+                    return
+                ready, frac = differs_more_than(THRESHOLD)
+                key = "differ_fraction_at_least" if ready else "differ_fraction"
+                self.reply(200 if ready else 503, {**info, key: round(frac, 4), "ready": ready})
             else:
                 self.reply(404, {"error": "GET /title, /screenshot.png or /ready; POST /hygiene"})
         except Exception as e:  # noqa: BLE001 - any failure is a 503 with its reason
