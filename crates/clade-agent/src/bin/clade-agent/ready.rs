@@ -66,18 +66,30 @@ fn url_ok(hostport: &str, path: &str, deadline: Instant) -> Result<(), String> {
     }
     let line = String::from_utf8_lossy(&head[..got]).into_owned();
     if line.starts_with("HTTP/") && line.split_whitespace().nth(1).is_some_and(|c| c.starts_with('2') && c.len() == 3) {
+        drain(&mut s);
         return Ok(());
     }
     // Only on failure: the rest of a short answer, so the error says why (e.g. the template's reason).
     let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
     let mut rest = Vec::with_capacity(512);
-    let _ = s.take(512).read_to_end(&mut rest);
+    let _ = Read::by_ref(&mut s).take(512).read_to_end(&mut rest);
+    drain(&mut s);
     let text = format!("{line}{}", String::from_utf8_lossy(&rest));
     let body = text.split_once("\r\n\r\n").map(|(h, b)| (h.lines().next().unwrap_or(""), b));
     Err(match body {
         Some((status, b)) => format!("{status}: {}", b.trim().chars().take(300).collect::<String>()),
         None => text.lines().next().unwrap_or("no answer").chars().take(300).collect(),
     })
+}
+
+/// Reads the rest of a ready answer before closing. Closing a socket with unread data sends a reset, and the
+/// service's handler, still writing its answer, fails: Python's http.server then prints a traceback (3.11
+/// re-parses the source for it), which in a base marked right after its readiness happened again after every
+/// restore, in every sibling: under TCG ~400 KB of Python's code translated anew per sibling, ~14 MB of each
+/// QEMU's translation cache. Bounded (1 MiB, 2 s): a service that keeps the connection open is not waited for.
+fn drain(s: &mut TcpStream) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = std::io::copy(&mut Read::by_ref(s).take(1 << 20), &mut std::io::sink());
 }
 
 pub fn wait(target: &ReadyTarget, timeout_ms: u64) -> Response {
@@ -124,6 +136,32 @@ mod tests {
         assert_eq!(parse_url("http://h").unwrap(), ("h:80".into(), "/".into()));
         assert!(parse_url("https://h").is_err());
         assert!(parse_url("http:///x").is_err());
+    }
+
+    /// The ready check reads the whole answer: the service finishes writing it and sees an orderly close, not
+    /// a reset in the middle (which made Python's http.server print a traceback after every restore).
+    #[test]
+    fn a_ready_url_is_read_to_the_end_so_the_service_sees_no_reset() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut buf = [0u8; 1024];
+            let _ = c.read(&mut buf);
+            // More than a socket buffer, in pieces, after a pause: the client has the status line long before.
+            c.write_all(b"HTTP/1.0 200 OK\r\n\r\n").unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            let body = vec![b'x'; 64 * 1024];
+            let wrote: std::io::Result<()> = (0..8).try_for_each(|_| c.write_all(&body));
+            let _ = c.shutdown(std::net::Shutdown::Write);
+            let mut rest = Vec::new();
+            let closed = c.read_to_end(&mut rest).map(|_| rest.len());
+            (wrote.map_err(|e| e.to_string()), closed.map_err(|e| e.to_string()))
+        });
+        wait(&ReadyTarget::Url { url: format!("http://127.0.0.1:{port}/") }, 5_000).unwrap();
+        let (wrote, closed) = server.join().unwrap();
+        assert_eq!(wrote, Ok(()), "the service's answer was cut off by the ready check");
+        assert_eq!(closed, Ok(0), "the ready check did not close the connection in order");
     }
 
     #[test]
