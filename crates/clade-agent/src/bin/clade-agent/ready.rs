@@ -7,6 +7,8 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 const POLL: Duration = Duration::from_millis(10);
+/// The longest a ready answer's remainder is read for (see [`drain`]).
+const DRAIN_MAX: Duration = Duration::from_secs(2);
 
 fn port_listens(port: u16) -> bool {
     ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
@@ -66,14 +68,14 @@ fn url_ok(hostport: &str, path: &str, deadline: Instant) -> Result<(), String> {
     }
     let line = String::from_utf8_lossy(&head[..got]).into_owned();
     if line.starts_with("HTTP/") && line.split_whitespace().nth(1).is_some_and(|c| c.starts_with('2') && c.len() == 3) {
-        drain(&mut s);
+        drain(&mut s, deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(50), DRAIN_MAX));
         return Ok(());
     }
     // Only on failure: the rest of a short answer, so the error says why (e.g. the template's reason).
     let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
     let mut rest = Vec::with_capacity(512);
     let _ = Read::by_ref(&mut s).take(512).read_to_end(&mut rest);
-    drain(&mut s);
+    drain(&mut s, Duration::from_millis(200));
     let text = format!("{line}{}", String::from_utf8_lossy(&rest));
     let body = text.split_once("\r\n\r\n").map(|(h, b)| (h.lines().next().unwrap_or(""), b));
     Err(match body {
@@ -86,9 +88,10 @@ fn url_ok(hostport: &str, path: &str, deadline: Instant) -> Result<(), String> {
 /// service's handler, still writing its answer, fails: Python's http.server then prints a traceback (3.11
 /// re-parses the source for it), which in a base marked right after its readiness happened again after every
 /// restore, in every sibling: under TCG ~400 KB of Python's code translated anew per sibling, ~14 MB of each
-/// QEMU's translation cache. Bounded (1 MiB, 2 s): a service that keeps the connection open is not waited for.
-fn drain(s: &mut TcpStream) {
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+/// QEMU's translation cache. Bounded (1 MiB, and `wait` for each read; at most [`DRAIN_MAX`] after a ready
+/// answer, within the wait's deadline): a service that keeps the connection open is not waited for.
+fn drain(s: &mut TcpStream, wait: Duration) {
+    let _ = s.set_read_timeout(Some(wait));
     let _ = std::io::copy(&mut Read::by_ref(s).take(1 << 20), &mut std::io::sink());
 }
 
