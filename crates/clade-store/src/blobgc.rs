@@ -252,7 +252,7 @@ impl Store {
     /// Forget everything loaded and load the indexes of both tiers again (after a gc of the blob tier:
     /// a frame may have lost one of the packs that held it).
     pub(crate) fn rebuild_index(&self) -> Result<(), StoreError> {
-        *self.write_index() = crate::index::Index::default();
+        *self.raw_index_mut() = crate::index::Index::default();
         self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.reload_index()?;
         self.refresh_from_blob()?;

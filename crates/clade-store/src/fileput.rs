@@ -164,7 +164,7 @@ impl State {
         frame_blocks: usize,
     ) -> Vec<Out> {
         let found: Vec<Option<(FrameId, u16)>> = {
-            let idx = store.read_index();
+            let idx = store.dedup_index();
             ids.iter().map(|h| h.and_then(|h| idx.blocks.get(&h).copied())).collect()
         };
         let candidates = ids

@@ -3,6 +3,8 @@
 //!
 //! Memory: about 40 bytes per stored block in the dedup table plus 32 per block for verification, so roughly
 //! 18 MiB per GiB of unique stored data. Keys are already uniform hashes, so the maps use an identity hasher.
+//! The dedup table is built only for writers ([`Index::build_blocks`]): a process that only reads (a vm
+//! sandbox's disk server) holds the frames alone, about a third of the whole.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -42,6 +44,8 @@ pub(crate) struct Index {
     pub blocks: IdMap<ObjectId, (FrameId, u16)>,
     /// packs loaded, and how many frames each holds
     pub packs: IdMap<PackId, usize>,
+    /// Whether `blocks` holds every loaded frame's objects (built on a writer's first lookup).
+    pub blocks_built: bool,
 }
 
 impl Index {
@@ -51,17 +55,36 @@ impl Index {
             return;
         }
         self.packs.insert(pack, frames.len());
-        self.blocks.reserve(frames.iter().map(|f| f.objects.len()).sum());
+        if self.blocks_built {
+            self.blocks.reserve(frames.iter().map(|f| f.objects.len()).sum());
+        }
         for f in frames {
             let fid = f.id();
             if self.frames.contains_key(&fid) {
                 continue;
             }
-            for (i, o) in f.objects.iter().enumerate() {
-                self.blocks.entry(*o).or_insert((fid, i as u16));
+            if self.blocks_built {
+                for (i, o) in f.objects.iter().enumerate() {
+                    self.blocks.entry(*o).or_insert((fid, i as u16));
+                }
             }
             self.frames.insert(fid, FrameLoc { pack, entry: Arc::new(f) });
         }
+    }
+
+    /// Build the dedup table (object -> frame) from the frames loaded so far; packs added later go into it
+    /// as they come.
+    pub fn build_blocks(&mut self) {
+        if self.blocks_built {
+            return;
+        }
+        self.blocks.reserve(self.frames.values().map(|l| l.entry.objects.len()).sum());
+        for (fid, loc) in &self.frames {
+            for (i, o) in loc.entry.objects.iter().enumerate() {
+                self.blocks.entry(*o).or_insert((*fid, i as u16));
+            }
+        }
+        self.blocks_built = true;
     }
 
     /// Forget a pack (after gc removed it).

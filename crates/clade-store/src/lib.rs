@@ -33,6 +33,8 @@ mod push;
 mod reader;
 mod statcache;
 mod store;
+#[allow(unsafe_code)]
+mod trim;
 pub mod testkit;
 mod tree;
 mod writer;

@@ -437,7 +437,7 @@ impl Store {
         self.reload_index()?;
         let mut s = StoreStats { dir: self.inner.dir.display().to_string(), ..Default::default() };
         {
-            let idx = self.read_index();
+            let idx = self.dedup_index();
             s.packs = idx.packs.len() as u64;
             s.frames = idx.frames.len() as u64;
             s.objects = idx.blocks.len() as u64;

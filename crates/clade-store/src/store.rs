@@ -15,6 +15,7 @@
 use std::num::NonZeroUsize;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -105,6 +106,10 @@ pub(crate) struct Inner {
     pub leases: PathBuf,
     pub cfg: StoreConfig,
     pub index: RwLock<Index>,
+    /// Whether every local `.idx` file has been loaded once (see [`Store::read_index`]).
+    pub index_loaded: AtomicBool,
+    /// Held while the index is first loaded, so concurrent first users load it once.
+    pub index_loading: Mutex<()>,
     pub cache: Mutex<FrameCache>,
     pub manifest_cache: Mutex<LruCache<ManifestId, Arc<Manifest>>>,
     pub blob: Option<Blob>,
@@ -134,7 +139,10 @@ pub(crate) fn blob_key(local: &Path, dir: &Path) -> String {
 }
 
 impl Store {
-    /// Open (creating if needed) the store in `dir` and load its pack indexes.
+    /// Open (creating if needed) the store in `dir`. Its pack indexes are loaded on first use, not here: on a
+    /// store of a few GB that load is ~0.4 s and ~200 MB of memory, which every CLI command and every
+    /// sandbox's supervisor paid at open whether it read the store or not (`clade ls`, a ct restore from
+    /// images already laid out on this host).
     pub fn open(dir: &Path, cfg: StoreConfig) -> Result<Store, StoreError> {
         if cfg.frame_blocks == 0 || cfg.frame_blocks > 256 {
             return Err(StoreError::Invalid(format!("frame_blocks must be 1..=256, not {}", cfg.frame_blocks)));
@@ -160,6 +168,8 @@ impl Store {
             load_errors: Mutex::new(Vec::new()),
             gc_gen: Mutex::new(0),
             index: RwLock::new(Index::default()),
+            index_loaded: AtomicBool::new(false),
+            index_loading: Mutex::new(()),
             cfg,
         };
         for d in [&inner.dir, &inner.packs, &inner.manifests, &inner.trees, &inner.tmp, &inner.trash, &inner.leases] {
@@ -169,7 +179,6 @@ impl Store {
         std::fs::OpenOptions::new().create(true).append(true).open(&lock).ctx("create lock file", &lock)?;
         let store = Store { inner: Arc::new(inner) };
         *store.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = store.read_gc_gen();
-        store.reload_index()?;
         Ok(store)
     }
 
@@ -185,24 +194,75 @@ impl Store {
 
     /// Load any `.idx` files not yet in the index (packs written by other processes since open).
     pub fn reload_index(&self) -> Result<(), StoreError> {
+        self.load_new_indexes()?;
+        self.inner.index_loaded.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether the pack indexes have been loaded into memory yet (they are on first use).
+    pub fn index_loaded(&self) -> bool {
+        self.inner.index_loaded.load(Ordering::Acquire)
+    }
+
+    fn load_new_indexes(&self) -> Result<(), StoreError> {
         let files = fsutil::list_fanout(&self.inner.packs, ".idx")?;
         for f in files {
             let Ok(id) = fsutil::stem(&f).parse::<PackId>() else { continue };
-            if self.read_index().packs.contains_key(&id) {
+            if self.raw_index().packs.contains_key(&id) {
                 continue;
             }
             match load_idx_file(&f, &id) {
-                Ok(frames) => self.write_index().add_pack(id, frames),
-                Err(e) => {
-                    let mut errs = self.inner.load_errors.lock().unwrap_or_else(|p| p.into_inner());
-                    let msg = e.to_string();
-                    if !errs.contains(&msg) {
-                        errs.push(msg);
-                    }
-                }
+                Ok(frames) => self.raw_index_mut().add_pack(id, frames),
+                Err(e) => self.note_load_error(e.to_string()),
             }
         }
         Ok(())
+    }
+
+    fn note_load_error(&self, msg: String) {
+        let mut errs = self.inner.load_errors.lock().unwrap_or_else(|p| p.into_inner());
+        if !errs.contains(&msg) {
+            errs.push(msg);
+        }
+    }
+
+    /// Forget the in-memory index (it is loaded again on next use): a long-lived process that wrote a mark
+    /// and will mostly sit idle (a ct sandbox's supervisor) gives its ~200 MB back. Readers that hold the
+    /// index meanwhile finish first (the write lock waits for them).
+    pub fn release_index(&self) {
+        let _once = self.inner.index_loading.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idx = self.raw_index_mut();
+        *idx = Index::default();
+        self.inner.index_loaded.store(false, Ordering::Release);
+        self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        drop(idx);
+        crate::trim::return_free_memory();
+    }
+
+    /// Forget only the dedup table (rebuilt by the next writer); the frames stay for readers (a vm
+    /// sandbox's disk server keeps reading through them).
+    pub fn release_dedup(&self) {
+        let mut idx = self.raw_index_mut();
+        idx.blocks = Default::default();
+        idx.blocks_built = false;
+        drop(idx);
+        crate::trim::return_free_memory();
+    }
+
+    /// Loads every local pack index the first time anything needs the index. A failure to list the packs
+    /// is kept with the load errors (fsck reports them) and retried on the next use.
+    fn ensure_index(&self) {
+        if self.inner.index_loaded.load(Ordering::Acquire) {
+            return;
+        }
+        let _once = self.inner.index_loading.lock().unwrap_or_else(|p| p.into_inner());
+        if self.inner.index_loaded.load(Ordering::Acquire) {
+            return;
+        }
+        match self.load_new_indexes() {
+            Ok(()) => self.inner.index_loaded.store(true, Ordering::Release),
+            Err(e) => self.note_load_error(format!("listing the pack indexes: {e}")),
+        }
     }
 
     pub(crate) fn read_gc_gen(&self) -> u64 {
@@ -239,11 +299,34 @@ impl Store {
         self.reload_index()
     }
 
+    /// The index, loaded first if this is its first use.
     pub(crate) fn read_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
-        self.inner.index.read().unwrap_or_else(|p| p.into_inner())
+        self.ensure_index();
+        self.raw_index()
     }
 
     pub(crate) fn write_index(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
+        self.ensure_index();
+        self.raw_index_mut()
+    }
+
+    /// The index with its dedup table built (for writers: the first one in a process builds it).
+    pub(crate) fn dedup_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        let idx = self.read_index();
+        if idx.blocks_built {
+            return idx;
+        }
+        drop(idx);
+        self.write_index().build_blocks();
+        self.read_index()
+    }
+
+    /// The index as it is, loaded or not (for the loading itself).
+    pub(crate) fn raw_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        self.inner.index.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn raw_index_mut(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
         self.inner.index.write().unwrap_or_else(|p| p.into_inner())
     }
 

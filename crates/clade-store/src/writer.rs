@@ -134,7 +134,7 @@ impl Session {
     pub fn put_blocks(&mut self, data: &[u8], out: &mut Vec<Slot>) -> Result<(), StoreError> {
         let hashes = hash_parallel(data);
         let found: Vec<Option<(FrameId, u16)>> = {
-            let idx = self.store.read_index();
+            let idx = self.store.dedup_index();
             hashes.iter().map(|h| h.and_then(|h| idx.blocks.get(&h).copied())).collect()
         };
         for ((block, h), hit) in data.chunks(BLOCK).zip(hashes).zip(found) {

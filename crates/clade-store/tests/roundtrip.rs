@@ -242,3 +242,22 @@ fn handles_are_send_sync_and_clone() {
     send::<clade_store::ManifestBuilder>();
     send::<clade_store::Lease>();
 }
+
+/// Opening a store reads no pack index (a CLI command or a supervisor that never touches data pays nothing);
+/// the first read loads them, and a second handle sees what the first wrote.
+#[test]
+fn the_index_is_loaded_on_first_use_not_at_open() {
+    let d = tempfile::tempdir().unwrap();
+    let a = open(&d.path().join("s"));
+    let data = pages(7, 600);
+    let id = a.put_bytes(&data, ImageKind::Mem).unwrap().id.unwrap();
+
+    let b = open(&d.path().join("s"));
+    assert!(!b.index_loaded(), "open loaded the pack indexes");
+    assert_eq!(read_all(&b, &id), data);
+    assert!(b.index_loaded(), "a read did not load the pack indexes");
+    // Dedup against what is on disk works from a fresh handle too: nothing new is stored.
+    let c = open(&d.path().join("s"));
+    let again = c.put_bytes(&data, ImageKind::Mem).unwrap();
+    assert_eq!(again.bytes_new, 0, "{again:?}");
+}

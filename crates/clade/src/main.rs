@@ -112,7 +112,27 @@ enum Command {
     Supervise(cmd::supervise::Args),
 }
 
+/// `clade completions bash | head` closes the pipe early; `println!` (or clap's generator) then panics on
+/// the broken pipe. End quietly with the shell's SIGPIPE status instead, as Unix tools do; every other panic
+/// keeps the default report.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.contains("Broken pipe") || msg.contains("BrokenPipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
+}
+
 fn main() {
+    quiet_on_closed_stdout();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Doctor(a) => cmd::doctor::run(a),

@@ -575,6 +575,17 @@ fn done(r: Result<(), ClientError>, what: &str) -> Response {
     }
 }
 
+/// After a mark or a retake (the ops that write to or read much of the store): give back the store index this
+/// supervisor will not need while the sandbox runs. A ct sandbox reads nothing from the store while it runs,
+/// so the whole index goes (~200 MB on a store of a few GB, loaded again by the next mark); a vm sandbox's
+/// disk server keeps reading frames, so only the writers' dedup table goes.
+fn shed_store_memory(sup: &Supervisor) {
+    match sup.backend.kind() {
+        clade_core::backend::BackendKind::Ct => sup.engine.store.release_index(),
+        clade_core::backend::BackendKind::Vm => sup.engine.store.release_dedup(),
+    }
+}
+
 /// Ops that change the whole sandbox; the caller holds the gate alone.
 fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
     let mut slot = lock(&sup.sandbox);
@@ -585,12 +596,18 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
         Request::Mark { label, keep, not_clean } => {
             let opts = MarkOptions { label, not_clean };
             let sbx = slot.as_mut().expect("checked above");
-            match sup.engine.mark_sandbox(sbx.as_mut(), &sup.id, &opts, keep) {
+            let done = match sup.engine.mark_sandbox(sbx.as_mut(), &sup.id, &opts, keep) {
                 Ok(m) => (Response::ok(serde_json::to_value(&m).unwrap_or_default()), None),
                 Err(e) => (engine_err(e), None),
-            }
+            };
+            shed_store_memory(sup);
+            done
         }
-        Request::Retake { mark } => (retake(sup, &mut slot, &mark), None),
+        Request::Retake { mark } => {
+            let done = (retake(sup, &mut slot, &mark), None);
+            shed_store_memory(sup);
+            done
+        }
         Request::Suspend => {
             let rec = sup.engine.ledger().sandbox(&sup.id);
             let branch = match rec {
