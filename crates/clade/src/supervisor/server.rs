@@ -159,6 +159,8 @@ pub struct Supervisor {
     gate: RwLock<()>,
     procs: Arc<Procs>,
     last_activity_ms: AtomicU64,
+    /// When to give the store's index back (ms since the epoch; 0: nothing to give), see [`shed_store_memory`].
+    shed_store_at_ms: AtomicU64,
     end: Mutex<Option<End>>,
     sock: PathBuf,
 }
@@ -199,6 +201,7 @@ impl Supervisor {
             gate: RwLock::new(()),
             procs: Arc::new(Procs::default()),
             last_activity_ms: AtomicU64::new(now_ms()),
+            shed_store_at_ms: AtomicU64::new(0),
             end: Mutex::new(None),
             sock,
         }
@@ -240,6 +243,7 @@ fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> E
         if let Some(why) = sup.check_exited() {
             return End::Failed(why);
         }
+        shed_store_memory_when_due(sup);
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(200u16)) {
             Ok(0) | Err(_) => continue,
@@ -575,10 +579,26 @@ fn done(r: Result<(), ClientError>, what: &str) -> Response {
     }
 }
 
-/// After a mark or a retake (the ops that write to or read much of the store): give back the store index this
-/// supervisor will not need while the sandbox runs. A ct sandbox reads nothing from the store while it runs,
-/// so the whole index goes (~200 MB on a store of a few GB, loaded again by the next mark); a vm sandbox's
-/// disk server keeps reading frames, so only the writers' dedup table goes.
+/// How long after a mark or a retake the store's index is kept for the next one (an agent marking every few
+/// seconds does not reload it each time); after that an idle sandbox gives it back.
+const SHED_STORE_AFTER_MS: u64 = 60_000;
+
+/// Sheds the store's index once its time has come and no mark or retake is running (they hold the gate).
+fn shed_store_memory_when_due(sup: &Supervisor) {
+    let at = sup.shed_store_at_ms.load(Ordering::Relaxed);
+    if at == 0 || now_ms() < at {
+        return;
+    }
+    let Ok(_alone) = sup.gate.try_write() else { return };
+    if sup.shed_store_at_ms.compare_exchange(at, 0, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+        shed_store_memory(sup);
+    }
+}
+
+/// After a mark or a retake (the ops that write to or read much of the store), once idle: give back the
+/// store index this supervisor will not need while the sandbox runs. A ct sandbox reads nothing from the
+/// store while it runs, so the whole index goes (~200 MB on a store of a few GB, loaded again by the next
+/// mark); a vm sandbox's disk server keeps reading frames, so only the writers' dedup table goes.
 fn shed_store_memory(sup: &Supervisor) {
     match sup.backend.kind() {
         clade_core::backend::BackendKind::Ct => sup.engine.store.release_index(),
@@ -600,12 +620,12 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                 Ok(m) => (Response::ok(serde_json::to_value(&m).unwrap_or_default()), None),
                 Err(e) => (engine_err(e), None),
             };
-            shed_store_memory(sup);
+            sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
             done
         }
         Request::Retake { mark } => {
             let done = (retake(sup, &mut slot, &mark), None);
-            shed_store_memory(sup);
+            sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
             done
         }
         Request::Suspend => {
