@@ -105,6 +105,10 @@ pub fn serve_restored_then(
     write_ready(&ready, &r);
     ready_hook();
     let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
+    if sup.engine.store.index_loaded() {
+        // The restore read the store (a mark not laid out on this host yet): give the index back once idle.
+        sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
+    }
     let end = serve(&sup, &listener, stop);
     let (state, error) = match end {
         End::Suspended => (SandboxState::Suspended, None),
