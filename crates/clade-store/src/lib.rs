@@ -33,10 +33,10 @@ mod push;
 mod reader;
 mod statcache;
 mod store;
-#[allow(unsafe_code)]
-mod trim;
 pub mod testkit;
 mod tree;
+#[allow(unsafe_code)]
+mod trim;
 mod writer;
 
 pub use blob::BlobConfig;
