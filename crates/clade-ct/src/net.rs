@@ -274,13 +274,18 @@ pub fn leftovers_of_id(id: &str) -> Vec<String> {
     leftovers_of(&netns, "-")
 }
 
+/// The namespace file sandbox `id`'s network has while it exists (`/run/netns/clade-<id>`).
+pub fn netns_path_of(id: &str) -> PathBuf {
+    PathBuf::from(NETNS_DIR).join(format!("{NETNS_PREFIX}{id}"))
+}
+
 /// Take down what sandbox `id`'s network left on the host when nobody released it (its supervisor was
 /// killed): the namespace `clade-<id>`, the host link of the veth whose peer is in it and, derived from that
 /// link's slot as [`SandboxNet::create`] assigns it, the NAT element; then the same [`SandboxNet::release`] a
 /// live sandbox uses. Returns what was removed (empty when nothing was left).
 pub fn release_by_id(id: &str) -> Vec<String> {
     let netns = format!("{NETNS_PREFIX}{id}");
-    if !std::path::Path::new(NETNS_DIR).join(&netns).exists() {
+    if !netns_path_of(id).exists() {
         return Vec::new();
     }
     // `eth0@if123`: the peer's host end has ifindex 123.

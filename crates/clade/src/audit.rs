@@ -213,7 +213,7 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
         }
     }
     // A ct sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.
-    let netns = Path::new("/run/netns").join(format!("{}{id}", clade_ct::net::NETNS_PREFIX));
+    let netns = clade_ct::net::netns_path_of(id);
     if netns.exists() && settled(&netns) {
         let removed = if fix { clade_ct::net::release_by_id(id) } else { Vec::new() };
         let detail = if removed.is_empty() { netns.display().to_string() } else { removed.join(", ") };

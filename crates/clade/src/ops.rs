@@ -611,10 +611,11 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
             }
         }
     }
+    let any_claimed = !claimed.is_empty();
     let mut out = Vec::new();
     std::thread::scope(|scope| -> anyhow::Result<()> {
         let handles: Vec<_> =
-            claimed.iter().map(|(id, conn)| scope.spawn(move || pool::claim(engine, mark, id, conn))).collect();
+            claimed.into_iter().map(|(id, conn)| scope.spawn(move || pool::claim(engine, mark, &id, conn))).collect();
         for h in handles {
             out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
         }
@@ -624,7 +625,7 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
         out.push(wait_ready(engine, id, Some(*pid), READY_TIMEOUT)?);
     }
     let took = start.elapsed();
-    if !claimed.is_empty() {
+    if any_claimed {
         let _ = pool::refill(home, mark.id.as_str());
     }
     Ok((out, took))

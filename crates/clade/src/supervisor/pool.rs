@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, Context};
+use anyhow::anyhow;
 use clade_core::backend::Backend;
 use clade_core::engine::{from_ledger, Engine};
 use clade_core::CladeHome;
@@ -110,9 +110,8 @@ pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
 }
 
 /// Claim a taken member: record the sandbox, tell the member to run, wait for its `Ready`.
-pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, conn: &UnixStream) -> anyhow::Result<Ready> {
+pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, mut s: UnixStream) -> anyhow::Result<Ready> {
     engine.new_sandbox_with_id(from_ledger(mark.backend), Some(mark), Some(id.clone()))?;
-    let mut s = conn.try_clone().with_context(|| format!("pool member {id}"))?;
     s.set_read_timeout(Some(CLAIM_TIMEOUT))?;
     s.write_all(b"{\"op\":\"claim\"}\n")?;
     let mut line = String::new();

@@ -107,7 +107,7 @@ pub fn serve_restored_then(
     let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
     if sup.engine.store.index_loaded() {
         // The restore read the store (a mark not laid out on this host yet): give the index back once idle.
-        sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
+        sup.shed_store_later();
     }
     let end = serve(&sup, &listener, stop);
     let (state, error) = match end {
@@ -587,6 +587,13 @@ fn done(r: Result<(), ClientError>, what: &str) -> Response {
 /// seconds does not reload it each time); after that an idle sandbox gives it back.
 const SHED_STORE_AFTER_MS: u64 = 60_000;
 
+impl Supervisor {
+    /// Give the store's index back [`SHED_STORE_AFTER_MS`] from now, unless another mark or retake comes first.
+    fn shed_store_later(&self) {
+        self.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
+    }
+}
+
 /// Sheds the store's index once its time has come and no mark or retake is running (they hold the gate).
 fn shed_store_memory_when_due(sup: &Supervisor) {
     let at = sup.shed_store_at_ms.load(Ordering::Relaxed);
@@ -624,12 +631,12 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                 Ok(m) => (Response::ok(serde_json::to_value(&m).unwrap_or_default()), None),
                 Err(e) => (engine_err(e), None),
             };
-            sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
+            sup.shed_store_later();
             done
         }
         Request::Retake { mark } => {
             let done = (retake(sup, &mut slot, &mark), None);
-            sup.shed_store_at_ms.store(now_ms() + SHED_STORE_AFTER_MS, Ordering::Relaxed);
+            sup.shed_store_later();
             done
         }
         Request::Suspend => {
