@@ -82,7 +82,7 @@ def _row_mask(mask, width):
     return _MASKS[(mask, width)]
 
 
-def _differing(now, blank, mask, width):
+def _differing(now, blank, mask):
     """Pixels of one stretch of rows that differ (32-bit words, padding byte masked off)."""
     xor = (int.from_bytes(now, "little") ^ int.from_bytes(blank, "little")) & _row_mask(mask, len(now) // 4)
     words = array.array("I", xor.to_bytes(len(now), "little"))
@@ -100,12 +100,6 @@ def _frames():
 BAND = 16  # rows compared at once
 
 
-def differ_fraction():
-    """Fraction of pixels of the screen that differ from the blank desktop (exact; ~30 ms of CPU here)."""
-    w, h, now, blank, mask = _frames()
-    return _differing(now, blank, mask, w) / (w * h)
-
-
 def differs_more_than(threshold):
     """(decided, fraction seen): whether more than `threshold` of the pixels differ from the blank desktop.
     The readiness check runs every 10 ms while a browser paints on the same 2 cores, so it stops as soon as
@@ -119,7 +113,7 @@ def differs_more_than(threshold):
         a, b = now[off : off + step], blank[off : off + step]
         if a == b:
             continue
-        seen += _differing(a, b, mask, w)
+        seen += _differing(a, b, mask)
         if seen > need:
             return True, seen / (w * h)
     return False, seen / (w * h)
