@@ -33,6 +33,19 @@ pub fn wait_for(p: &Path, timeout: Duration) -> bool {
     false
 }
 
+/// The socket file appears at bind(), a moment before listen(): a connect in between is refused (seen
+/// once in CI), so a failed connect is retried for a few seconds before the test fails.
+pub fn connect_retrying(sock: &Path) -> AgentClient {
+    let t0 = Instant::now();
+    loop {
+        match AgentClient::connect_unix(sock) {
+            Ok(c) => return c,
+            Err(_) if t0.elapsed() < Duration::from_secs(5) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => panic!("agent at {} refused connections for 5 s: {e}", sock.display()),
+        }
+    }
+}
+
 /// `clade-agent serve` as a plain process on a unix socket in a temp dir, with `--sysroot` there too.
 pub struct PlainAgent {
     pub child: Child,
@@ -61,7 +74,7 @@ impl PlainAgent {
     }
 
     pub fn client(&self) -> AgentClient {
-        AgentClient::connect_unix(&self.sock).unwrap()
+        connect_retrying(&self.sock)
     }
 
     pub fn alive(&mut self) -> bool {
@@ -139,7 +152,7 @@ impl NsAgent {
     }
 
     pub fn client(&self) -> AgentClient {
-        AgentClient::connect_unix(self.sock()).unwrap()
+        connect_retrying(&self.sock())
     }
 
     pub fn alive(&self) -> bool {
