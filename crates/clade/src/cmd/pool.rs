@@ -35,6 +35,8 @@ pub enum Command {
         from: String,
         #[arg(long)]
         backend: Option<BackendKind>,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -49,15 +51,28 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             let start = Instant::now();
             let started = pool::refill(&home, m)?;
             if !no_wait {
-                while pool::members(&home, m).0.len() < size {
-                    if start.elapsed() > Duration::from_secs(300) {
-                        anyhow::bail!(
-                            "pool of {m} not full after 300 s; see {}",
-                            pool::pool_dir(&home, m).join("pool.log").display()
-                        );
+                let log = pool::pool_dir(&home, m).join("pool.log");
+                // Members that end before they wait failed: start them again, but not forever.
+                let mut restarted = 0;
+                loop {
+                    let (ready, starting) = pool::members(&home, m);
+                    if ready.len() >= size {
+                        break;
                     }
-                    if pool::members(&home, m).1 == 0 && pool::members(&home, m).0.len() < size {
-                        pool::refill(&home, m)?;
+                    if start.elapsed() > Duration::from_secs(300) {
+                        anyhow::bail!("pool of {m} not full after 300 s; see {}", log.display());
+                    }
+                    if starting == 0 {
+                        if restarted >= size {
+                            let text = std::fs::read_to_string(&log).unwrap_or_default();
+                            let tail: Vec<&str> = text.lines().rev().take(5).collect();
+                            anyhow::bail!(
+                                "pool members of {m} keep failing before they are ready; last lines of {}:\n{}",
+                                log.display(),
+                                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                            );
+                        }
+                        restarted += pool::refill(&home, m)?;
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 }
@@ -95,11 +110,15 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        Command::Drain { from, backend } => {
+        Command::Drain { from, backend, json } => {
             let engine = Engine::open(&home)?;
             let mark = engine.resolve_mark(&from, backend)?;
             let n = pool::drain(&home, mark.id.as_str());
-            println!("pool of {}: {n} member(s) ended", mark.id);
+            if json {
+                println!("{}", serde_json::json!({"mark": mark.id.as_str(), "ended": n}));
+            } else {
+                println!("pool of {}: {n} waiting member(s) ended (members still preparing end on their own)", mark.id);
+            }
             Ok(0)
         }
     }

@@ -43,7 +43,7 @@ fn supervisor_ends(home: &CladeHome, sandbox: &str) -> bool {
 
 fn connect(home: &CladeHome, sandbox: &str) -> anyhow::Result<UnixStream> {
     let sock = super::ctl_socket(home, sandbox);
-    UnixStream::connect(&sock).map_err(|e| {
+    super::connect_unix(&sock).map_err(|e| {
         anyhow!(ExitCoded::new(
             3,
             format!("sandbox {sandbox} has no live supervisor ({}: {e}); see `clade ls`", sock.display())

@@ -9,7 +9,7 @@ pub mod procs;
 pub mod protocol;
 pub mod server;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clade_core::CladeHome;
 
@@ -28,6 +28,31 @@ pub fn ready_file(home: &CladeHome, sandbox: &str) -> PathBuf {
 
 pub fn log_file(home: &CladeHome, sandbox: &str) -> PathBuf {
     sup_dir(home, sandbox).join("supervisor.log")
+}
+
+/// A unix socket path holds at most 107 bytes (`sun_path`), and a pool member's socket sits four names deep under
+/// `$CLADE_HOME` (a 26-byte home already overflows it). Longer paths are reached through the directory opened
+/// here: `/proc/self/fd/N/<name>` is short and resolves to the same place for bind and connect alike.
+fn via_short_path<T>(path: &Path, f: impl FnOnce(&Path) -> std::io::Result<T>) -> std::io::Result<T> {
+    const SUN_PATH_MAX: usize = 107;
+    if path.as_os_str().len() <= SUN_PATH_MAX {
+        return f(path);
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else { return f(path) };
+    let dir = std::fs::File::open(dir)?;
+    use std::os::fd::AsRawFd;
+    let short = Path::new("/proc/self/fd").join(dir.as_raw_fd().to_string()).join(name);
+    f(&short)
+}
+
+/// `UnixListener::bind` for a path of any length.
+pub fn bind_unix(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+    via_short_path(path, |p| std::os::unix::net::UnixListener::bind(p))
+}
+
+/// `UnixStream::connect` for a path of any length.
+pub fn connect_unix(path: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    via_short_path(path, |p| std::os::unix::net::UnixStream::connect(p))
 }
 
 /// Start `clade supervise ARGS...` detached: its own process group (it outlives the CLI and the daemon),

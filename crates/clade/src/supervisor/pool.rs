@@ -8,7 +8,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -99,7 +99,7 @@ pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
         if std::fs::rename(&sock, &claimed).is_err() {
             continue; // another fork took it
         }
-        let conn = UnixStream::connect(&claimed);
+        let conn = super::connect_unix(&claimed);
         let _ = std::fs::remove_file(&claimed);
         match conn {
             Ok(s) => return Some((SandboxId::new(id), s)),
@@ -137,6 +137,9 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
     let starting = dir.join(format!("{}.starting", std::process::id()));
     let _cleanup = RemoveOnDrop(starting.clone());
     let stop = super::server::stop_flag()?;
+    if size(&home, mark.id.as_str()) == 0 {
+        return Ok(()); // drained before this member started
+    }
     let id = SandboxId::generate();
     let prepared = engine
         .prepare(backend.as_ref(), &id, &mark, 1)?
@@ -144,9 +147,17 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
     // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
     let warm = engine.warm(prepared, base_readiness(&engine, &mark))?;
     let tmp = dir.join(format!("{id}.bind"));
-    let listener = UnixListener::bind(&tmp)?;
-    std::fs::rename(&tmp, dir.join(format!("{id}.sock")))?;
+    let listener = super::bind_unix(&tmp)?;
+    let published = dir.join(format!("{id}.sock"));
+    std::fs::rename(&tmp, &published)?;
     drop(_cleanup);
+    // A drain that ran while this member prepared saw no socket to end. `drain` forgets the size first and
+    // then takes the sockets; a member publishes first and then reads the size: so either the drain takes
+    // this socket, or this member sees the size gone and withdraws (unless a fork or the drain took it in
+    // between: then the accept below serves that claim or drain).
+    if size(&home, mark.id.as_str()) == 0 && std::fs::remove_file(&published).is_ok() {
+        return Ok(());
+    }
     // Wait for one claim (or a drain, or a signal).
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let stream = loop {
@@ -219,19 +230,24 @@ mod tests {
 
     #[test]
     fn take_drops_dead_members_and_hands_out_live_ones() {
-        let tmp = tempfile::tempdir().unwrap();
+        // A home as long as a test's temp home, and ids as long as real ones: the member sockets' paths are
+        // past what `sun_path` holds.
+        let tmp = tempfile::Builder::new().prefix("clade-pool-unit").tempdir_in("/var/tmp").unwrap();
         let home = CladeHome::at(tmp.path());
-        let dir = pool_dir(&home, "mk-x");
+        let mark = format!("mk-{}", "a".repeat(32));
+        let (dead, alive) = (format!("sb-{}", "d".repeat(32)), format!("sb-{}", "e".repeat(32)));
+        let dir = pool_dir(&home, &mark);
         std::fs::create_dir_all(&dir).unwrap();
+        assert!(dir.join(format!("{dead}.sock")).as_os_str().len() > 107, "{}", dir.display());
         // A member whose process died: its socket file stays, nobody listens.
-        drop(UnixListener::bind(dir.join("sb-dead.sock")).unwrap());
-        assert!(take(&home, "mk-x").is_none(), "a dead member was handed out");
+        drop(super::super::bind_unix(&dir.join(format!("{dead}.sock"))).unwrap());
+        assert!(take(&home, &mark).is_none(), "a dead member was handed out");
         assert!(std::fs::read_dir(&dir).unwrap().next().is_none(), "the dead member's socket was left");
         // A live one is taken once, and its socket leaves the pool.
-        let live = UnixListener::bind(dir.join("sb-live.sock")).unwrap();
-        let (id, _conn) = take(&home, "mk-x").expect("the live member");
-        assert_eq!(id.as_str(), "sb-live");
+        let live = super::super::bind_unix(&dir.join(format!("{alive}.sock"))).unwrap();
+        let (id, _conn) = take(&home, &mark).expect("the live member");
+        assert_eq!(id.as_str(), alive);
         assert!(live.accept().is_ok());
-        assert!(take(&home, "mk-x").is_none());
+        assert!(take(&home, &mark).is_none());
     }
 }

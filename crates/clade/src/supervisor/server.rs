@@ -100,7 +100,7 @@ pub fn serve_restored_then(
     std::fs::create_dir_all(&dir)?;
     let ready = super::ready_file(&home, id.as_str());
     let _ = engine.ledger().set_supervisor(&id, Some(std::process::id()), None);
-    let listener = UnixListener::bind(super::ctl_socket(&home, id.as_str()))?;
+    let listener = super::bind_unix(&super::ctl_socket(&home, id.as_str()))?;
     let r = ready_of(&id, &restored);
     write_ready(&ready, &r);
     ready_hook();
@@ -231,7 +231,7 @@ impl Supervisor {
     /// Record how the sandbox ends and wake the accept loop.
     fn set_end(&self, e: End) {
         *lock(&self.end) = Some(e);
-        let _ = UnixStream::connect(&self.sock);
+        let _ = super::connect_unix(&self.sock);
     }
 }
 
