@@ -51,6 +51,19 @@ impl Accel {
         }
     }
 
+    /// Words this accelerator adds to the guest kernel's command line. Under TCG: `mitigations=off`. The
+    /// guest's Spectre defences guard against a CPU speculating on the guest's own instructions, and under
+    /// TCG no CPU runs them: a retpoline becomes a translation-block lookup and the RSB fill on each context
+    /// switch a few dozen emulated calls, protecting nothing and costing emulated work on every indirect
+    /// call (docs/vm.md has the side-by-side figures). `CLADE_GUEST_MITIGATIONS=on` keeps the kernel's
+    /// default. Under KVM the guest's instructions run on the host CPU, so its defaults stay.
+    pub fn guest_cmdline_extra(self) -> &'static str {
+        match self {
+            Accel::Tcg if std::env::var("CLADE_GUEST_MITIGATIONS").as_deref() != Ok("on") => " mitigations=off",
+            _ => "",
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Accel::Kvm => "kvm",
@@ -258,6 +271,19 @@ fn pump(r: &mut impl Read, tx: std::sync::mpsc::Sender<Vec<u8>>) {
     while let Ok(n) = r.read(&mut buf) {
         if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
             break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_tcg_guest_boots_without_spectre_defences() {
+        assert_eq!(Accel::Kvm.guest_cmdline_extra(), "");
+        if std::env::var_os("CLADE_GUEST_MITIGATIONS").is_none() {
+            assert_eq!(Accel::Tcg.guest_cmdline_extra(), " mitigations=off");
         }
     }
 }

@@ -240,9 +240,10 @@ impl VmBackend {
             kernel: i.kernel.clone(),
             initrd: Some(i.initrd.clone()),
             append: format!(
-                "console=ttyS0 panic=-1 quiet {}=virtio:/dev/virtio-ports/{}",
+                "console=ttyS0 panic=-1 quiet {}=virtio:/dev/virtio-ports/{}{}",
                 clade_agent::CMDLINE_KEY,
-                clade_agent::VM_PORT_NAME
+                clade_agent::VM_PORT_NAME,
+                i.accel.guest_cmdline_extra()
             ),
             ram,
             disks: vec![NbdDisk { socket: disk.to_path_buf(), export: String::new(), read_only: false }],
