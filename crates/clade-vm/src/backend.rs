@@ -642,6 +642,17 @@ struct RunDir {
 impl RunDir {
     fn create(home: &CladeHome, id: &str) -> Result<Self, BackendError> {
         let path = home.run_dir().join(id);
+        // QEMU is handed its sockets (QMP, agent, disk) by path, and a unix socket path holds 107 bytes: a
+        // home too deep for them is refused here with what to do, not by QEMU half-way through a start.
+        let longest = path.join("agent.sock").as_os_str().len();
+        if longest > 107 {
+            return Err(failed(format!(
+                "CLADE_HOME {} is too long for a vm sandbox: its sockets would be {longest} bytes, and a unix \
+                 socket path holds 107; use a CLADE_HOME of at most {} bytes",
+                home.root().display(),
+                home.root().as_os_str().len() - (longest - 107)
+            )));
+        }
         if path.exists() {
             return Err(failed(format!("sandbox {id} already has a run dir {}", path.display())));
         }
@@ -919,5 +930,23 @@ impl Drop for VmSandbox {
             let _ = std::fs::remove_file(&self.ram_file);
         }
         self.leases.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_home_too_deep_for_qemus_sockets_is_refused_with_the_length_to_use() {
+        let t = tempfile::tempdir().unwrap();
+        let deep = t.path().join("x".repeat(60));
+        let id = format!("sb-{}", "0".repeat(32));
+        let err = RunDir::create(&CladeHome::at(&deep), &id).err().expect("refused");
+        let msg = err.to_string();
+        assert!(msg.contains("too long") && msg.contains("at most"), "{msg}");
+        assert!(!deep.join("run").join(&id).exists(), "no run dir is left");
+        let ok = RunDir::create(&CladeHome::at(t.path()), &id).expect("a short home works");
+        assert!(ok.path.exists());
     }
 }
