@@ -33,6 +33,8 @@ pub struct GcOutcome {
     /// Host cache directories of trees no mark names (ct uppers and images), and their bytes.
     pub cache_dirs_deleted: usize,
     pub cache_bytes_freed: u64,
+    /// Warm-pool members of marks that are gone (or being collected), ended: no claim can come for them.
+    pub pool_members_ended: usize,
     pub store: clade_store::GcReport,
     pub took_ms: f64,
 }
@@ -87,6 +89,7 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
     if !dry_run {
         engine.ledger().finish_collecting()?;
     }
+    let pool_members_ended = sweep_pools(engine, dry_run);
     let took = start.elapsed();
     if !dry_run {
         engine.op(
@@ -98,7 +101,7 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
             serde_json::json!({
                 "marks_deleted": ledger.deleted.len(), "manifests_deleted": manifests_deleted,
                 "bytes_freed": store.bytes_freed + ram_bytes_freed + cache_bytes_freed,
-                "cache_dirs_deleted": cache_dirs_deleted,
+                "cache_dirs_deleted": cache_dirs_deleted, "pool_members_ended": pool_members_ended,
             }),
         );
     }
@@ -110,9 +113,39 @@ pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
         ram_bytes_freed,
         cache_dirs_deleted,
         cache_bytes_freed,
+        pool_members_ended,
         store,
         took_ms: took.as_secs_f64() * 1e3,
     })
+}
+
+/// End the warm pools of marks the ledger no longer has (or is collecting): a fork of such a mark is refused,
+/// so their members would wait for ever, each holding a restored sandbox. Returns the members ended (in a dry
+/// run, the members that would be).
+fn sweep_pools(engine: &clade_core::engine::Engine, dry_run: bool) -> usize {
+    use crate::supervisor::pool;
+    let mut ended = 0;
+    let Ok(rd) = std::fs::read_dir(engine.home.run_dir().join("pool")) else { return 0 };
+    for e in rd.flatten() {
+        let mark = e.file_name().to_string_lossy().into_owned();
+        let gone = {
+            let l = engine.ledger();
+            matches!(l.mark(&clade_ledger::MarkId::new(mark.clone())), Err(clade_ledger::LedgerError::NotFound { .. }))
+                || matches!(l.collecting(&mark), Ok(Some(_)))
+        };
+        if !gone {
+            continue;
+        }
+        if dry_run {
+            ended += pool::members(&engine.home, &mark).0.len();
+            continue;
+        }
+        ended += pool::drain(&engine.home, &mark);
+        // Members still preparing find the size gone and end on their own; the directory goes once empty.
+        let _ = std::fs::remove_file(e.path().join("pool.log"));
+        let _ = std::fs::remove_dir(e.path());
+    }
+    ended
 }
 
 /// The per-host caches a `ct` restore lays out from a mark's trees, named by the tree's id.

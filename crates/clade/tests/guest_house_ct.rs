@@ -58,6 +58,10 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
         dry["ledger"]["deleted"].as_array().unwrap().iter().map(|d| d["mark"].as_str().unwrap()).collect();
     assert_eq!(doomed, [mark.as_str()], "{dry}");
 
+    // A warm pool of the doomed mark: its member is not in the ledger, so it does not keep the mark; gc ends it.
+    let fill = ok(h, &["pool", "fill", &mark, "--size", "1", "--json"]);
+    assert_eq!(fill["ready"], 1, "{fill}");
+
     // A gc paused between the ledger and the store: the mark is being collected, a fork of it is a conflict.
     let mut gc = Command::new(env!("CARGO_BIN_EXE_clade"))
         .args(["gc", "--json"])
@@ -84,6 +88,9 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     assert_eq!(code, 4, "still being collected after the crash");
     let done = ok(h, &["gc", "--json"]);
     assert!(done["manifests_deleted"].as_u64().unwrap() >= 1, "the mark's manifests were unpublished: {done}");
+    assert_eq!(done["pool_members_ended"], 1, "the collected mark's pool member was ended: {done}");
+    let pools = ok(h, &["pool", "ls", "--json"]);
+    assert_eq!(pools.as_array().unwrap().len(), 0, "no pool of a collected mark is left: {pools}");
     // The doomed mark's caches went with it (two trees); what is left is a tree the store still publishes.
     let left = tree_caches(h);
     assert_eq!(done["cache_dirs_deleted"], 2, "{done}");

@@ -84,7 +84,7 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
         let n = |v: &serde_json::Value| v.as_array().map(|a| a.len()).unwrap_or(0);
         format!(
             "{dry}marks: kept {}, deleted {} ({} branches purged); manifests unpublished {}; RAM files {} ({} MiB); \
-             cache dirs {} ({} MiB); store: {} packs deleted, {} repacked, {} kept ({} younger than the grace period); freed {} MiB in {:.0} ms",
+             cache dirs {} ({} MiB); pool members ended {}; store: {} packs deleted, {} repacked, {} kept ({} younger than the grace period); freed {} MiB in {:.0} ms",
             n(&l["kept"]),
             n(&l["deleted"]),
             n(&l["branches_purged"]),
@@ -93,6 +93,7 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
             b["ram_bytes_freed"].as_u64().unwrap_or(0) >> 20,
             b["cache_dirs_deleted"],
             b["cache_bytes_freed"].as_u64().unwrap_or(0) >> 20,
+            b["pool_members_ended"],
             st["packs_deleted"],
             st["packs_repacked"],
             st["packs_kept"],
