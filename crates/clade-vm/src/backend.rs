@@ -634,6 +634,22 @@ fn stored(r: &clade_store::PutReport) -> u64 {
     r.bytes_stored + r.manifest_bytes
 }
 
+/// QEMU is handed its sockets (QMP, agent, disk) by path, and a unix socket path holds 107 bytes: a home too
+/// deep for a sandbox `id`'s sockets is refused up front with what to do, not by QEMU half-way through a start.
+/// (`clade doctor` asks the same with a sandbox id's usual length.)
+pub fn check_socket_room(home: &CladeHome, id: &str) -> Result<(), String> {
+    let longest = home.run_dir().join(id).join("agent.sock").as_os_str().len();
+    if longest <= 107 {
+        return Ok(());
+    }
+    Err(format!(
+        "CLADE_HOME {} is too long for a vm sandbox: its sockets would be {longest} bytes, and a unix socket \
+         path holds 107; use a CLADE_HOME of at most {} bytes",
+        home.root().display(),
+        home.root().as_os_str().len().saturating_sub(longest - 107)
+    ))
+}
+
 /// A sandbox's run dir under `$CLADE_HOME/run`; removed on drop.
 struct RunDir {
     path: PathBuf,
@@ -642,17 +658,7 @@ struct RunDir {
 impl RunDir {
     fn create(home: &CladeHome, id: &str) -> Result<Self, BackendError> {
         let path = home.run_dir().join(id);
-        // QEMU is handed its sockets (QMP, agent, disk) by path, and a unix socket path holds 107 bytes: a
-        // home too deep for them is refused here with what to do, not by QEMU half-way through a start.
-        let longest = path.join("agent.sock").as_os_str().len();
-        if longest > 107 {
-            return Err(failed(format!(
-                "CLADE_HOME {} is too long for a vm sandbox: its sockets would be {longest} bytes, and a unix \
-                 socket path holds 107; use a CLADE_HOME of at most {} bytes",
-                home.root().display(),
-                home.root().as_os_str().len() - (longest - 107)
-            )));
-        }
+        check_socket_room(home, id).map_err(failed)?;
         if path.exists() {
             return Err(failed(format!("sandbox {id} already has a run dir {}", path.display())));
         }

@@ -30,6 +30,30 @@ fn doctor_reports_missing_parts_and_fails() {
     assert!(backends.iter().all(|b| b["ready"] == false));
 }
 
+/// A CLADE_HOME too deep for QEMU's unix sockets is named as the vm backend's missing part, with the length
+/// to use; a short one passes the same check.
+#[test]
+fn doctor_names_a_home_too_deep_for_qemus_sockets() {
+    let t = tempfile::tempdir().unwrap();
+    let run = |home: &std::path::Path| {
+        let out = clade()
+            .args(["doctor", "--json"])
+            .env("CLADE_HOME", home)
+            .env("PATH", "/nonexistent")
+            .env("CLADE_CRIU", "/nonexistent/criu")
+            .env_remove("CLADE_QEMU")
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["checks"].as_array().unwrap().iter().find(|c| c["name"] == "home-path").cloned().expect("a home-path check")
+    };
+    let deep = run(&t.path().join("d".repeat(70)));
+    assert_eq!(deep["ok"], false, "{deep}");
+    assert!(deep["detail"].as_str().unwrap().contains("at most"), "{deep}");
+    assert_eq!(deep["needed_by"], serde_json::json!(["vm"]), "{deep}");
+    assert_eq!(run(t.path())["ok"], true);
+}
+
 /// On this host: a real probe boot under KVM and under TCG. The choice must follow the KVM boot's outcome, and
 /// TCG must boot (QEMU and the guest kernel from ./x setup work).
 #[test]

@@ -97,6 +97,13 @@ fn vm_checks(home: &CladeHome, checks: &mut Vec<Check>, refresh: bool) -> Option
         (Some(q), Some(v)) => checks.push(Check::ok("qemu", format!("{} {v}", q.display()))),
         _ => checks.push(Check::missing("qemu", "qemu-system-x86_64 not found", SETUP).needed_by(vm)),
     }
+    let typical_id = format!("sb-{}", "0".repeat(32));
+    match clade_vm::backend::check_socket_room(home, &typical_id) {
+        Ok(()) => {
+            checks.push(Check::ok("home-path", format!("{} leaves room for QEMU's sockets", home.root().display())))
+        }
+        Err(e) => checks.push(Check::missing("home-path", e, "set CLADE_HOME to a shorter path").needed_by(vm)),
+    }
     let kdir = home.kernel_dir();
     let release = std::fs::read_to_string(kdir.join("release")).map(|s| s.trim().to_string()).ok();
     let kernel = kdir.join("vmlinux");
