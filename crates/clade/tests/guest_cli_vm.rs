@@ -51,6 +51,9 @@ fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
     // suspend and resume.
     ok(h, &["exec", &ids[1], "--", "sh", "-c", "echo kept > /root/s"]);
     ok(h, &["suspend", &ids[1]]);
+    // The end is recorded before the answer: the old supervisor's directory is already gone, so a resume
+    // right away cannot meet it (nor its ledger row, below).
+    assert!(!h.join("run").join(format!("{}.sup", ids[1])).exists(), "the suspended supervisor's dir is left");
     let ls: serde_json::Value = serde_json::from_str(&ok(h, &["ls", "--json"])).unwrap();
     let state = |ls: &serde_json::Value, id: &str| {
         ls.as_array().unwrap().iter().find(|r| r["id"] == id).map(|r| r["state"].as_str().unwrap().to_string())

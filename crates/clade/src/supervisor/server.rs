@@ -110,21 +110,7 @@ pub fn serve_restored_then(
         sup.shed_store_later();
     }
     let end = serve(&sup, &listener, stop);
-    let (state, error) = match end {
-        End::Suspended => (SandboxState::Suspended, None),
-        End::Killed | End::Signal => (SandboxState::Dead, None),
-        End::Failed(why) => {
-            eprintln!("supervisor: sandbox {} ended on its own: {why}", sup.id);
-            (SandboxState::Failed, Some(why))
-        }
-    };
-    sup.procs.forget_all("the sandbox ended");
-    if let Some(s) = lock(&sup.sandbox).take() {
-        let _ = s.kill();
-    }
-    let _ = sup.engine.ledger().set_supervisor(&sup.id, None, None);
-    let _ = sup.engine.ledger().set_sandbox_state(&sup.id, state, error.as_deref());
-    let _ = std::fs::remove_dir_all(&dir);
+    sup.finish(&end);
     Ok(())
 }
 
@@ -166,6 +152,10 @@ pub struct Supervisor {
     /// When to give the store's index back (ms since the epoch; 0: nothing to give), see [`shed_store_memory`].
     shed_store_at_ms: AtomicU64,
     end: Mutex<Option<End>>,
+    /// Set once the end is recorded ([`Supervisor::finish`]).
+    finished: std::sync::atomic::AtomicBool,
+    /// Wakes the accept loop when the end is set (a byte written to one side, polled on the other).
+    wake: (UnixStream, UnixStream),
     sock: PathBuf,
 }
 
@@ -207,6 +197,8 @@ impl Supervisor {
             last_activity_ms: AtomicU64::new(now_ms()),
             shed_store_at_ms: AtomicU64::new(0),
             end: Mutex::new(None),
+            finished: std::sync::atomic::AtomicBool::new(false),
+            wake: UnixStream::pair().expect("a socketpair for the supervisor's wake-up"),
             sock,
         }
     }
@@ -231,7 +223,35 @@ impl Supervisor {
     /// Record how the sandbox ends and wake the accept loop.
     fn set_end(&self, e: End) {
         *lock(&self.end) = Some(e);
-        let _ = super::connect_unix(&self.sock);
+        let _ = (&self.wake.0).write_all(b"x");
+    }
+
+    /// Record the sandbox's end, once: its processes forgotten, whatever still runs killed, the ledger told,
+    /// this supervisor's directory (control socket included) removed. A request that ends the sandbox
+    /// (suspend, kill) does this *before* it answers: a client that hears "suspended" may resume at once, and
+    /// a resume starts a new supervisor under the same id, whose directory and ledger row this one must not
+    /// touch any more (before 2026-12-03 a resume right after a suspend found the sandbox still "running").
+    fn finish(&self, end: &End) {
+        if self.finished.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (state, error) = match end {
+            End::Suspended => (SandboxState::Suspended, None),
+            End::Killed | End::Signal => (SandboxState::Dead, None),
+            End::Failed(why) => {
+                eprintln!("supervisor: sandbox {} ended on its own: {why}", self.id);
+                (SandboxState::Failed, Some(why.as_str()))
+            }
+        };
+        self.procs.forget_all("the sandbox ended");
+        if let Some(s) = lock(&self.sandbox).take() {
+            let _ = s.kill();
+        }
+        let _ = self.engine.ledger().set_supervisor(&self.id, None, None);
+        let _ = self.engine.ledger().set_sandbox_state(&self.id, state, error);
+        if let Some(dir) = self.sock.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -248,10 +268,14 @@ fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> E
             return End::Failed(why);
         }
         shed_store_memory_when_due(sup);
-        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        let mut fds =
+            [PollFd::new(listener.as_fd(), PollFlags::POLLIN), PollFd::new(sup.wake.1.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(200u16)) {
             Ok(0) | Err(_) => continue,
             Ok(_) => {}
+        }
+        if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+            continue; // the end was set: checked at the top
         }
         let Ok((stream, _)) = listener.accept() else { continue };
         if sup.ended().is_some() {
@@ -324,7 +348,11 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         Request::Mark { .. } | Request::Retake { .. } | Request::Suspend | Request::Kill => {
             let (resp, end) = {
                 let _g = sup.gate.write();
-                exclusive(sup, req)
+                let (resp, end) = exclusive(sup, req);
+                if let Some(e) = &end {
+                    sup.finish(e); // recorded before the answer (see `finish`)
+                }
+                (resp, end)
             };
             let _ = send_line(&mut out, &resp);
             if let Some(e) = end {
