@@ -48,6 +48,13 @@ pub(crate) struct Index {
     pub blocks_built: bool,
 }
 
+/// Point each of frame `fid`'s objects that the dedup table does not know yet at that frame.
+fn add_objects(blocks: &mut IdMap<ObjectId, (FrameId, u16)>, fid: FrameId, f: &FrameEntry) {
+    for (i, o) in f.objects.iter().enumerate() {
+        blocks.entry(*o).or_insert((fid, i as u16));
+    }
+}
+
 impl Index {
     /// Add a pack's frames. The first frame seen for an object stays its dedup target.
     pub fn add_pack(&mut self, pack: PackId, frames: Vec<FrameEntry>) {
@@ -64,9 +71,7 @@ impl Index {
                 continue;
             }
             if self.blocks_built {
-                for (i, o) in f.objects.iter().enumerate() {
-                    self.blocks.entry(*o).or_insert((fid, i as u16));
-                }
+                add_objects(&mut self.blocks, fid, &f);
             }
             self.frames.insert(fid, FrameLoc { pack, entry: Arc::new(f) });
         }
@@ -80,9 +85,7 @@ impl Index {
         }
         self.blocks.reserve(self.frames.values().map(|l| l.entry.objects.len()).sum());
         for (fid, loc) in &self.frames {
-            for (i, o) in loc.entry.objects.iter().enumerate() {
-                self.blocks.entry(*o).or_insert((*fid, i as u16));
-            }
+            add_objects(&mut self.blocks, *fid, &loc.entry);
         }
         self.blocks_built = true;
     }

@@ -108,7 +108,7 @@ pub(crate) struct Inner {
     pub index: RwLock<Index>,
     /// Whether every local `.idx` file has been loaded once (see [`Store::read_index`]).
     pub index_loaded: AtomicBool,
-    /// Held while the index is first loaded, so concurrent first users load it once.
+    /// Held while pack indexes are loaded (or the index released), so concurrent loads read each pack once.
     pub index_loading: Mutex<()>,
     pub cache: Mutex<FrameCache>,
     pub manifest_cache: Mutex<LruCache<ManifestId, Arc<Manifest>>>,
@@ -192,8 +192,10 @@ impl Store {
         &self.inner.cfg
     }
 
-    /// Load any `.idx` files not yet in the index (packs written by other processes since open).
+    /// Load any `.idx` files not yet in the index (packs written by other processes since open). Loads are
+    /// serialised: a second caller meanwhile waits and then finds those packs loaded (no pack read twice).
     pub fn reload_index(&self) -> Result<(), StoreError> {
+        let _once = self.inner.index_loading.lock().unwrap_or_else(|p| p.into_inner());
         self.load_new_indexes()?;
         self.inner.index_loaded.store(true, Ordering::Release);
         Ok(())
@@ -255,13 +257,8 @@ impl Store {
         if self.inner.index_loaded.load(Ordering::Acquire) {
             return;
         }
-        let _once = self.inner.index_loading.lock().unwrap_or_else(|p| p.into_inner());
-        if self.inner.index_loaded.load(Ordering::Acquire) {
-            return;
-        }
-        match self.load_new_indexes() {
-            Ok(()) => self.inner.index_loaded.store(true, Ordering::Release),
-            Err(e) => self.note_load_error(format!("listing the pack indexes: {e}")),
+        if let Err(e) = self.reload_index() {
+            self.note_load_error(format!("listing the pack indexes: {e}"));
         }
     }
 

@@ -44,6 +44,16 @@ impl DiskHost {
         let export = Arc::new(
             clade_nbd::store_export(&self.store, &id, false).map_err(|e| DiskError::Store(manifest.into(), e))?,
         );
+        if !self.store.index_loaded() {
+            // The export reads frames through the store's index, loaded on first use: load it now, beside
+            // QEMU's start (a pool member: before its claim), not on the guest's first disk read.
+            let store = self.store.clone();
+            std::thread::spawn(move || {
+                if let Err(e) = store.reload_index() {
+                    eprintln!("clade-vm: loading the store index: {e}");
+                }
+            });
+        }
         let server = Server::new();
         server.add_export("", export.clone());
         let _guard = self.rt.enter();

@@ -92,10 +92,11 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                 for e in rd.flatten() {
                     let m = e.file_name().to_string_lossy().into_owned();
                     let (ready, starting) = pool::members(&home, &m);
-                    if pool::size(&home, &m) == 0 && ready.is_empty() && starting == 0 {
+                    let size = pool::size(&home, &m);
+                    if size == 0 && ready.is_empty() && starting == 0 {
                         continue; // a drained pool: nothing to show
                     }
-                    rows.push(serde_json::json!({"mark": m, "size": pool::size(&home, &m), "ready": ready.len(), "starting": starting}));
+                    rows.push(serde_json::json!({"mark": m, "size": size, "ready": ready.len(), "starting": starting}));
                 }
             }
             if json {

@@ -25,16 +25,6 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let found = engine.ledger().mark(&MarkId::new(a.mark.clone()));
     let mark = found?;
     let backend = crate::backends::open(&engine, from_ledger(mark.backend))?;
-    if backend.kind() == clade_core::backend::BackendKind::Vm {
-        // A vm sandbox's disk server reads through the store's index (loaded on first use): load it beside
-        // QEMU's start (a pool member: before its claim) instead of on the guest's first disk read.
-        let store = engine.store.clone();
-        std::thread::spawn(move || {
-            if let Err(e) = store.reload_index() {
-                eprintln!("clade supervisor: loading the store index: {e}");
-            }
-        });
-    }
     if a.pool {
         crate::supervisor::pool::run_member(engine, backend, mark)?;
     } else {

@@ -162,7 +162,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let stream = loop {
         if stop.load(Ordering::Relaxed) {
-            let _ = std::fs::remove_file(dir.join(format!("{id}.sock")));
+            let _ = std::fs::remove_file(&published);
             return Ok(());
         }
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];

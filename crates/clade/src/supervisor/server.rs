@@ -156,7 +156,8 @@ pub struct Supervisor {
     finished: std::sync::atomic::AtomicBool,
     /// Wakes the accept loop when the end is set (a byte written to one side, polled on the other).
     wake: (UnixStream, UnixStream),
-    sock: PathBuf,
+    /// This supervisor's directory (`sup_dir`: control socket, ready file, log).
+    dir: PathBuf,
 }
 
 #[derive(Debug, Clone)]
@@ -185,7 +186,7 @@ impl Supervisor {
         generation: u64,
         home: &CladeHome,
     ) -> Supervisor {
-        let sock = super::ctl_socket(home, id.as_str());
+        let dir = super::sup_dir(home, id.as_str());
         Supervisor {
             engine,
             backend,
@@ -199,7 +200,7 @@ impl Supervisor {
             end: Mutex::new(None),
             finished: std::sync::atomic::AtomicBool::new(false),
             wake: UnixStream::pair().expect("a socketpair for the supervisor's wake-up"),
-            sock,
+            dir,
         }
     }
 
@@ -249,9 +250,7 @@ impl Supervisor {
         }
         let _ = self.engine.ledger().set_supervisor(&self.id, None, None);
         let _ = self.engine.ledger().set_sandbox_state(&self.id, state, error);
-        if let Some(dir) = self.sock.parent() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
