@@ -151,3 +151,51 @@ pub fn pss_rss(pid: u32) -> Option<(u64, u64)> {
     };
     Some((field("Pss:")?, field("Rss:")?))
 }
+
+/// Proportional and resident set size, in bytes, of the mappings of a process whose file lies under `dir`
+/// (from /proc/PID/smaps). The vm bench uses it for the guest RAM alone: the mappings of the root RAM files,
+/// the part that siblings share, apart from QEMU's own code and heap. `(0, 0)` when nothing there is mapped.
+pub fn mapped_pss_rss(pid: u32, dir: &Path) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let (mut pss, mut rss, mut inside) = (0u64, 0u64, false);
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+            // A mapping's header: range perms offset dev inode [path]; the path is the sixth field on.
+            let path = line.split_whitespace().nth(5).unwrap_or_default();
+            inside = !path.is_empty() && Path::new(path).starts_with(dir);
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        let kb = || words.clone().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
+        match first {
+            "Pss:" => pss += kb(),
+            "Rss:" => rss += kb(),
+            _ => {}
+        }
+    }
+    Some((pss, rss))
+}
+
+#[cfg(test)]
+mod mapped_tests {
+    use super::*;
+
+    #[test]
+    fn mapped_pss_rss_counts_only_mappings_under_the_dir() {
+        let me = std::process::id();
+        let exe = std::env::current_exe().expect("own exe");
+        let dir = exe.parent().expect("exe dir");
+        let (pss, rss) = mapped_pss_rss(me, dir).expect("own smaps");
+        assert!(rss > 0, "the test binary is mapped from {}", dir.display());
+        assert!(pss <= rss && pss > 0, "pss {pss} rss {rss}");
+        let (_, all_rss) = pss_rss(me).expect("own rollup");
+        assert!(rss < all_rss, "the binary alone ({rss}) is less than the whole process ({all_rss})");
+        let none = mapped_pss_rss(me, Path::new("/nonexistent-clade-dir")).expect("own smaps");
+        assert_eq!(none, (0, 0));
+        assert!(mapped_pss_rss(u32::MAX, dir).is_none(), "no such process");
+    }
+}

@@ -5,7 +5,7 @@
 //! same QEMU on the same RAM file and device state, with `qemu-nbd` for the disk).
 
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -64,6 +64,19 @@ fn wait_pool(home: &CladeHome, mark: &str, n: usize) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sum PSS and RSS of the guest RAM alone: the sandboxes' mappings of root RAM files under `ram_dir`.
+fn guest_ram_pss_of(home: &CladeHome, ids: &[String], ram_dir: &Path) -> (u64, u64) {
+    let pids: Vec<u32> = ids
+        .iter()
+        .filter_map(|id| client::call(home, id, &Request::Info).ok())
+        .flat_map(|v| v["pids"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p.as_u64().map(|p| p as u32))
+        .collect();
+    pids.iter()
+        .filter_map(|p| clade_core::host::mapped_pss_rss(*p, ram_dir))
+        .fold((0, 0), |(p, r), (mp, mr)| (p + mp, r + mr))
 }
 
 fn pss_of(home: &CladeHome, ids: &[String]) -> (u64, u64) {
@@ -170,6 +183,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let counts: &[usize] = if a.quick { &[1, 3, 4, 8] } else { &[1, 3, 4, 8, 12] };
     let mut ids = Vec::new();
     let (mut xs, mut ys, mut at3) = (Vec::new(), Vec::new(), 0.0);
+    let ram_dir = vm.root_ram_file("x").parent().map(Path::to_path_buf).unwrap_or_default();
+    let (mut ram3, mut whole3) = ((0, 0), (0, 0));
     for &c in counts {
         let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
         ids.extend(ready.into_iter().map(|r| r.sandbox));
@@ -179,6 +194,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         ys.push(p as f64);
         if c == 3 {
             at3 = p as f64 / r as f64;
+            whole3 = (p, r);
+            ram3 = guest_ram_pss_of(&home, &ids, &ram_dir);
         }
     }
     kill_all(&home, &ids);
@@ -198,13 +215,30 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     emit(
         &mut figs,
         Figure {
-            name: "vm sum PSS / sum RSS at 3 siblings".into(),
+            name: "vm sum PSS / sum RSS at 3 siblings, whole QEMU processes".into(),
             value: at3,
             unit: "ratio".into(),
             bar: "<= 0.40".into(),
             pass: at3 <= 0.40,
             samples: vec![at3],
-            detail: serde_json::json!({"accel": accel}),
+            detail: serde_json::json!({"accel": accel, "sum_pss_bytes": whole3.0, "sum_rss_bytes": whole3.1}),
+        },
+    );
+    // The same ratio over the guest RAM mappings alone, the measure engrams' 0.35 ("33% is ideal sharing" for
+    // three guests) is of; the whole-process figure above adds QEMU's private heap and, under TCG, its
+    // translation cache (docs/vm.md, "Memory of an idle sibling").
+    let ram_at3 = if ram3.1 > 0 { ram3.0 as f64 / ram3.1 as f64 } else { f64::NAN };
+    emit(
+        &mut figs,
+        Figure {
+            name: "vm sum PSS / sum RSS at 3 siblings, guest RAM".into(),
+            value: ram_at3,
+            unit: "ratio".into(),
+            bar: "<= 0.40".into(),
+            pass: ram_at3 <= 0.40,
+            samples: vec![ram_at3],
+            detail: serde_json::json!({"accel": accel, "sum_pss_bytes": ram3.0, "sum_rss_bytes": ram3.1,
+                "ram_dir": ram_dir}),
         },
     );
 
