@@ -489,6 +489,16 @@ impl Ops {
         Ok(serde_json::to_value(crate::audit::audit(self, fix)?)?)
     }
 
+    /// Seed 000's sibling audit of two running ct sandboxes: see [`crate::siblings`].
+    pub fn audit_siblings(
+        &self,
+        a: &str,
+        b: &str,
+        control: crate::siblings::Control,
+    ) -> anyhow::Result<serde_json::Value> {
+        crate::siblings::audit_siblings(self, a, b, control)
+    }
+
     /// Refuse a mark (or suspend) that might not fit: the store's filesystem needs the sandbox's last mark's
     /// growth (at least 1 GiB) plus a reserve of 1 GiB, so nothing is half-written for want of space.
     fn ensure_room_for_mark(&self, sandbox: &str) -> anyhow::Result<()> {

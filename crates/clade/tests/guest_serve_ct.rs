@@ -140,6 +140,16 @@ fn guest_serve_ct_cli_through_daemon_stream_files_idle_restart() {
     let (code, _, err) = clade(h, Some(&host), &["exec", "sbx-nope", "--", "true"]);
     assert_eq!(code, 3, "{err}");
 
+    // The sibling audit through the daemon (`POST /v1/audit` with `siblings`); no template is catalogued in
+    // this home, so the cold control is refused as not found and the literal rule runs on request.
+    let (code, _, err) = clade(h, Some(&host), &["audit", &ids[0], &ids[1]]);
+    assert_eq!(code, 3, "no cold pair without a catalogued template: {err}");
+    assert!(err.contains("--control"), "the refusal says what to do instead: {err}");
+    let (code, out, err) = clade(h, Some(&host), &["audit", &ids[0], &ids[1], "--no-control", "--json"]);
+    let lit: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    assert_eq!(lit["shared_besides_char_devices"], 0, "{lit}");
+    assert_eq!(code, if lit["pass"] == true { 0 } else { 1 }, "{lit}");
+
     // Streamed exec: events in order, the second line after the sleep.
     let body = br#"{"argv":["sh","-c","echo one; sleep 0.3; echo two >&2; exit 3"],"stream":true}"#;
     let (s, out) = http(&host, &key, "POST", &format!("/v1/sandboxes/{}/exec", ids[0]), "application/json", body);

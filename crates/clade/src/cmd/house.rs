@@ -34,8 +34,20 @@ pub struct GcArgs {
 
 #[derive(clap::Args)]
 pub struct AuditArgs {
-    /// Take leftovers down (processes, mounts, cgroups, run dirs, RAM files of sandboxes that are gone).
+    /// Two running ct sandboxes: seed 000's sibling audit (distinct namespaces, disjoint PIDs, no shared pipe,
+    /// socket, eventfd, writable file or lock; shared character devices judged against a control pair)
+    /// instead of the ledger audit.
+    #[arg(num_args = 0..=2, value_names = ["SBX_A", "SBX_B"])]
+    pub sandboxes: Vec<String>,
+    /// The sibling audit's control pair: two running ct sandboxes (default: two cold sandboxes of the
+    /// siblings' template, started for the audit and ended after it).
+    #[arg(long, num_args = 2, value_names = ["SBX_C", "SBX_D"], conflicts_with = "no_control")]
+    pub control: Option<Vec<String>>,
+    /// Sibling audit without a control pair: judged by the literal rule (nothing shared at all).
     #[arg(long)]
+    pub no_control: bool,
+    /// Take leftovers down (processes, mounts, cgroups, run dirs, RAM files of sandboxes that are gone).
+    #[arg(long, conflicts_with_all = ["sandboxes", "control", "no_control"])]
     pub fix: bool,
     #[arg(long)]
     pub json: bool,
@@ -108,6 +120,22 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
 }
 
 pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
+    match a.sandboxes.len() {
+        0 if a.control.is_some() || a.no_control => {
+            return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
+                2,
+                "--control and --no-control belong to the sibling audit: name two sandboxes (clade audit SBX_A SBX_B)"
+            )))
+        }
+        0 => {}
+        2 => return audit_siblings(a),
+        _ => {
+            return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
+                2,
+                "the sibling audit takes two sandboxes (clade audit SBX_A SBX_B); without any, the ledger is audited"
+            )))
+        }
+    }
     let body = match face()? {
         Face::Local(ops) => ops.audit(a.fix)?,
         Face::Remote(r) => r.call("POST", "/v1/audit", Some(&serde_json::json!({"fix": a.fix})))?,
@@ -137,6 +165,72 @@ pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
         s
     })?;
     Ok(if ok { 0 } else { 1 })
+}
+
+/// `clade audit SBX_A SBX_B`: exit 0 when the pair passes (rule 2a with a control, literal without), 1 when not.
+fn audit_siblings(a: AuditArgs) -> anyhow::Result<i32> {
+    let (x, y) = (&a.sandboxes[0], &a.sandboxes[1]);
+    let body = match face()? {
+        Face::Local(ops) => {
+            let control = crate::siblings::Control::parse(a.control.clone(), a.no_control)?;
+            if control == crate::siblings::Control::Cold && !a.json && x != y {
+                eprintln!("starting two cold sandboxes of the siblings' template as the control pair ...");
+            }
+            ops.audit_siblings(x, y, control)?
+        }
+        Face::Remote(r) => r.call(
+            "POST",
+            "/v1/audit",
+            Some(&serde_json::json!({"siblings": [x, y], "control": a.control, "no_control": a.no_control})),
+        )?,
+    };
+    let pass = body["pass"].as_bool().unwrap_or(false);
+    print(a.json, &body, |b| {
+        let list = |k: &str| {
+            b[k].as_array()
+                .map(|v| v.iter().map(|x| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string())).collect())
+                .unwrap_or_else(Vec::<String>::new)
+        };
+        let mut s = format!(
+            "{x} and {y}: {} ({})\n  processes: {} and {}",
+            if pass { "PASS" } else { "FAIL" },
+            b["rule"].as_str().unwrap_or(""),
+            b["processes"][0],
+            b["processes"][1]
+        );
+        for (k, what) in [
+            ("shared_namespaces", "namespaces"),
+            ("shared_pids", "pids"),
+            ("shared_pipes", "pipes"),
+            ("shared_sockets", "sockets"),
+            ("shared_eventfds", "eventfds"),
+            ("shared_writable_files", "writable files"),
+            ("shared_locks", "locks"),
+            ("shared_char_devices", "character devices"),
+        ] {
+            let v = list(k);
+            s.push_str(&format!("\n  shared {what}: {}", if v.is_empty() { "none".into() } else { v.join(", ") }));
+        }
+        let ctl = &b["control"];
+        match ctl["kind"].as_str() {
+            Some("none") => s.push_str("\n  control: none (--no-control)"),
+            Some(kind) => s.push_str(&format!(
+                "\n  control ({kind}{}): shares {}",
+                ctl["template"].as_str().map(|t| format!(" of {t}")).unwrap_or_default(),
+                {
+                    let v = list("control_shared_char_devices");
+                    if v.is_empty() {
+                        "no character device".to_string()
+                    } else {
+                        v.join(", ")
+                    }
+                }
+            )),
+            None => {}
+        }
+        s
+    })?;
+    Ok(if pass { 0 } else { 1 })
 }
 
 pub fn completions<C: clap::CommandFactory>(a: CompletionsArgs) -> anyhow::Result<i32> {

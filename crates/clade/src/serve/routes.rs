@@ -488,10 +488,24 @@ async fn gc(State(app): State<Arc<App>>, Body(req): Body<GcReq>) -> Reply {
 struct AuditReq {
     #[serde(default)]
     fix: bool,
+    /// Two running ct sandboxes: the sibling audit instead of the house audit.
+    #[serde(default)]
+    siblings: Option<Vec<String>>,
+    /// The sibling audit's control pair (default: two cold sandboxes of the siblings' template).
+    #[serde(default)]
+    control: Option<Vec<String>>,
+    #[serde(default)]
+    no_control: bool,
 }
 
 async fn audit(State(app): State<Arc<App>>, Body(req): Body<AuditReq>) -> Reply {
-    Ok(json(blocking(&app, "audit", move |a| a.ops.audit(req.fix)).await?))
+    let Some(sibs) = req.siblings else {
+        return Ok(json(blocking(&app, "audit", move |a| a.ops.audit(req.fix)).await?));
+    };
+    let control = crate::siblings::Control::parse(req.control, req.no_control)?;
+    let [x, y] =
+        <[String; 2]>::try_from(sibs).map_err(|_| crate::ops::invalid("siblings: name exactly two sandboxes"))?;
+    Ok(json(blocking(&app, "audit", move |a| a.ops.audit_siblings(&x, &y, control)).await?))
 }
 
 async fn push(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {

@@ -114,3 +114,20 @@ pub fn vm_home(prefix: &str) -> Option<tempfile::TempDir> {
     eprintln!("vm base {} built, cold boot {boot:?}", mark.id);
     Some(t)
 }
+
+/// Catalogues the `ctbox` test template of a [`ct_home`] the way a build would (`templates/<hash>/template.json`
+/// over the cached test rootfs), for what looks a template up on disk: the sibling audit's cold control pair.
+pub fn ct_template_record(home: &Path) {
+    let hash = "c7b0c7b0".repeat(8);
+    let dir = home.join("templates").join(&hash);
+    std::fs::create_dir_all(&dir).unwrap();
+    let record = serde_json::json!({
+        "name": "ctbox", "hash": hash, "built_ms": 0, "spec": "/dev/null",
+        "rootfs": real_home().join("tmp/ct-test-rootfs"), "rootfs_bytes": 0, "rootfs_entries": 0,
+        "memory_mib": 256, "vcpus": 1, "disk_gib": 1, "egress": false, "ready": null, "services": [],
+        "provision": false, "agent": true, "disk": null,
+        "identity": {"builder": 1, "name": "ctbox", "source": {"kind": "dir", "content": "test"}, "packages": [],
+            "files": {}, "provision": null, "services": [], "agent": null},
+    });
+    std::fs::write(dir.join("template.json"), serde_json::to_vec_pretty(&record).unwrap()).unwrap();
+}

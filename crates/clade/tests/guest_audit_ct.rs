@@ -1,0 +1,95 @@
+//! `clade audit SBX_A SBX_B` on the `ct` backend with real CRIU restores and real cold starts: two forked
+//! siblings pass seed 000's rule 2a against a cold pair the audit starts (and ends) itself; without a control
+//! the literal wording judges them; a named control pair works, and a device both siblings open that the control
+//! pair does not fails rule 2a; bad input is refused with its exit code.
+
+use std::path::Path;
+
+mod common;
+use common::clade;
+
+fn json_of(home: &Path, args: &[&str], want: i32) -> serde_json::Value {
+    let (code, out, err) = clade(home, args);
+    assert_eq!(code, want, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+/// Run dirs of sandboxes under the home, other than supervisors' and pools'.
+fn run_dirs(home: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(home.join("run"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.ends_with(".sup") && n != "pool")
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn guest_audit_ct_siblings_against_a_cold_pair() {
+    let Some(t) = common::ct_home("clade-audit-ct") else { return };
+    let h = t.path();
+    common::ct_template_record(h);
+
+    let fork = json_of(h, &["fork", "ctbox", "--backend", "ct", "--count", "4", "--json"], 0);
+    let ids: Vec<String> =
+        fork["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids.len(), 4);
+    let (a, b) = (ids[0].as_str(), ids[1].as_str());
+    let before = run_dirs(h);
+
+    // The default: a cold pair of the siblings' template as the control, ended before the answer.
+    let v = json_of(h, &["audit", a, b, "--json"], 0);
+    assert_eq!(v["pass"], true, "{v}");
+    assert_eq!(v["pass_rule_2a"], true, "{v}");
+    assert_eq!(v["control"]["kind"], "cold pair", "{v}");
+    assert_eq!(v["control"]["template"], "ctbox", "{v}");
+    assert_eq!(v["shared_besides_char_devices"], 0, "{v}");
+    assert!(v["processes"][0].as_u64().unwrap() >= 1 && v["processes"][1].as_u64().unwrap() >= 1, "{v}");
+    assert!(v["shared_namespaces"].as_array().unwrap().is_empty() && v["shared_pids"].as_array().unwrap().is_empty());
+    assert_eq!(run_dirs(h), before, "the control sandboxes were ended and their run dirs removed");
+
+    // Without a control, the literal rule: pass only if not even a character device is shared; the exit code
+    // follows the verdict.
+    let (code, out, err) = clade(h, &["audit", a, b, "--no-control", "--json"]);
+    let lit: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    let chars = lit["shared_char_devices"].as_array().unwrap().len();
+    assert_eq!(lit["pass"], chars == 0, "{lit}");
+    assert_eq!(code, if chars == 0 { 0 } else { 1 }, "{lit}");
+    assert_eq!(lit["control"]["kind"], "none");
+    assert!(lit.get("pass_rule_2a").is_none(), "{lit}");
+
+    // A control pair named by the caller (two more restored siblings).
+    let g = json_of(h, &["audit", a, b, "--control", &ids[2], &ids[3], "--json"], 0);
+    assert_eq!(g["control"]["kind"], "given");
+    assert_eq!(g["pass_rule_2a"], true, "{g}");
+
+    // Both siblings open a device the control pair does not (a process holding /dev/zero): rule 2a fails,
+    // naming it, and the exit code says so.
+    for id in [a, b] {
+        let (code, _, err) = clade(h, &["exec", id, "--", "sh", "-c", "sleep 600 </dev/zero >/dev/null 2>&1 &"]);
+        assert_eq!(code, 0, "{err}");
+    }
+    let f = json_of(h, &["audit", a, b, "--control", &ids[2], &ids[3], "--json"], 1);
+    assert_eq!(f["pass"], false, "{f}");
+    let shared: Vec<&str> = f["shared_char_devices"].as_array().unwrap().iter().filter_map(|d| d.as_str()).collect();
+    assert!(shared.iter().any(|d| d.ends_with("/dev/zero")), "{f}");
+
+    // A sandbox audited against itself shares everything: refused as a usage error, not judged.
+    assert_eq!(clade(h, &["audit", a, a]).0, 2);
+    assert_eq!(clade(h, &["audit", a, b, "--control", a, &ids[2]]).0, 2, "the control overlaps the pair");
+    assert_eq!(clade(h, &["audit", a]).0, 2, "one sandbox");
+    assert_eq!(clade(h, &["audit", a, b, "--fix"]).0, 2, "--fix belongs to the ledger audit");
+    assert_eq!(clade(h, &["audit", a, "sb-none"]).0, 3, "unknown sandbox");
+    json_of(h, &["kill", b, "--json"], 0);
+    let (code, _, err) = clade(h, &["audit", a, b]);
+    assert_eq!(code, 4, "a dead sandbox is a conflict: {err}");
+    assert!(err.contains("not running"), "{err}");
+
+    for id in [a, &ids[2], &ids[3]] {
+        json_of(h, &["kill", id, "--json"], 0);
+    }
+}
