@@ -50,6 +50,7 @@ enum Command {
     #[command(subcommand)]
     E2b(cmd::e2b::Command),
     /// Start one sandbox from a mark, or from a template's base (`--backend vm|ct`).
+    #[command(visible_alias = "restore")]
     Run(cmd::sandbox::RunArgs),
     /// Start N sibling sandboxes from one mark (or a template's base).
     Fork(cmd::sandbox::ForkArgs),
@@ -79,7 +80,7 @@ enum Command {
     /// Collect: retention in the ledger, then the store's unused objects (and vm RAM files).
     Gc(cmd::house::GcArgs),
     /// Check the ledger against this host: lost sandboxes, missing manifests, leaked processes, mounts,
-    /// cgroups and run dirs (`--fix` takes leftovers down).
+    /// cgroups and run dirs (`--fix` takes leftovers down); with two ct sandboxes, audit them for anything shared.
     Audit(cmd::house::AuditArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(cmd::house::CompletionsArgs),
