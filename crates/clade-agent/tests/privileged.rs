@@ -55,6 +55,15 @@ fn start() -> NsAgent {
     a
 }
 
+/// Until init's services are up: their readiness checks are TCP connections on the sandbox's loopback.
+fn wait_services(c: &clade_agent::client::AgentClient) {
+    let t0 = Instant::now();
+    while !c.hello().unwrap().services_ready {
+        assert!(t0.elapsed() < Duration::from_secs(30), "services never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn privileged_init_mounts_services_and_loopback() {
     if !can_unshare() {
@@ -70,11 +79,7 @@ fn privileged_init_mounts_services_and_loopback() {
     }
     assert!(out(&c, "cat /sys/class/net/lo/operstate; cat /sys/class/net/lo/flags").contains("0x9"), "lo is not up");
     // the service returned once it listened, in order, and hello says so
-    let t0 = Instant::now();
-    while !c.hello().unwrap().services_ready {
-        assert!(t0.elapsed() < Duration::from_secs(30), "services never became ready");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_services(&c);
     c.stat("/run/svc-ready").unwrap();
     c.wait_ready(ReadyTarget::Url { url: "http://127.0.0.1:7001/".into() }, Duration::from_secs(10)).unwrap();
     c.wait_ready(ReadyTarget::Port { port: 7001 }, Duration::from_secs(1)).unwrap();
@@ -166,6 +171,9 @@ fn privileged_net_reset_destroys_established_connections() {
     }
     let a = start();
     let c = a.client();
+    // Init's services check their readiness over loopback TCP: on a slow host such a check can still be
+    // connected when the counts below are taken (a fresh-clone run counted one extra), so they finish first.
+    wait_services(&c);
     // a long-lived TCP connection on the sandbox's own loopback: both ends established
     let server = c
         .exec(sh("python3 -c \"import socket,time\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 7100)); s.listen()\nc,_=s.accept()\ntry:\n  c.recv(10)\n  print('closed')\nexcept OSError as e:\n  print('reset', e.errno)\""))
