@@ -170,10 +170,10 @@ pub fn mapped_pss_rss(pid: u32, dir: &Path) -> Option<(u64, u64)> {
         if !inside {
             continue;
         }
-        let kb = || words.clone().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
+        let kb = words.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
         match first {
-            "Pss:" => pss += kb(),
-            "Rss:" => rss += kb(),
+            "Pss:" => pss += kb,
+            "Rss:" => rss += kb,
             _ => {}
         }
     }

@@ -12,13 +12,10 @@
 use std::time::Duration;
 
 use clade_core::backend::{BackendKind, Sandbox};
-use clade_core::engine::from_ledger;
-use clade_ledger::{MarkId, SandboxId, SandboxState};
+use clade_ledger::SandboxId;
 use serde::Serialize;
 
-use crate::ops::{check_id, conflict, invalid, not_found, supervisor_alive, Ops};
-use crate::supervisor::client;
-use crate::supervisor::protocol::Request;
+use crate::ops::{conflict, invalid, not_found, Ops};
 
 /// What the shared character devices are judged against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,21 +55,21 @@ struct ControlInfo {
 /// How long a cold control sandbox may take to reach its template's readiness.
 const CONTROL_READY: Duration = Duration::from_secs(120);
 
-/// The host pids of a running ct sandbox, from its supervisor.
+/// The host pids of a running ct sandbox: [`Ops::get`] (id check, ledger row, live supervisor, its facts),
+/// refused for a vm sandbox or one that does not run.
 fn pids_of(ops: &Ops, id: &str) -> anyhow::Result<Vec<u32>> {
-    check_id(id)?;
-    let rec = ops.engine.ledger().sandbox(&SandboxId::new(id)).map_err(|_| not_found(format!("no sandbox {id}")))?;
-    if from_ledger(rec.backend) != BackendKind::Ct {
+    let row = ops.get(id)?;
+    if row["backend"] != "ct" {
         return Err(invalid(format!(
             "{id} is a vm sandbox: the sibling audit reads a ct sandbox's processes; a vm sandbox's processes are a \
              QEMU in the host's namespaces by design, and what its guest holds is out of a host audit's reach"
         )));
     }
-    if rec.state != SandboxState::Running || !rec.supervisor_pid.is_some_and(supervisor_alive) {
-        return Err(conflict(format!("{id} is not running ({}); audit two running sandboxes", rec.state.as_str())));
+    if row["state"] != "running" {
+        let state = row["state"].as_str().unwrap_or("?");
+        return Err(conflict(format!("{id} is not running ({state}); audit two running sandboxes")));
     }
-    let info = client::call(ops.home(), id, &Request::Info)?;
-    let pids: Vec<u32> = info["pids"]
+    let pids: Vec<u32> = row["pids"]
         .as_array()
         .map(|a| a.iter().filter_map(|p| p.as_u64().map(|p| p as u32)).collect())
         .unwrap_or_default();
@@ -87,18 +84,14 @@ fn template_of(ops: &Ops, sandbox: &str) -> anyhow::Result<(String, String)> {
     let l = ops.engine.ledger();
     let rec = l.sandbox(&SandboxId::new(sandbox))?;
     let bases = l.bases()?;
-    let mut at = rec.origin_mark.clone();
-    let mut hops = 0;
+    let mut at = rec.origin_mark;
     while let Some(m) = at {
         if let Some(b) = bases.iter().find(|b| b.mark == m) {
             let name = l.template(&b.template).map(|t| t.name).unwrap_or_default();
             return Ok((b.template.to_string(), name));
         }
-        hops += 1;
-        if hops > 100_000 {
-            break;
-        }
-        at = l.mark(&MarkId::new(m.as_str())).ok().and_then(|m| m.parent);
+        // A parent is always an older mark, so the walk ends at a root.
+        at = l.mark(&m).ok().and_then(|m| m.parent);
     }
     Err(not_found(format!(
         "{sandbox} descends from no template's base, so there is no cold pair to compare with: name two running ct \

@@ -66,19 +66,14 @@ fn wait_pool(home: &CladeHome, mark: &str, n: usize) -> anyhow::Result<()> {
     }
 }
 
-/// Sum PSS and RSS of the guest RAM alone: the sandboxes' mappings of root RAM files under `ram_dir`.
-fn guest_ram_pss_of(home: &CladeHome, ids: &[String], ram_dir: &Path) -> ((u64, u64), usize) {
-    let pids: Vec<u32> = ids
-        .iter()
-        .filter_map(|id| client::call(home, id, &Request::Info).ok())
-        .flat_map(|v| v["pids"].as_array().cloned().unwrap_or_default())
-        .filter_map(|p| p.as_u64().map(|p| p as u32))
-        .collect();
+/// Sum PSS and RSS of the guest RAM alone (the mappings of root RAM files under `ram_dir`) of `pids`, and how
+/// many other processes map that RAM.
+fn guest_ram_pss_of(pids: &[u32], ram_dir: &Path) -> ((u64, u64), usize) {
     let sum = pids
         .iter()
         .filter_map(|p| clade_core::host::mapped_pss_rss(*p, ram_dir))
         .fold((0, 0), |(p, r), (mp, mr)| (p + mp, r + mr));
-    (sum, other_ram_mappers(ram_dir, &pids))
+    (sum, other_ram_mappers(ram_dir, pids))
 }
 
 /// Processes on the host mapping a file under `ram_dir` that are not in `ours`: a stray QEMU mapping the same
@@ -98,10 +93,14 @@ fn other_ram_mappers(ram_dir: &Path, ours: &[u32]) -> usize {
         .unwrap_or(0)
 }
 
-fn pss_of(home: &CladeHome, ids: &[String]) -> (u64, u64) {
-    ids.iter().fold((0, 0), |(p, r), id| match client::call(home, id, &Request::Info) {
-        Ok(v) => (p + v["pss"].as_u64().unwrap_or(0), r + v["rss"].as_u64().unwrap_or(0)),
-        Err(_) => (p, r),
+/// Sum PSS and RSS of the sandboxes' processes, and those processes, from one `Info` each.
+fn pss_of(home: &CladeHome, ids: &[String]) -> (u64, u64, Vec<u32>) {
+    ids.iter().fold((0, 0, Vec::new()), |(p, r, mut pids), id| match client::call(home, id, &Request::Info) {
+        Ok(v) => {
+            pids.extend(v["pids"].as_array().into_iter().flatten().filter_map(|p| p.as_u64().map(|p| p as u32)));
+            (p + v["pss"].as_u64().unwrap_or(0), r + v["rss"].as_u64().unwrap_or(0), pids)
+        }
+        Err(_) => (p, r, pids),
     })
 }
 
@@ -208,13 +207,13 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
         ids.extend(ready.into_iter().map(|r| r.sandbox));
         std::thread::sleep(Duration::from_secs(3));
-        let (p, r) = pss_of(&home, &ids);
+        let (p, r, pids) = pss_of(&home, &ids);
         xs.push(c as f64);
         ys.push(p as f64);
         if c == 3 {
             at3 = p as f64 / r as f64;
             whole3 = (p, r);
-            (ram3, strays) = guest_ram_pss_of(&home, &ids, &ram_dir);
+            (ram3, strays) = guest_ram_pss_of(&pids, &ram_dir);
         }
     }
     kill_all(&home, &ids);
