@@ -1,10 +1,16 @@
 //! Cold start: a forked child unshares PID/mount/net/IPC/UTS namespaces and forks the sandbox's init, which
 //! makes its mounts private, mounts the overlay root (lower = template rootfs, upper and work on the sandbox's
-//! tmpfs), proc, a tmpfs /dev with the host's null, zero, full, random, urandom and tty bound in, /dev/shm and
-//! /run, sets the hostname, `pivot_root`s, detaches the old root, reopens stdio inside the new root, closes every
+//! tmpfs), proc, /dev with the host's null, zero, full, random, urandom and tty bound in, /dev/shm and /run,
+//! sets the hostname, `pivot_root`s, detaches the old root, reopens stdio inside the new root, closes every
 //! inherited fd and **execs** the agent with a clean environment. Each step is there because CRIU needs it
 //! (DESIGN.md): without the exec it cannot look up the mount of the old binary; without `setsid` the session
 //! leader is outside the PID namespace; with stdio pointing outside it cannot look up fd 1's mount.
+//!
+//! /dev, /dev/shm and /run are not tmpfs mounts but directories of the overlay's upper (itself on the
+//! sandbox's tmpfs), /dev and /run marked opaque so that they start empty whatever the template's rootfs holds
+//! there, each bound onto itself so it is a mount point (the agent, as init, mounts a tmpfs wherever one is
+//! missing). CRIU dumps and restores every tmpfs by running `tar` (4-5 ms each, inside a mark's frozen window
+//! and again on every restore); the upper is copied with each mark anyway.
 //!
 //! The middle child exits at once, so the init is adopted by the supervisor (`PR_SET_CHILD_SUBREAPER`), which
 //! can then wait for it and notice it dying.
@@ -43,6 +49,7 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     nix::sys::prctl::set_child_subreaper(true).map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
     let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    seed_upper(&spec.upper)?;
     let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
     let argv: Vec<CString> = [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET)]
         .iter()
@@ -160,6 +167,39 @@ fn m(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, dat
     mount(src, target, fstype, flags, data).map_err(|e| format!("mount {} ({fstype:?}): {e}", target.display()))
 }
 
+/// Binds `dir` onto itself (making it a mount point of the overlay's own content), with `flags` added.
+fn bind_self(dir: &Path, flags: MsFlags) -> Result<(), String> {
+    m(Some(&dir.display().to_string()), dir, None, MsFlags::MS_BIND, None)?;
+    if !flags.is_empty() {
+        m(None, dir, None, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | flags, None)?;
+    }
+    Ok(())
+}
+
+/// The sandbox's own directories in the still unmounted upper: /dev and /run opaque (empty whatever the
+/// template's rootfs has there), /dev/shm world-writable with the sticky bit, as a tmpfs there would be.
+fn seed_upper(upper: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    for (d, mode, opaque) in [("dev", 0o755, true), ("dev/shm", 0o1777, false), ("run", 0o755, true)] {
+        let p = upper.join(d);
+        std::fs::create_dir(&p).map_err(|e| format!("create {}: {e}", p.display()))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("chmod {}: {e}", p.display()))?;
+        if opaque {
+            rustix::fs::setxattr(&p, OPAQUE_XATTR, b"y", rustix::fs::XattrFlags::empty()).map_err(|e| {
+                format!(
+                    "set {OPAQUE_XATTR} on {}: {e} (the upper must be on a filesystem with trusted xattrs)",
+                    p.display()
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// overlayfs' mark of a directory that hides what the lower layers hold at its path.
+const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+
 fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), String> {
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
@@ -173,8 +213,8 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         Ok::<PathBuf, String>(d)
     };
     m(Some("proc"), &dir("proc")?, Some("proc"), nosuid | MsFlags::MS_NOEXEC, None)?;
-    let dev = dir("dev")?;
-    m(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID, Some("mode=0755,size=65536"))?;
+    let dev = root.join("dev");
+    bind_self(&dev, MsFlags::MS_NOSUID)?;
     for d in DEVICES {
         let target = dev.join(d);
         std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
@@ -190,14 +230,10 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
     std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;
-    // /dev/shm is a plain directory of the /dev tmpfs and /tmp a bind of the overlay's own /tmp (so the agent
-    // mounts no tmpfs there): CRIU restores every tmpfs by running tar, about 15 ms each (docs/ct.md).
-    let shm = dir("dev/shm")?;
-    std::fs::set_permissions(&shm, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
-        .map_err(|e| format!("chmod /dev/shm: {e}"))?;
-    let tmp = dir("tmp")?;
-    m(Some(&tmp.display().to_string()), &tmp, None, MsFlags::MS_BIND, None)?;
-    m(Some("tmpfs"), &dir("run")?, Some("tmpfs"), nosuid, Some("mode=0755"))?;
+    bind_self(&dev.join("shm"), nosuid)?;
+    // /tmp is the overlay's own /tmp, bound onto itself for the same reason as the others.
+    bind_self(&dir("tmp")?, MsFlags::empty())?;
+    bind_self(&root.join("run"), nosuid)?;
     dir("run/clade")?;
     nix::unistd::chdir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;

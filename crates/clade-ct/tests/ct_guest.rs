@@ -72,6 +72,38 @@ fn privileged_guest_cold_start_and_exec() {
     assert!(!run_dir.exists());
 }
 
+/// /dev, /dev/shm and /run are directories of the overlay, not tmpfs mounts (CRIU would run `tar` for each at
+/// every mark and restore): they start empty whatever the template's rootfs holds there, and what a sandbox
+/// writes in them comes back in its siblings.
+#[test]
+fn privileged_guest_dev_and_run_are_overlay_dirs_hiding_the_rootfs() {
+    let Some(e) = env("devrun") else { return };
+    // A rootfs with leftovers in dev/ and run/ (hard-linked copy of the test rootfs).
+    let rootfs = e.home.join("rootfs-with-leftovers");
+    let cp = std::process::Command::new("cp").arg("-al").arg(&e.image.rootfs).arg(&rootfs).status().unwrap();
+    assert!(cp.success());
+    for d in ["dev", "run", "dev/shm"] {
+        std::fs::create_dir_all(rootfs.join(d)).unwrap();
+        std::fs::write(rootfs.join(d).join("leftover"), "from the rootfs").unwrap();
+    }
+    let image = clade_ct::testroot::image("ct-test-leftovers", rootfs, 512, false);
+    let mut base = e.backend.cold_start_ct(&image, &id("devrun")).expect("cold start");
+    let no_tmpfs = "awk '$9 == \"tmpfs\" {print $5}' /proc/self/mountinfo";
+    assert_eq!(sh(&base, no_tmpfs), "", "no tmpfs mount in the sandbox");
+    assert_eq!(sh(&base, "ls -A /dev/shm; ls -A /run; ls /dev | grep -c leftover || true"), "clade\n0");
+    assert_eq!(sh(&base, "stat -c %a /dev/shm /run"), "1777\n755");
+    assert_eq!(sh(&base, "echo x > /dev/null && head -c 4 /dev/zero | wc -c"), "4");
+    sh(&base, "echo shm > /dev/shm/s; echo run > /run/r");
+    let mark = base.mark(&MarkOptions::default()).expect("mark");
+    let (sib, _) = fork(&e, &mark, "devrun-sib");
+    assert_eq!(sh(&sib, "cat /dev/shm/s /run/r"), "shm\nrun");
+    assert_eq!(sh(&sib, no_tmpfs), "", "no tmpfs mount in the restored sibling");
+    assert_eq!(sh(&sib, "ls /dev /run | grep -c leftover || true"), "0");
+    for sb in [sib, base] {
+        Box::new(sb).kill().expect("kill");
+    }
+}
+
 fn fork(e: &Env, mark: &clade_core::backend::MarkState, name: &str) -> (CtSandbox, Identity) {
     let ident = id(name);
     let sb = e.backend.restore_ct(mark, &ident).expect("restore");
