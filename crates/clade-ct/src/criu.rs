@@ -16,6 +16,53 @@ pub fn criu_version(bin: &Path) -> Option<String> {
     parse_version(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// [`criu_version`], remembered in `cache_file` under a key of the binary's identity (path, inode, size, mtime;
+/// the same for the real CRIU behind clade's wrapper): running CRIU only to print its version costs 7-15 ms
+/// here (a shell, sid's loader and a dozen libraries), and every sandbox's supervisor asks once. A CRIU
+/// replaced or reinstalled changes the key, so the cache never answers for a binary it did not run.
+pub fn criu_version_cached(bin: &Path, cache_file: &Path) -> Option<String> {
+    let key = identity_key(bin);
+    if let Some(key) = &key {
+        if let Some(v) = std::fs::read_to_string(cache_file).ok().and_then(|t| cached_version(&t, key)) {
+            return Some(v);
+        }
+    }
+    let version = criu_version(bin)?;
+    if let (Some(key), Some(dir)) = (key, cache_file.parent()) {
+        // Best effort: a cache that cannot be written only costs the next caller the run.
+        let tmp = clade_core::home::temp_beside(cache_file);
+        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, format!("{key}\n{version}\n")).is_ok() {
+            if std::fs::rename(&tmp, cache_file).is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+        }
+    }
+    Some(version)
+}
+
+/// The version a cache file's text holds for `key` (its first line), if any.
+fn cached_version(text: &str, key: &str) -> Option<String> {
+    let mut lines = text.lines();
+    (lines.next()? == key).then(|| lines.next().map(str::trim).filter(|v| !v.is_empty()).map(String::from))?
+}
+
+/// `path:inode:size:mtime_ns` of `bin` and, where it is clade's wrapper, of the CRIU it runs.
+fn identity_key(bin: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let one = |p: &Path| {
+        let m = std::fs::metadata(p).ok()?;
+        Some(format!("{}:{}:{}:{}", p.display(), m.ino(), m.size(), m.mtime() * 1_000_000_000 + m.mtime_nsec()))
+    };
+    let mut key = one(bin)?;
+    if let Some(real) = bin.parent().and_then(Path::parent).map(|d| d.join("root/usr/sbin/criu")) {
+        if let Some(k) = one(&real) {
+            key.push('|');
+            key.push_str(&k);
+        }
+    }
+    Some(key)
+}
+
 fn parse_version(text: &str) -> Option<String> {
     text.lines().find_map(|l| l.strip_prefix("Version:")).map(|v| v.trim().to_string())
 }
@@ -53,6 +100,31 @@ pub(crate) fn private_run(kdat: &Path) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn version_cache_answers_only_for_the_same_binary() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, cache, runs) =
+            (dir.path().join("criu"), dir.path().join("cache/criu-version"), dir.path().join("runs"));
+        let write = |v: &str| {
+            let script = format!("#!/bin/sh\necho run >> {}\necho 'Version: {v}'\n", runs.display());
+            std::fs::write(&bin, script).unwrap();
+            std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        let count = || std::fs::read_to_string(&runs).map(|t| t.lines().count()).unwrap_or(0);
+        write("4.2.1");
+        assert_eq!(super::criu_version_cached(&bin, &cache).as_deref(), Some("4.2.1"));
+        assert_eq!(super::criu_version_cached(&bin, &cache).as_deref(), Some("4.2.1"));
+        assert_eq!(count(), 1, "the second answer came from the cache");
+        // A reinstalled CRIU (another size, inode or mtime) is run again.
+        std::fs::remove_file(&bin).unwrap();
+        write("4.3");
+        assert_eq!(super::criu_version_cached(&bin, &cache).as_deref(), Some("4.3"));
+        assert_eq!(count(), 2);
+        assert_eq!(super::cached_version("k\n4.2.1\n", "other"), None);
+        assert_eq!(super::cached_version("k\n\n", "k"), None);
+    }
+
     #[test]
     fn parses_version() {
         assert_eq!(super::parse_version("Version: 4.2.1\nGitID: x\n").as_deref(), Some("4.2.1"));

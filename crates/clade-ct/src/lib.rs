@@ -125,10 +125,13 @@ pub struct CtBackend {
 impl CtBackend {
     /// A backend over `store`, with CRIU checked up front (`criu check` must pass).
     pub fn new(home: CladeHome, store: clade_store::Store, cfg: CtConfig) -> Result<CtBackend, BackendError> {
-        let criu_version = criu::criu_version(&cfg.criu).ok_or_else(|| BackendError::Resource {
-            resource: "criu".into(),
-            detail: format!("{} --version failed: run ./x setup (or set CLADE_CRIU)", cfg.criu.display()),
-        })?;
+        let criu_version =
+            criu::criu_version_cached(&cfg.criu, &home.cache_dir().join("criu-version")).ok_or_else(|| {
+                BackendError::Resource {
+                    resource: "criu".into(),
+                    detail: format!("{} --version failed: run ./x setup (or set CLADE_CRIU)", cfg.criu.display()),
+                }
+            })?;
         if cfg.ksm {
             ksm_enable();
         }
