@@ -31,10 +31,10 @@ pub fn criu_version_cached(bin: &Path, cache_file: &Path) -> Option<String> {
     if let (Some(key), Some(dir)) = (key, cache_file.parent()) {
         // Best effort: a cache that cannot be written only costs the next caller the run.
         let tmp = clade_core::home::temp_beside(cache_file);
-        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, format!("{key}\n{version}\n")).is_ok() {
-            if std::fs::rename(&tmp, cache_file).is_err() {
-                let _ = std::fs::remove_file(&tmp);
-            }
+        let written =
+            std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, format!("{key}\n{version}\n")).is_ok();
+        if written && std::fs::rename(&tmp, cache_file).is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
     }
     Some(version)
