@@ -33,7 +33,7 @@ pub fn criu_version_cached(bin: &Path, cache_file: &Path) -> Option<String> {
         let tmp = clade_core::home::temp_beside(cache_file);
         let written =
             std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, format!("{key}\n{version}\n")).is_ok();
-        if written && std::fs::rename(&tmp, cache_file).is_err() {
+        if !written || std::fs::rename(&tmp, cache_file).is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
     }
