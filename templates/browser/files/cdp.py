@@ -79,8 +79,16 @@ class CDP:
                     return b"".join(parts)
 
     def send(self, method, **params):
+        return self.send_to(None, method, **params)
+
+    def send_to(self, session_id, method, **params):
+        """A command to one attached target (`Target.attachToTarget` with `flatten=True` gives the session id),
+        or to the browser when `session_id` is None."""
         self.next_id += 1
-        payload = json.dumps({"id": self.next_id, "method": method, "params": params}).encode()
+        message = {"id": self.next_id, "method": method, "params": params}
+        if session_id is not None:
+            message["sessionId"] = session_id
+        payload = json.dumps(message).encode()
         n = len(payload)
         if n < 126:
             head = bytes([0x81, 0x80 | n])

@@ -6,6 +6,9 @@ GET /screenshot.png -> the X display as PNG (ImageMagick `import -window root`; 
 GET /ready          -> {"title", "differ_fraction[_at_least]", "ready"}: 200 when the screenshot differs from the blank
                        desktop in more than 10% of pixels AND the page has a title AND no browser hygiene is
                        pending, else 503.
+GET /random         -> {"target", "math_random": [3 draws]}: Math.random() in the page's main world, through CDP. Two
+                       siblings restored from one mark draw the same numbers unless the browser hygiene gave the
+                       page a new V8 isolate (seed 000's clone check; `ct-bench` compares them).
 POST /hygiene       -> 202: clear the cookies and replace the page by the same page in a new browser context
                        (a new renderer, a new V8 isolate), in the background; /ready waits for it. Sent by the
                        on-restore hook on every restore of a clean mark (seed 000's browser hygiene).
@@ -153,6 +156,22 @@ def new_context():
         HYGIENE.update(state=state, took_ms=round((time.monotonic() - t0) * 1000, 1))
 
 
+def page_random():
+    """Three Math.random() draws in the (first) page, and that page's target id."""
+    c = CDP(browser_ws_url(timeout=10), timeout=30)
+    try:
+        pages = [t for t in c.send("Target.getTargets")["targetInfos"] if t.get("type") == "page"]
+        if not pages:
+            raise RuntimeError("no page is open")
+        target = pages[0]["targetId"]
+        session = c.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        r = c.send_to(session, "Runtime.evaluate", expression="[0, 1, 2].map(() => Math.random())", returnByValue=True)
+        c.send("Target.detachFromTarget", sessionId=session)
+    finally:
+        c.close()
+    return {"target": target, "math_random": r["result"]["value"]}
+
+
 class Handler(BaseHTTPRequestHandler):
     def reply(self, code, body, ctype="application/json"):
         if isinstance(body, (dict, list)):
@@ -167,6 +186,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if self.path == "/title":
                 self.reply(200, page())
+            elif self.path == "/random":
+                self.reply(200, page_random())
             elif self.path == "/screenshot.png":
                 self.reply(200, screenshot(), "image/png")
             elif self.path == "/ready":
@@ -184,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
                 key = "differ_fraction_at_least" if ready else "differ_fraction"
                 self.reply(200 if ready else 503, {**info, key: round(frac, 4), "ready": ready})
             else:
-                self.reply(404, {"error": "GET /title, /screenshot.png or /ready; POST /hygiene"})
+                self.reply(404, {"error": "GET /title, /screenshot.png, /ready or /random; POST /hygiene"})
         except Exception as e:  # noqa: BLE001 - any failure is a 503 with its reason
             self.reply(503, {"error": str(e), "ready": False})
 

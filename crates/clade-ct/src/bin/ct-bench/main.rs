@@ -12,12 +12,14 @@
 //!
 //! Arms, interleaved one sandbox at a time: cold start to agent-ready; restore of a mark with hygiene to
 //! agent-ready; and the peer (`peer.rs`): the same session dumped and restored with plain CRIU by hand, as
-//! seed 000 did (no store, no hygiene, no cached kernel probe, no KSM). Then lazy vs eager, the warm pool, the
-//! memory slope over `--mem-counts` with the sibling audit (rule 2a against a cold pair).
+//! seed 000 did (no store, no hygiene, no cached kernel probe, no KSM). Then, for the browser, seed 000's clone
+//! check (`clone_check.rs`); lazy vs eager, the warm pool, the memory slope over `--mem-counts` with the sibling
+//! audit (rule 2a against a cold pair).
 //!
 //! `ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] [--only browser|minimal]
 //!  [--mark-gap-secs 60]`
 
+mod clone_check;
 mod peer;
 
 use std::time::{Duration, Instant};
@@ -411,6 +413,10 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
                "clade_with_hygiene_p50_ms": r50, "clade_with_hygiene_over_peer": r50 / p50, "peer_dump_ms": peer.dump_ms,
                "peer_image_bytes": peer.image_bytes}),
     );
+
+    if wl == "browser" {
+        clone_check::run(b, w, &m2)?;
+    }
 
     // Lazy vs eager restore of the same mark, interleaved.
     let (mut eager, mut lazy) = (Vec::new(), Vec::new());
