@@ -463,6 +463,14 @@ impl AgentClient {
         }
     }
 
+    /// Runs the sandbox's `pre-mark.d` hooks; call it just before a mark.
+    pub fn pre_mark(&self, clean: bool) -> Result<HookReport> {
+        match self.call_for(&Request::PreMark { clean }, "pre_mark", self.inner.timeout)? {
+            Reply::Hooks(r) => Ok(r),
+            r => Err(unexpected("pre_mark", r)),
+        }
+    }
+
     /// Registers a sandbox process to be signalled by `set_identity { signal_registered: true }`.
     pub fn register_restore_signal(&self, pid: u32, signal: i32) -> Result<()> {
         self.done(Request::RegisterRestoreSignal { pid, signal }, "register_restore_signal")

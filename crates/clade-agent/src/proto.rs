@@ -106,6 +106,14 @@ pub enum Request {
     },
     /// Makes a restored sibling a distinct machine: replies [`Reply::Identity`].
     SetIdentity(Identity),
+    /// Runs `/etc/clade/pre-mark.d/*` in name order, just before the sandbox is marked, with
+    /// `CLADE_MARK_CLEAN` (1 or 0) in their environment: what a program wants done before its state is kept
+    /// (the browser template opens the window its restore hygiene will load the page in). Replies
+    /// [`Reply::Hooks`]. An agent older than this request answers with an error, and the mark goes on.
+    PreMark {
+        /// The mark is declared clean: its restores get hygiene.
+        clean: bool,
+    },
     /// Registers a process to be signalled by every `set_identity` (e.g. to reseed its RNG).
     RegisterRestoreSignal {
         /// Process id in the sandbox.
@@ -187,6 +195,7 @@ impl Request {
         "rename",
         "chmod",
         "set_identity",
+        "pre_mark",
         "register_restore_signal",
         "clock_read",
         "clock_shift",
@@ -322,6 +331,8 @@ pub enum Reply {
     },
     /// To `set_identity`.
     Identity(IdentityReport),
+    /// To `pre_mark`.
+    Hooks(HookReport),
     /// To `clock_read` / `clock_shift`.
     Clock(ClockReading),
     /// To `net_reset`.
@@ -453,7 +464,16 @@ pub struct IdentityReport {
     pub errors: Vec<String>,
 }
 
-/// One on-restore script's result.
+/// What `pre_mark` ran. Failed scripts are listed in `errors`; the others still ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HookReport {
+    /// `pre-mark.d` scripts run, in order.
+    pub scripts: Vec<ScriptRun>,
+    /// One line per failed script, saying what failed and why.
+    pub errors: Vec<String>,
+}
+
+/// One hook script's result (`on-restore.d`, `pre-mark.d`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScriptRun {
     /// File name.

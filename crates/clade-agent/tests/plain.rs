@@ -289,6 +289,34 @@ fn env_readiness_identity_files() {
 }
 
 #[test]
+fn pre_mark_hooks_run_in_order_with_the_marks_cleanliness() {
+    let a = PlainAgent::start("premark");
+    let c = a.client();
+    // No hook directory: nothing runs, nothing fails.
+    let rep = c.pre_mark(true).unwrap();
+    assert!(rep.scripts.is_empty() && rep.errors.is_empty(), "{rep:?}");
+    let dir = a.sysroot.join("etc/clade/pre-mark.d");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = a.dir.join("pre-mark.log");
+    for (name, body) in [
+        ("20-second", format!("echo second $CLADE_MARK_CLEAN >> {}", log.display())),
+        ("10-first", format!("echo first $CLADE_MARK_CLEAN >> {}", log.display())),
+        ("30-fails", "exit 3".to_string()),
+    ] {
+        std::fs::write(dir.join(name), format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::process::Command::new("chmod").arg("+x").arg(dir.join(name)).status().unwrap();
+    }
+    std::fs::write(dir.join("40-not-executable"), "#!/bin/sh\nexit 9\n").unwrap();
+    let rep = c.pre_mark(true).unwrap();
+    let names: Vec<&str> = rep.scripts.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["10-first", "20-second", "30-fails"], "{rep:?}");
+    assert_eq!(rep.errors.len(), 1, "{rep:?}");
+    assert!(rep.errors[0].contains("30-fails"), "{rep:?}");
+    c.pre_mark(false).unwrap();
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "first 1\nsecond 1\nfirst 0\nsecond 0\n");
+}
+
+#[test]
 fn clock_read_and_sync_probe() {
     let a = PlainAgent::start("clock");
     let c = a.client();

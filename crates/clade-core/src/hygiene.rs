@@ -118,3 +118,15 @@ mod tests {
         assert_ne!(a.hostname, b.hostname);
     }
 }
+
+/// Before a mark: runs the sandbox's `/etc/clade/pre-mark.d` hooks through its agent (with `CLADE_MARK_CLEAN`),
+/// so that programs can prepare what their restores' hygiene will use (the browser template opens the window
+/// its hygiene loads the page in). Never fails the mark: what went wrong comes back as lines to report, and
+/// an agent from before this request (in an older mark) just has no hooks run.
+pub fn pre_mark(agent: &clade_agent::client::AgentClient, clean: bool) -> Vec<String> {
+    match agent.pre_mark(clean) {
+        Ok(r) => r.errors,
+        Err(clade_agent::ClientError::Agent(clade_agent::AgentError::UnknownOp { .. })) => Vec::new(),
+        Err(e) => vec![format!("pre-mark hooks: {e}")],
+    }
+}

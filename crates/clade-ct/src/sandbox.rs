@@ -266,6 +266,10 @@ impl CtSandbox {
     }
 
     fn dump_and_store(&mut self, opts: &MarkOptions, leave_running: bool) -> Result<MarkState, BackendError> {
+        // The sandbox's own preparations first (pre-mark.d hooks), while its agent is still connected.
+        for warning in clade_core::hygiene::pre_mark(&self.agent, !opts.not_clean) {
+            eprintln!("clade-ct: {}: mark goes on: {warning}", self.id);
+        }
         self.dumps += 1;
         let stage = self.res.rw().join(format!("dump-{}", self.dumps));
         std::fs::create_dir_all(&stage).map_err(|e| failed(format!("create {}: {e}", stage.display())))?;

@@ -119,7 +119,16 @@ fn privileged_guest_mark_and_fork_two_siblings() {
     sh(&base, "echo before-mark > /root/note; mkdir -p /tmp/x; echo tmpfs > /tmp/x/t");
     // A long-lived process with state in memory survives the restore.
     sh(&base, "setsid sleep 1000 </dev/null >/dev/null 2>&1 &");
+    // Pre-mark hooks run just before the dump, so what they write is in the mark; one that fails does not
+    // stop the mark.
+    sh(
+        &base,
+        "mkdir -p /etc/clade/pre-mark.d && cd /etc/clade/pre-mark.d && \
+         printf '#!/bin/sh\\necho clean=$CLADE_MARK_CLEAN >> /root/pre-mark\\n' > 10-note && \
+         printf '#!/bin/sh\\nexit 1\\n' > 20-fails && chmod +x 10-note 20-fails",
+    );
     let mark = base.mark(&MarkOptions::default()).expect("mark");
+    assert_eq!(sh(&base, "cat /root/pre-mark"), "clean=1");
     assert!(mark.pause > Duration::ZERO && mark.pause < Duration::from_secs(20), "{:?}", mark.pause);
     assert!(mark.stored_bytes > 0 && mark.logical_bytes >= mark.stored_bytes / 2, "{mark:?}");
     // The marked sandbox keeps running and answers.
@@ -135,6 +144,7 @@ fn privileged_guest_mark_and_fork_two_siblings() {
         assert_eq!(sh(sb, "hostname"), ident.hostname);
         assert_eq!(sh(sb, "cat /etc/machine-id"), ident.machine_id);
         assert_eq!(sh(sb, "cat /root/note"), "before-mark");
+        assert_eq!(sh(sb, "cat /root/pre-mark"), "clean=1", "the hook ran before the dump");
         assert_eq!(sh(sb, "cat /tmp/x/t"), "tmpfs");
         assert!(sh(sb, "ps -o comm").contains("sleep"), "the sleeper was restored");
     }

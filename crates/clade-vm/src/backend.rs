@@ -902,6 +902,10 @@ impl Sandbox for VmSandbox {
         self.qemu_pid().into_iter().collect()
     }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        // The guest's own preparations first (pre-mark.d hooks): they run before the pause.
+        for warning in clade_core::hygiene::pre_mark(&self.agent, !opts.not_clean) {
+            eprintln!("clade-vm: {}: mark goes on: {warning}", self.id);
+        }
         match self.root.clone() {
             None => self.mark_cold(opts),
             Some(root) => self.mark_clone(root, opts),

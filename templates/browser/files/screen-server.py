@@ -4,14 +4,17 @@
 GET /title          -> {"title": ..., "url": ...} of Chromium's page, from CDP's /json/list
 GET /screenshot.png -> the X display as PNG (ImageMagick `import -window root`; for people, seconds under load)
 GET /ready          -> {"title", "differ_fraction[_at_least]", "ready"}: 200 when the screenshot differs from the blank
-                       desktop in more than 10% of pixels AND the page has a title AND no browser hygiene is
-                       pending, else 503.
+                       desktop in more than 10% of pixels AND the page has its own title (not the placeholder
+                       Chrome shows while it loads) AND no browser hygiene is pending, else 503.
 GET /random         -> {"target", "math_random": [3 draws]}: Math.random() in the page's main world, through CDP. Two
                        siblings restored from one mark draw the same numbers unless the browser hygiene gave the
                        page a new V8 isolate (seed 000's clone check; `ct-bench` compares them).
 POST /hygiene       -> 202: clear the cookies and replace the page by the same page in a new browser context
                        (a new renderer, a new V8 isolate), in the background; /ready waits for it. Sent by the
                        on-restore hook on every restore of a clean mark (seed 000's browser hygiene).
+POST /slot          -> 200 once the new browser context and its window are open (behind the page, on an empty
+                       data: page), for the next restore's hygiene to load the page in. Sent by the pre-mark
+                       hook before every clean mark.
 
 The readiness screenshot is Xvfb's own framebuffer (`-fbdir`: the screen memory-mapped in a file, XWD format):
 reading it is the screenshot, without an X round trip or a PNG encoder (`import` took ~2 s of a 2.4 s check on
@@ -46,11 +49,28 @@ THRESHOLD = 0.10
 
 
 def page():
+    """Title and URL of the page: the one the last browser hygiene loaded, else the first one listed (the
+    window prepared for the next hygiene is not it). Chrome lists a closed page for a while after closing
+    it: without the hygiene's target, /ready could read the old page's title while the new one loads."""
+    with HYGIENE_LOCK:
+        loaded = HYGIENE.get("page")
     with urllib.request.urlopen(CDP_LIST, timeout=2) as r:
-        tabs = [t for t in json.load(r) if t.get("type") == "page"]
+        tabs = [t for t in json.load(r) if t.get("type") == "page" and t.get("id") != SLOT.get("target")]
+    if loaded is not None:
+        tabs = [t for t in tabs if t.get("id") == loaded]
     if not tabs:
         return {"title": "", "url": ""}
     return {"title": tabs[0].get("title", ""), "url": tabs[0].get("url", "")}
+
+
+def placeholder_title(title, url):
+    """Whether `title` is what Chrome lists for a page whose document has no title yet: nothing, the URL, or
+    a name made from it (`page.html` for file:///srv/browser/page.html, `data:text/html,`). Seen in a live
+    sandbox while a page loads; without this check /ready answered 200 before the page had its own title.
+    (A page whose real title is its own file name would never be ready: the template's page is not one.)"""
+    if not title:
+        return True
+    return title in (url, url.split("://", 1)[-1]) or url.rstrip("/").rsplit("/", 1)[-1] == title
 
 
 def screenshot():
@@ -122,27 +142,69 @@ def differs_more_than(threshold):
     return False, seen / (w * h)
 
 
+# The window the next restore's hygiene loads the page in, prepared before a clean mark: {"context", "target"}.
+SLOT = {}
+SLOT_URL = "data:text/html,"
+
+
+def prepare_slot():
+    """A new browser context with one window on an empty data: page, maximized and kept behind the page's
+    window. The restore's hygiene navigates it to the page: leaving a data: page for file:// changes site, so
+    the page gets a new renderer process, and with it a V8 isolate seeded after the restore (the clone check
+    of `ct-bench` compares two siblings' Math.random()). Creating the context and its window there and then
+    was ~55 ms of the hygiene (new context: title 124-198 ms after the request; prepared window: 103-124 ms,
+    measured in a live sandbox). The context holds nothing: a data: page has no storage and sets no cookies."""
+    c = CDP(browser_ws_url(timeout=10), timeout=60)
+    try:
+        targets = c.send("Target.getTargets")["targetInfos"]
+        if SLOT and any(t["targetId"] == SLOT["target"] for t in targets):
+            return
+        pages = [t["targetId"] for t in targets if t.get("type") == "page"]
+        context = c.send("Target.createBrowserContext")["browserContextId"]
+        target = c.send("Target.createTarget", url=SLOT_URL, browserContextId=context)["targetId"]
+        window = c.send("Browser.getWindowForTarget", targetId=target)["windowId"]
+        c.send("Browser.setWindowBounds", windowId=window, bounds={"windowState": "maximized"})
+        for t in pages:  # the page's window back in front
+            c.send("Target.activateTarget", targetId=t)
+        SLOT.clear()
+        SLOT.update(context=context, target=target)
+    finally:
+        c.close()
+
+
 # Browser hygiene: None (nothing pending), "pending", or the error of the last attempt.
-HYGIENE = {"state": None, "took_ms": None}
+HYGIENE = {"state": None, "took_ms": None, "page": None}
 HYGIENE_LOCK = threading.Lock()
 
 
 def new_context():
-    """Clear the cookies, open the page in a new browser context, close the old pages. Under TCG with other
-    guests beside it a CDP answer can take tens of seconds: generous timeouts, and three attempts before the
-    failure is what /ready reports."""
+    """Clear the cookies, open the page in a new browser context (in the window prepared before the mark when
+    there is one, see prepare_slot), close the old pages. Under TCG with other guests beside it a CDP answer
+    can take tens of seconds: generous timeouts, and three attempts before the failure is what /ready
+    reports."""
     import time
 
     t0 = time.monotonic()
     state = None
+    loaded = None
     for attempt in range(3):
         try:
             c = CDP(browser_ws_url(timeout=60), timeout=120)
             try:
                 old = [t["targetId"] for t in c.send("Target.getTargets")["targetInfos"] if t.get("type") == "page"]
+                slot = SLOT.get("target")
+                SLOT.clear()  # used once, whatever happens
                 c.send("Storage.clearCookies")
-                ctx = c.send("Target.createBrowserContext")["browserContextId"]
-                c.send("Target.createTarget", url=PAGE, browserContextId=ctx)
+                if slot in old:
+                    old.remove(slot)
+                    session = c.send("Target.attachToTarget", targetId=slot, flatten=True)["sessionId"]
+                    c.send_to(session, "Page.navigate", url=PAGE)
+                    c.send("Target.activateTarget", targetId=slot)
+                    c.send("Target.detachFromTarget", sessionId=session)
+                    loaded = slot
+                else:  # no window prepared (a mark taken without the pre-mark hook): a new context now
+                    ctx = c.send("Target.createBrowserContext")["browserContextId"]
+                    loaded = c.send("Target.createTarget", url=PAGE, browserContextId=ctx)["targetId"]
                 for t in old:
                     c.send("Target.closeTarget", targetId=t)
             finally:
@@ -153,17 +215,23 @@ def new_context():
             state = f"browser hygiene failed (attempt {attempt + 1} of 3): {e!r}"
             sys.stderr.write(f"screen-server: {state}\n")
     with HYGIENE_LOCK:
-        HYGIENE.update(state=state, took_ms=round((time.monotonic() - t0) * 1000, 1))
+        HYGIENE.update(state=state, took_ms=round((time.monotonic() - t0) * 1000, 1), page=loaded)
 
 
 def page_random():
-    """Three Math.random() draws in the (first) page, and that page's target id."""
+    """Three Math.random() draws in the page (the one /ready looks at), and that page's target id."""
+    with HYGIENE_LOCK:
+        loaded = HYGIENE.get("page")
     c = CDP(browser_ws_url(timeout=10), timeout=30)
     try:
-        pages = [t for t in c.send("Target.getTargets")["targetInfos"] if t.get("type") == "page"]
+        pages = [
+            t["targetId"]
+            for t in c.send("Target.getTargets")["targetInfos"]
+            if t.get("type") == "page" and t["targetId"] != SLOT.get("target")
+        ]
         if not pages:
             raise RuntimeError("no page is open")
-        target = pages[0]["targetId"]
+        target = loaded if loaded in pages else pages[0]
         session = c.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         r = c.send_to(session, "Runtime.evaluate", expression="[0, 1, 2].map(() => Math.random())", returnByValue=True)
         c.send("Target.detachFromTarget", sessionId=session)
@@ -197,7 +265,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.reply(503, {"ready": False, "hygiene": pending})
                     return
                 info = page()
-                if not info["title"]:
+                if placeholder_title(info["title"], info["url"]):
                     # no title yet: not ready whatever the screen shows, and the pixels are not worth the CPU
                     self.reply(503, {**info, "ready": False})
                     return
@@ -210,8 +278,15 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(503, {"error": str(e), "ready": False})
 
     def do_POST(self):
+        if self.path == "/slot":
+            try:
+                prepare_slot()
+                self.reply(200, {"slot": SLOT})
+            except Exception as e:  # noqa: BLE001 - the pre-mark hook reports it; the mark goes on
+                self.reply(503, {"error": repr(e)})
+            return
         if self.path != "/hygiene":
-            self.reply(404, {"error": "POST /hygiene"})
+            self.reply(404, {"error": "POST /hygiene or /slot"})
             return
         with HYGIENE_LOCK:
             HYGIENE.update(state="pending", took_ms=None)

@@ -243,6 +243,7 @@ fn dispatch(
         Request::Rename { from, to } => conn.reply(id, &guarded(|| fsops::rename(&from, &to))),
         Request::Chmod { path, mode } => conn.reply(id, &guarded(|| fsops::chmod(&path, mode))),
         Request::SetIdentity(ident) => task(conn, id, move || Ok(Reply::Identity(sys::set_identity(&a, &ident)))),
+        Request::PreMark { clean } => task(conn, id, move || Ok(Reply::Hooks(sys::pre_mark(&a, clean)))),
         Request::RegisterRestoreSignal { pid, signal } => {
             conn.reply(id, &guarded(|| sys::register_restore_signal(agent, pid, signal)))
         }

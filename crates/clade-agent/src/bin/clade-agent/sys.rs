@@ -1,7 +1,7 @@
 //! Identity, clock, env file, and the few ioctls the agent needs (each `unsafe` is a single syscall).
 
 use crate::Agent;
-use clade_agent::{AgentError, ClockReading, Hello, Identity, IdentityReport, Reply, Response, ScriptRun};
+use clade_agent::{AgentError, ClockReading, Hello, HookReport, Identity, IdentityReport, Reply, Response, ScriptRun};
 use nix::time::{clock_gettime, clock_settime, ClockId};
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
@@ -215,8 +215,25 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
 }
 
 fn run_on_restore(agent: &Agent, rep: &mut IdentityReport) {
+    let generation = agent.generation.load(Ordering::Relaxed).to_string();
     let dir = agent.sys_path("/etc/clade/on-restore.d");
-    let Ok(rd) = fs::read_dir(&dir) else { return };
+    run_hooks(agent, &dir, &[("CLADE_GENERATION", &generation)], &mut rep.scripts, &mut rep.errors);
+}
+
+/// `pre-mark.d`: what the sandbox's programs want done before a mark (the request's doc says more).
+pub fn pre_mark(agent: &Agent, clean: bool) -> HookReport {
+    let mut rep = HookReport::default();
+    let generation = agent.generation.load(Ordering::Relaxed).to_string();
+    let env = [("CLADE_GENERATION", generation.as_str()), ("CLADE_MARK_CLEAN", if clean { "1" } else { "0" })];
+    let dir = agent.sys_path("/etc/clade/pre-mark.d");
+    run_hooks(agent, &dir, &env, &mut rep.scripts, &mut rep.errors);
+    rep
+}
+
+/// Runs the executable files of `dir` (not hidden ones) in name order, each in its own process group with
+/// stdin closed, and waits for each up to `SCRIPT_TIMEOUT` (then kills it). A missing `dir` runs nothing.
+fn run_hooks(agent: &Agent, dir: &Path, env: &[(&str, &str)], scripts: &mut Vec<ScriptRun>, errors: &mut Vec<String>) {
+    let Ok(rd) = fs::read_dir(dir) else { return };
     let mut paths: Vec<_> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
     paths.sort();
     for p in paths {
@@ -227,12 +244,10 @@ fn run_on_restore(agent: &Agent, rep: &mut IdentityReport) {
         }
         let t0 = Instant::now();
         let mut cmd = Command::new(&p);
-        cmd.env("CLADE_GENERATION", agent.generation.load(Ordering::Relaxed).to_string())
-            .stdin(Stdio::null())
-            .process_group(0);
+        cmd.envs(env.iter().copied()).stdin(Stdio::null()).process_group(0);
         let status = match agent.reaper.spawn(&mut cmd) {
             Err(e) => {
-                rep.errors.push(format!("starting {}: {e}", p.display()));
+                errors.push(format!("starting {}: {e}", p.display()));
                 None
             }
             Ok(child) => {
@@ -243,15 +258,15 @@ fn run_on_restore(agent: &Agent, rep: &mut IdentityReport) {
                         nix::sys::signal::SIGKILL,
                     );
                     agent.reaper.forget(child.id());
-                    rep.errors.push(format!("{} ran over {} s and was killed", p.display(), SCRIPT_TIMEOUT.as_secs()));
+                    errors.push(format!("{} ran over {} s and was killed", p.display(), SCRIPT_TIMEOUT.as_secs()));
                 }
                 s
             }
         };
         if let Some(s) = status.filter(|s| !s.success()) {
-            rep.errors.push(format!("{} failed: {s:?}", p.display()));
+            errors.push(format!("{} failed: {s:?}", p.display()));
         }
-        rep.scripts.push(ScriptRun { name, status, ms: t0.elapsed().as_millis() as u64 });
+        scripts.push(ScriptRun { name, status, ms: t0.elapsed().as_millis() as u64 });
     }
 }
 

@@ -56,6 +56,11 @@ impl Peer {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o700));
         }
+        // The same session as clade's mark: the sandbox's pre-mark hooks first (the browser opens the window
+        // its hygiene will use), so that both restores bring back the same processes and pages.
+        for warning in clade_core::hygiene::pre_mark(clade_core::backend::Sandbox::agent(&*sb), true) {
+            eprintln!("ct-bench: peer dump: {warning}");
+        }
         sb.detach_agent().map_err(|e| e.to_string())?;
         let log = dir.join("dump.log");
         let t0 = Instant::now();
