@@ -276,6 +276,10 @@ pub struct Identity {
     /// Signal the registered processes.
     #[serde(default)]
     pub signal_registered: bool,
+    /// The sandbox continues its own line (resume, retake), not a new sibling: on-restore hooks get
+    /// `CLADE_RESTORE=continue` instead of `sibling`.
+    #[serde(default)]
+    pub continues: bool,
 }
 
 /// A readiness target.

@@ -259,7 +259,8 @@ fn env_readiness_identity_files() {
     let script = a.sysroot.join("etc/clade/on-restore.d/10-mark");
     std::fs::create_dir_all(script.parent().unwrap()).unwrap();
     let marker = a.dir.join("restored");
-    std::fs::write(&script, format!("#!/bin/sh\necho \"$CLADE_GENERATION\" > {}\n", marker.display())).unwrap();
+    std::fs::write(&script, format!("#!/bin/sh\necho \"$CLADE_GENERATION $CLADE_RESTORE\" > {}\n", marker.display()))
+        .unwrap();
     std::process::Command::new("chmod").arg("+x").arg(&script).status().unwrap();
     let p = c.exec(sh("trap 'exit 42' USR1; while :; do sleep 0.02; done")).unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -277,7 +278,7 @@ fn env_readiness_identity_files() {
     assert_eq!(rep.scripts.len(), 1);
     assert_eq!(rep.signalled, 1);
     assert!(rep.errors.is_empty(), "{rep:?}");
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "7\n");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "7 sibling\n");
     assert_eq!(
         std::fs::read_to_string(a.sysroot.join("etc/machine-id")).unwrap(),
         "0123456789abcdef0123456789abcdef\n"
@@ -286,6 +287,9 @@ fn env_readiness_identity_files() {
     assert_eq!(c.hello().unwrap().generation, 7);
     let rep = c.set_identity(Identity { machine_id: Some("XYZ".into()), ..Identity::default() }).unwrap();
     assert!(!rep.machine_id_set && rep.errors.len() == 1);
+    // A resume or retake: the hooks are told the sandbox continues its own line.
+    c.set_identity(Identity { run_on_restore: true, continues: true, ..Identity::default() }).unwrap();
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "7 continue\n");
 }
 
 #[test]

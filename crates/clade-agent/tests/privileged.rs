@@ -145,6 +145,7 @@ fn privileged_identity_in_sandbox() {
             generation: Some(3),
             run_on_restore: true,
             signal_registered: true,
+            continues: false,
         })
         .unwrap();
     assert!(rep.errors.is_empty(), "{rep:?}");

@@ -139,6 +139,11 @@ pub struct Identity {
     pub entropy: Vec<u8>,
     /// How many restores led to this sandbox (0 for a cold start).
     pub generation: u64,
+    /// The sandbox continues its own line (a resume of its suspend, a retake of one of its marks) rather than
+    /// starting as a new sibling: on-restore hooks see `CLADE_RESTORE=continue` and may keep what they would
+    /// reset in a sibling (the browser template keeps its page and cookies).
+    #[serde(default)]
+    pub continues: bool,
 }
 
 /// Options of one mark.

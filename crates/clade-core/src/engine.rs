@@ -225,7 +225,9 @@ impl Engine {
         generation: u64,
     ) -> Result<Restored> {
         let state = self.mark_state(mark)?;
-        let id = hygiene::new_identity(sbx.as_str(), generation);
+        let mut id = hygiene::new_identity(sbx.as_str(), generation);
+        // A mark of the sandbox's own branch (resume, retake): the same machine going on, not a sibling.
+        id.continues = self.ledger().sandbox(sbx).is_ok_and(|r| r.branch == mark.branch);
         let start = Instant::now();
         let result = backend.restore(&state, &id);
         self.finish_restore(result, start, &id, state.clean, sbx, mark)

@@ -44,6 +44,7 @@ pub fn new_identity(sandbox_id: &str, generation: u64) -> Identity {
         machine_id: digest.to_hex()[..32].to_string(),
         entropy,
         generation,
+        continues: false,
     }
 }
 
@@ -72,6 +73,7 @@ pub fn apply(
         generation: Some(id.generation),
         run_on_restore: true,
         signal_registered: true,
+        continues: id.continues,
     };
     let r = agent.set_identity(ident).map_err(|e| fail("identity", e))?;
     let identity_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -105,6 +107,18 @@ pub fn apply(
     })
 }
 
+/// Before a mark: runs the sandbox's `/etc/clade/pre-mark.d` hooks through its agent (with `CLADE_MARK_CLEAN`),
+/// so that programs can prepare what their restores' hygiene will use (the browser template opens the window
+/// its hygiene loads the page in). Never fails the mark: what went wrong comes back as lines to report, and
+/// an agent from before this request (in an older mark) just has no hooks run.
+pub fn pre_mark(agent: &clade_agent::client::AgentClient, clean: bool) -> Vec<String> {
+    match agent.pre_mark(clean) {
+        Ok(r) => r.errors,
+        Err(clade_agent::ClientError::Agent(clade_agent::AgentError::UnknownOp { .. })) => Vec::new(),
+        Err(e) => vec![format!("pre-mark hooks: {e}")],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -116,17 +130,5 @@ mod tests {
         assert_eq!(a.machine_id.len(), 32);
         assert!(a.machine_id.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
         assert_ne!(a.hostname, b.hostname);
-    }
-}
-
-/// Before a mark: runs the sandbox's `/etc/clade/pre-mark.d` hooks through its agent (with `CLADE_MARK_CLEAN`),
-/// so that programs can prepare what their restores' hygiene will use (the browser template opens the window
-/// its hygiene loads the page in). Never fails the mark: what went wrong comes back as lines to report, and
-/// an agent from before this request (in an older mark) just has no hooks run.
-pub fn pre_mark(agent: &clade_agent::client::AgentClient, clean: bool) -> Vec<String> {
-    match agent.pre_mark(clean) {
-        Ok(r) => r.errors,
-        Err(clade_agent::ClientError::Agent(clade_agent::AgentError::UnknownOp { .. })) => Vec::new(),
-        Err(e) => vec![format!("pre-mark hooks: {e}")],
     }
 }

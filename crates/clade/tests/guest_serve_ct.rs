@@ -177,13 +177,24 @@ fn guest_serve_ct_cli_through_daemon_stream_files_idle_restart() {
     let (s, _) = http(&host, "wrong", "GET", "/v1/sandboxes", "", b"");
     assert_eq!(s, 401);
 
-    // Mark and retake through the daemon: the file written after the mark disappears.
+    // Mark and retake through the daemon: the file written after the mark disappears. An on-restore hook
+    // hears that the retake continues the sandbox's own line, and a fork of the same mark starts a sibling.
+    let hook = "mkdir -p /etc/clade/on-restore.d && printf '#!/bin/sh\\necho $CLADE_RESTORE > /root/restore-kind\\n' \
+                > /etc/clade/on-restore.d/10-kind && chmod +x /etc/clade/on-restore.d/10-kind";
+    ok(h, &host, &["exec", &ids[1], "--json", "--", "sh", "-c", hook]);
     let m = ok(h, &host, &["mark", &ids[1], "--label", "m1", "--json"]);
     let mark = m["id"].as_str().unwrap().to_string();
     ok(h, &host, &["exec", &ids[1], "--json", "--", "sh", "-c", "echo x > /tmp/after"]);
     ok(h, &host, &["retake", &ids[1], "--to", &mark, "--json"]);
     let (code, _, _) = clade(h, Some(&host), &["exec", &ids[1], "--", "test", "-e", "/tmp/after"]);
     assert_eq!(code, 1, "the retake kept a file written after the mark");
+    let kind = ok(h, &host, &["exec", &ids[1], "--json", "--", "cat", "/root/restore-kind"]);
+    assert_eq!(kind["stdout"].as_str().unwrap().trim(), "continue", "{kind}");
+    let sib = ok(h, &host, &["fork", &mark, "--backend", "ct", "--json"]);
+    let sib = sib["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let kind = ok(h, &host, &["exec", &sib, "--json", "--", "cat", "/root/restore-kind"]);
+    assert_eq!(kind["stdout"].as_str().unwrap().trim(), "sibling", "{kind}");
+    ok(h, &host, &["kill", &sib, "--json"]);
 
     // Idle suspend: the sandbox goes to sleep, the next request wakes it, transparently.
     let (s, out) = http(

@@ -206,7 +206,7 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
         agent.generation.store(g, Ordering::Relaxed);
     }
     if id.run_on_restore {
-        run_on_restore(agent, &mut rep);
+        run_on_restore(agent, id.continues, &mut rep);
     }
     if id.signal_registered {
         signal_registered(agent, &mut rep);
@@ -214,10 +214,12 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
     rep
 }
 
-fn run_on_restore(agent: &Agent, rep: &mut IdentityReport) {
+fn run_on_restore(agent: &Agent, continues: bool, rep: &mut IdentityReport) {
     let generation = agent.generation.load(Ordering::Relaxed).to_string();
+    let env =
+        [("CLADE_GENERATION", generation.as_str()), ("CLADE_RESTORE", if continues { "continue" } else { "sibling" })];
     let dir = agent.sys_path("/etc/clade/on-restore.d");
-    run_hooks(agent, &dir, &[("CLADE_GENERATION", &generation)], &mut rep.scripts, &mut rep.errors);
+    run_hooks(agent, &dir, &env, &mut rep.scripts, &mut rep.errors);
 }
 
 /// `pre-mark.d`: what the sandbox's programs want done before a mark (the request's doc says more).
