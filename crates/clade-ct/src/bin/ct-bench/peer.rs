@@ -73,7 +73,11 @@ impl Peer {
             .arg("-o")
             .arg(&log)
             .args(["--external", "mnt[]", "--network-lock", "skip", "--tcp-established", "--file-locks"])
-            .args(["--ghost-limit", "64M", "--action-script"])
+            .args(["--ghost-limit", "64M"])
+            // As clade's dump: without it CRIU cannot dump the browser's inotify watch on the time zone
+            // database ("fsnotify: Can't dump that handle") once the session holds a crashed tab's window.
+            .args(clade_ct::dump::IRMAP_SCAN_PATHS.iter().flat_map(|p| ["--irmap-scan-path", p]))
+            .arg("--action-script")
             .arg(&script)
             .output()
             .map_err(|e| format!("run {}: {e}", criu.display()))?;
