@@ -6,9 +6,10 @@ GET /screenshot.png -> the X display as PNG (ImageMagick `import -window root`; 
 GET /ready          -> {"title", "differ_fraction[_at_least]", "ready"}: 200 when the screenshot differs from the blank
                        desktop in more than 10% of pixels AND the page has its own title (not the placeholder
                        Chrome shows while it loads) AND no browser hygiene is pending, else 503.
-GET /random         -> {"target", "math_random": [3 draws]}: Math.random() in the page's main world, through CDP. Two
-                       siblings restored from one mark draw the same numbers unless the browser hygiene gave the
-                       page a new V8 isolate (seed 000's clone check; `ct-bench` compares them).
+GET /random         -> {"target", "math_random": [3 draws], "python_random": [3 draws]}: Math.random() in the page's
+                       main world (through CDP) and this server's own random.random(). Two siblings restored from
+                       one mark draw the same numbers unless hygiene gave the page a new V8 isolate and reseeded
+                       this server (seed 000's clone check; `ct-bench` compares them).
 POST /hygiene       -> 202: clear the cookies and replace the page by the same page in a new browser context
                        (a new renderer, a new V8 isolate), in the background; /ready waits for it. Sent by the
                        on-restore hook on every restore of a clean mark (seed 000's browser hygiene).
@@ -237,7 +238,7 @@ def page_random():
         c.send("Target.detachFromTarget", sessionId=session)
     finally:
         c.close()
-    return {"target": target, "math_random": r["result"]["value"]}
+    return {"target": target, "math_random": r["result"]["value"], "python_random": [random.random() for _ in range(3)]}
 
 
 class Handler(BaseHTTPRequestHandler):

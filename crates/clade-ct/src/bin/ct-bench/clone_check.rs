@@ -1,8 +1,10 @@
-//! Seed 000's clone check, for the browser: the page's next `Math.random()` draws in two siblings of one mark.
+//! Seed 000's clone check, for the browser: the page's next `Math.random()` draws and the in-sandbox Python
+//! server's next `random.random()` draws in two siblings of one mark.
 //!
-//! Restored without hygiene, two siblings draw the same numbers: a restore is a clone, V8's random state
-//! included. With the browser hygiene (the page reopened in a new browser context, so in a new renderer whose
-//! V8 isolate is seeded after the restore) they must differ. Both pairs are taken in the same run, so the
+//! Restored without hygiene, two siblings draw the same numbers: a restore is a clone, V8's and Python's
+//! random state included. With hygiene (the page reopened in a new browser context, so in a new renderer
+//! whose V8 isolate is seeded after the restore; the server reseeded by the agent's restore signal) every
+//! draw must differ. Both pairs are taken in the same run, so the
 //! check shows it can fail: if the pair without hygiene does not draw equal numbers, the check proves
 //! nothing and says so.
 
@@ -13,11 +15,12 @@ use serde_json::json;
 
 use crate::{figure, kill_all, Bench, Workload};
 
-/// Asks the template's screen server (`GET /random`) for three draws in the page's main world.
+/// Asks the template's screen server (`GET /random`) for three draws of each generator.
 const DRAW: &str = "import sys, urllib.request\n\
                     sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:9000/random', timeout=60).read().decode())";
 
-/// The page's target id and its next three `Math.random()` values.
+/// The page's target id, its next three `Math.random()` values, then the screen server's next three
+/// `random.random()` values.
 fn draws(sb: &CtSandbox) -> Result<(String, Vec<f64>), String> {
     let out = sb.agent().run(ExecSpec::new(["python3", "-c", DRAW])).map_err(|e| format!("clone check: {e}"))?;
     if !out.status.success() {
@@ -29,10 +32,13 @@ fn draws(sb: &CtSandbox) -> Result<(String, Vec<f64>), String> {
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .map_err(|e| format!("clone check: {}: {e}: {}", sb.id(), String::from_utf8_lossy(&out.stdout)))?;
-    let nums: Vec<f64> =
-        v["math_random"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
-    if nums.len() != 3 {
-        return Err(format!("clone check: {}: expected three draws, got {v}", sb.id()));
+    let nums: Vec<f64> = ["math_random", "python_random"]
+        .iter()
+        .flat_map(|k| v[*k].as_array().cloned().unwrap_or_default())
+        .filter_map(|x| x.as_f64())
+        .collect();
+    if nums.len() != 6 {
+        return Err(format!("clone check: {}: expected three draws of each generator, got {v}", sb.id()));
     }
     Ok((v["target"].as_str().unwrap_or_default().to_string(), nums))
 }
@@ -61,7 +67,11 @@ pub fn run(b: &Bench, w: &Workload, mark: &MarkState) -> Result<(), String> {
         eprintln!("ct-bench: clone check: two siblings restored without hygiene drew different numbers; the check proves nothing");
     }
     figure(
-        format!("ct {}: clone hygiene, page Math.random() of two siblings (differ with hygiene, equal without)", w.name),
+        format!(
+            "ct {}: clone hygiene, page Math.random() and server random.random() of two siblings (differ with \
+             hygiene, equal without)",
+            w.name
+        ),
         f64::from(u8::from(pass)),
         "pass",
         "pass: with hygiene every draw differs; the control pair without hygiene draws the same (seed 000's clone check)",
