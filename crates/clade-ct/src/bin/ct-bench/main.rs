@@ -19,6 +19,7 @@
 //! `ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] [--only browser|minimal]
 //!  [--mark-gap-secs 60]`
 
+mod cleanup;
 mod clone_check;
 mod peer;
 
@@ -274,6 +275,12 @@ fn run() -> Result<(), String> {
         return Err("nothing to run: --only names a workload that is not given (--browser PATH)".into());
     }
     let home = CladeHome::at(real.tmp_dir().join(format!("ct-bench-{}", std::process::id())));
+    // Before any thread starts (the blocked signals are inherited): Ctrl-C takes this run down.
+    cleanup::install(
+        home.root().to_path_buf(),
+        format!("b{}-", std::process::id()),
+        std::path::PathBuf::from(format!("/dev/shm/clade-ct-peer-{}", std::process::id())),
+    )?;
     let store = clade_store::Store::open(&home.store_dir(), Default::default()).map_err(|e| e.to_string())?;
     let criu = cfg.criu.clone();
     let backend = CtBackend::new(home.clone(), store, cfg).map_err(|e| e.to_string())?;
