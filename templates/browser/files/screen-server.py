@@ -153,8 +153,9 @@ def prepare_slot():
     window. The restore's hygiene navigates it to the page: leaving a data: page for file:// changes site, so
     the page gets a new renderer process, and with it a V8 isolate seeded after the restore (the clone check
     of `ct-bench` compares two siblings' Math.random()). Creating the context and its window there and then
-    was ~55 ms of the hygiene (new context: title 124-198 ms after the request; prepared window: 103-124 ms,
-    measured in a live sandbox). The context holds nothing: a data: page has no storage and sets no cookies."""
+    was ~40 ms of the hygiene (POST /hygiene to the page's own title, p50 197 -> 154 ms in a live sandbox; a
+    restore with hygiene 0.61x -> 0.41x of cold in `./x bench ct`, with the stricter /ready of the same day).
+    The context holds nothing: a data: page has no storage and sets no cookies."""
     c = CDP(browser_ws_url(timeout=10), timeout=60)
     try:
         targets = c.send("Target.getTargets")["targetInfos"]
