@@ -81,7 +81,7 @@ pub struct PreparedRestore {
 /// A warm-pool member: restored, hygiene done, paused, waiting for a claim.
 pub struct Warm {
     pub sandbox: Box<dyn Sandbox>,
-    pub hygiene: Option<HygieneReport>,
+    pub hygiene: HygieneReport,
     pub restore: Duration,
     pub warmed: Duration,
     /// When it was paused: its clock stood still since, by exactly this long (seed 003's shift).
@@ -91,7 +91,7 @@ pub struct Warm {
 /// A sandbox restored by [`Engine::restore_into`], with what it cost.
 pub struct Restored {
     pub sandbox: Box<dyn Sandbox>,
-    pub hygiene: Option<HygieneReport>,
+    pub hygiene: HygieneReport,
     /// Backend restore to agent hello.
     pub restore: Duration,
     /// Restore plus hygiene: ready for the user.
@@ -262,7 +262,7 @@ impl Engine {
         let start = Instant::now();
         let mut sandbox = p.prepared.start()?;
         let restore = start.elapsed();
-        let hygiene = if p.clean { Some(hygiene::apply(sandbox.agent(), &p.identity, true)?) } else { None };
+        let hygiene = hygiene::apply(sandbox.agent(), &p.identity, p.clean)?;
         if let Some((target, timeout)) = ready {
             sandbox
                 .agent()
@@ -282,10 +282,8 @@ impl Engine {
         let clock =
             sandbox.agent().sync_clock(0).map_err(|e| BackendError::Failed(format!("clock step after claim: {e}")))?;
         let mut hygiene = w.hygiene;
-        if let Some(h) = hygiene.as_mut() {
-            h.clock_error_ns = clock.error_ns;
-            h.clock_steps += clock.steps;
-        }
+        hygiene.clock_error_ns = clock.error_ns;
+        hygiene.clock_steps += clock.steps;
         let total = start.elapsed();
         self.op(
             "restore",
@@ -320,7 +318,7 @@ impl Engine {
                 return Err(e.into());
             }
         };
-        let hygiene = if clean { Some(hygiene::apply(sandbox.agent(), id, true)?) } else { None };
+        let hygiene = hygiene::apply(sandbox.agent(), id, clean)?;
         let total = start.elapsed();
         self.op(
             "restore",

@@ -58,7 +58,10 @@ fn getrandom(buf: &mut [u8]) {
 }
 
 /// Apply hygiene through a connected agent. `clean == false` (a mark declared not clean, e.g. a logged-in
-/// browser) keeps hostname, machine-id and connections and only reseeds and steps the clock.
+/// browser) keeps what the programs hold: hostname, machine-id, connections, and runs no on-restore hook and
+/// signals no registered process (the browser's hook would clear the session the mark was taken to keep).
+/// The kernel's random pool is still reseeded and the clock still stepped: neither is state a user keeps,
+/// and a sandbox whose clock stopped at the mark is wrong, not kept.
 pub fn apply(
     agent: &clade_agent::client::AgentClient,
     id: &Identity,
@@ -71,8 +74,8 @@ pub fn apply(
         machine_id: clean.then(|| id.machine_id.clone()),
         entropy: id.entropy.clone(),
         generation: Some(id.generation),
-        run_on_restore: true,
-        signal_registered: true,
+        run_on_restore: clean,
+        signal_registered: clean,
         continues: id.continues,
     };
     let r = agent.set_identity(ident).map_err(|e| fail("identity", e))?;

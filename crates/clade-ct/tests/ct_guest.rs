@@ -170,6 +170,8 @@ fn privileged_guest_suspend_restore_and_refusals() {
     let Some(e) = env("susp") else { return };
     let sb = e.backend.cold_start_ct(&e.image, &id("susp")).expect("cold start");
     sh(&sb, "echo kept > /root/state");
+    // An on-restore hook that a restore of a mark declared not clean must not run.
+    sh(&sb, "mkdir -p /etc/clade/on-restore.d && printf '#!/bin/sh\\necho ran > /root/hook\\n' > /etc/clade/on-restore.d/10-t && chmod +x /etc/clade/on-restore.d/10-t");
     // A process started through exec that still runs holds an agent connection: the mark is refused with the
     // reason, and the sandbox keeps running.
     let mut sb = sb;
@@ -187,9 +189,13 @@ fn privileged_guest_suspend_restore_and_refusals() {
     let ident = id("resumed");
     let r = e.backend.restore_ct(&mark, &ident).expect("resume");
     assert_eq!(sh(&r, "cat /root/state"), "kept");
-    // Not clean: hygiene keeps the hostname.
+    // Not clean: hygiene keeps the hostname and runs no hook, but still reseeds the kernel and steps the clock.
     let rep = clade_core::hygiene::apply(r.agent(), &ident, mark.clean).expect("hygiene");
     assert!(!rep.hostname_set);
+    assert_eq!(rep.on_restore_scripts, 0);
+    assert_eq!(sh(&r, "cat /root/hook 2>/dev/null || echo none"), "none");
+    assert!(rep.crng_reseeded && rep.entropy_bytes > 0, "{rep:?}");
+    assert!(rep.clock_error_ns.abs() < 50_000_000, "{rep:?}");
     Box::new(r).kill().expect("kill");
     // A mark from another CRIU, or whose trees are not in the store, is refused before anything starts.
     let mut other = mark.clone();
