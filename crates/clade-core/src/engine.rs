@@ -28,6 +28,8 @@ pub enum EngineError {
     Store(#[from] clade_store::StoreError),
     #[error("ledger: {0}")]
     Ledger(#[from] clade_ledger::LedgerError),
+    #[error(transparent)]
+    Private(#[from] crate::home::PrivateDirError),
 }
 
 impl EngineError {
@@ -101,6 +103,8 @@ pub struct Restored {
 impl Engine {
     /// Open (creating when missing) the store and ledger under `home`.
     pub fn open(home: &CladeHome) -> Result<Engine> {
+        // Before anything is written: the home's directories are 0700 (guest RAM, packs, the ledger, tokens).
+        home.ensure_private()?;
         // The blob tier other hosts share, when this home names one (`CLADE_BLOB`, docs/roam.md).
         let blob = home.blob_config().map_err(EngineError::Invalid)?;
         let store = Store::open(&home.store_dir(), StoreConfig { blob, ..StoreConfig::default() })?;

@@ -44,6 +44,37 @@ pub struct Ledger {
     clock: Arc<dyn Clock>,
 }
 
+/// The ledger file is its owner's alone (0600): created so before SQLite opens it (SQLite would make it 0644
+/// and its -wal/-shm alike), and tightened when an older clade left it open. With `sidecars`, the -wal and
+/// -shm beside it too.
+fn private_files(path: &Path, sidecars: bool) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let err = |p: &Path, source| LedgerError::Private { path: p.to_owned(), source };
+    if !sidecars {
+        // create(true) without truncate: an existing ledger is opened as it is, a missing one made empty and 0600.
+        std::fs::OpenOptions::new().append(true).create(true).mode(0o600).open(path).map_err(|e| err(path, e))?;
+    }
+    let mut files = vec![path.to_owned()];
+    if sidecars {
+        for ext in ["-wal", "-shm"] {
+            let mut p = path.as_os_str().to_owned();
+            p.push(ext);
+            files.push(PathBuf::from(p));
+        }
+    }
+    for p in files {
+        match std::fs::metadata(&p) {
+            Ok(md) if md.permissions().mode() & 0o077 != 0 => {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).map_err(|e| err(&p, e))?
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err(&p, e)),
+        }
+    }
+    Ok(())
+}
+
 impl Ledger {
     /// Opens (creating and migrating if needed) the ledger at `path`, usually
     /// `clade_core::CladeHome::from_env().ledger_path()`.
@@ -67,6 +98,7 @@ impl Ledger {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| LedgerError::Io { path: dir.to_owned(), source })?;
         }
+        private_files(&path, false)?;
         let open_err = |source| LedgerError::Open { path: path.clone(), source };
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(&path, flags).map_err(open_err)?;
@@ -80,6 +112,8 @@ impl Ledger {
                 path.display()
             )));
         }
+        // SQLite gives -wal and -shm its main file's mode; these were made (or were left by an older clade) now.
+        private_files(&path, true)?;
         conn.execute_batch("PRAGMA foreign_keys = ON; PRAGMA synchronous = FULL;").map_err(open_err)?;
         schema::migrate(&conn, &path, migrations)?;
         Ok(Self { conn, path, clock: options.clock })

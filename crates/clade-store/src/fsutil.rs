@@ -22,9 +22,23 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).ctx("fsync directory", dir)
 }
 
-/// Create `dir` (and parents) if needed.
+/// The mode of every directory the store makes: owner only (packs hold guest memory and disks).
+pub(crate) const DIR_MODE: u32 = 0o700;
+/// The mode of every file the store makes (packs, indexes, manifests, leases, images it restores).
+pub(crate) const FILE_MODE: u32 = 0o600;
+
+/// Create `dir` (and parents, each 0700) if needed.
 pub(crate) fn ensure_dir(dir: &Path) -> Result<(), StoreError> {
-    fs::create_dir_all(dir).ctx("create directory", dir)
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(dir).ctx("create directory", dir)
+}
+
+/// Options for a new private file (0600 whatever the umask): write, create_new.
+pub(crate) fn new_private() -> OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = OpenOptions::new();
+    o.write(true).create_new(true).mode(FILE_MODE);
+    o
 }
 
 /// Rename a fully written and fsynced temp file to `dest`, creating the fan-out directory, and fsync it.
@@ -39,7 +53,7 @@ pub(crate) fn publish(tmp: &Path, dest: &Path) -> Result<(), StoreError> {
 pub(crate) fn write_atomic(tmp_dir: &Path, dest: &Path, data: &[u8]) -> Result<(), StoreError> {
     let tmp = temp_path(tmp_dir, "file");
     let res = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp).ctx("create temp file", &tmp)?;
+        let mut f = new_private().open(&tmp).ctx("create temp file", &tmp)?;
         f.write_all(data).ctx("write", &tmp)?;
         f.sync_all().ctx("fsync", &tmp)?;
         drop(f);

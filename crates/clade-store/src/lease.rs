@@ -18,9 +18,17 @@ use crate::ids::{ManifestId, TreeId};
 use crate::store::Store;
 use crate::{fsutil, StoreError};
 
+/// The store's lock file: created 0600 if missing.
+pub(crate) fn lock_options() -> OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = OpenOptions::new();
+    o.create(true).append(true).mode(fsutil::FILE_MODE);
+    o
+}
+
 pub(crate) fn lock_shared(store: &Store) -> Result<File, StoreError> {
     let path = store.inner.dir.join("lock");
-    let f = OpenOptions::new().create(true).append(true).open(&path).ctx("open lock", &path)?;
+    let f = lock_options().open(&path).ctx("open lock", &path)?;
     flock(&f, FlockOperation::LockShared).map_err(|e| StoreError::io("lock (shared)", &path, e.into()))?;
     Ok(f)
 }
@@ -28,7 +36,7 @@ pub(crate) fn lock_shared(store: &Store) -> Result<File, StoreError> {
 /// Take the store lock exclusively, waiting up to `wait`.
 pub(crate) fn lock_exclusive(store: &Store, wait: Duration) -> Result<File, StoreError> {
     let path = store.inner.dir.join("lock");
-    let f = OpenOptions::new().create(true).append(true).open(&path).ctx("open lock", &path)?;
+    let f = lock_options().open(&path).ctx("open lock", &path)?;
     let start = Instant::now();
     loop {
         match flock(&f, FlockOperation::NonBlockingLockExclusive) {
@@ -116,7 +124,7 @@ impl Store {
             }
         }
         let path = fsutil::temp_path(&self.inner.leases, "lease").with_extension("lease");
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&path).ctx("create lease", &path)?;
+        let mut f = fsutil::new_private().open(&path).ctx("create lease", &path)?;
         flock(&f, FlockOperation::LockShared).map_err(|e| StoreError::io("lock lease", &path, e.into()))?;
         f.write_all(root.line().as_bytes()).ctx("write lease", &path)?;
         Ok(Lease { path, _file: f, root })

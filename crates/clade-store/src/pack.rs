@@ -8,7 +8,7 @@
 //! id covers the content without hashing the pack's bytes a second time. Every frame read is verified block by
 //! block against the object ids in the index.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{IoSlice, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -104,7 +104,7 @@ pub(crate) struct PackWriter {
 impl PackWriter {
     pub fn create(tmp_dir: &Path) -> Result<Self, StoreError> {
         let tmp = fsutil::temp_path(tmp_dir, "pack");
-        let mut file = OpenOptions::new().write(true).create_new(true).open(&tmp).ctx("create temp pack", &tmp)?;
+        let mut file = fsutil::new_private().open(&tmp).ctx("create temp pack", &tmp)?;
         file.write_all(PACK_MAGIC).ctx("write", &tmp)?;
         Ok(PackWriter { tmp, file, offset: PACK_MAGIC.len() as u64, frames: Vec::new() })
     }

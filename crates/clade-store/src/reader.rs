@@ -133,7 +133,7 @@ impl Store {
         let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let tmp = fsutil::temp_path(dir, ".clade-get");
         let res = (|| {
-            let f = OpenOptions::new().write(true).create_new(true).open(&tmp).ctx("create", &tmp)?;
+            let f = fsutil::new_private().open(&tmp).ctx("create", &tmp)?;
             f.set_len(m.size).ctx("set length", &tmp)?;
             self.write_image_to(&m, &f, &tmp)?;
             drop(f);

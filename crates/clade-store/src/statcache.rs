@@ -75,10 +75,12 @@ pub(crate) fn record(
     }
     let Some((entry, _)) = entry_path(store, path) else { return };
     if let Some(parent) = entry.parent() {
-        let _ = std::fs::create_dir_all(parent);
+        let _ = fsutil::ensure_dir(parent);
     }
     let tmp = fsutil::temp_path(&store.inner.tmp, "statcache");
-    if std::fs::write(&tmp, format!("{} {id}\n", stamp(md, kind))).is_ok() && std::fs::rename(&tmp, &entry).is_err() {
+    let line = format!("{} {id}\n", stamp(md, kind));
+    let written = fsutil::new_private().open(&tmp).and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+    if written.is_ok() && std::fs::rename(&tmp, &entry).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
 }

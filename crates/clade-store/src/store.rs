@@ -176,7 +176,7 @@ impl Store {
             fsutil::ensure_dir(d)?;
         }
         let lock = inner.dir.join("lock");
-        std::fs::OpenOptions::new().create(true).append(true).open(&lock).ctx("create lock file", &lock)?;
+        crate::lease::lock_options().open(&lock).ctx("create lock file", &lock)?;
         let store = Store { inner: Arc::new(inner) };
         *store.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = store.read_gc_gen();
         Ok(store)
