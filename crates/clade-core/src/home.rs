@@ -132,7 +132,8 @@ impl CladeHome {
     /// Make the home's root directories and the tmpfs directory of RAM files 0700 (creating them if needed);
     /// see the module doc. Cheap enough for every open: a few `stat`s when all is in order.
     pub fn ensure_private(&self) -> Result<(), PrivateDirError> {
-        for d in [self.root.clone(), self.store_dir(), self.run_dir(), self.tmp_dir(), self.cache_dir(), self.e2b_dir()] {
+        for d in [self.root.clone(), self.store_dir(), self.run_dir(), self.tmp_dir(), self.cache_dir(), self.e2b_dir()]
+        {
             private_dir(&d)?;
         }
         let shm = self.shm_dir();

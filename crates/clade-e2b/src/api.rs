@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::host::{Host, HostError, Started, Status};
-use crate::state::{now_ms, random_hex, rfc3339, Record, SnapshotRecord};
+use crate::state::{now_ms, rfc3339, Record, SnapshotRecord};
 use crate::App;
 
 /// An E2B API error.
@@ -170,6 +170,7 @@ fn record_of<H: Host>(
     meta: BTreeMap<String, String>,
 ) -> Record {
     let now = now_ms();
+    let (salt, token) = app.state.issue_token(&s.id);
     Record {
         id: s.id.clone(),
         template_id: s.template_id.clone(),
@@ -178,7 +179,8 @@ fn record_of<H: Host>(
         started_ms: now,
         end_ms: now + timeout_s * 1000,
         auto_pause,
-        token: random_hex(16),
+        token,
+        salt,
         cpu_count: s.cpu_count,
         memory_mb: s.memory_mb,
         disk_mb: s.disk_mb,

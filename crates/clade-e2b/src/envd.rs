@@ -76,8 +76,10 @@ async fn sandbox_of<H: Host>(app: &Arc<App<H>>, h: &HeaderMap) -> Result<String,
         }
     };
     let gone = || plain(StatusCode::NOT_FOUND, format!("The sandbox {id} was not found"));
-    let Some(rec) = app.state.get(&id) else { return Err(gone()) };
-    if header_str(h, "x-access-token") != Some(rec.token.as_str()) {
+    if app.state.get(&id).is_none() {
+        return Err(gone());
+    }
+    if !app.state.token_ok(&id, header_str(h, "x-access-token")) {
         return Err(plain(StatusCode::UNAUTHORIZED, format!("wrong or missing X-Access-Token for sandbox {id}")));
     }
     let i = id.clone();

@@ -186,7 +186,7 @@ mod tests {
 
     #[tokio::test]
     async fn control_plane_and_envd_over_the_fake() {
-        let app = App::new(Arc::new(Fake::default()), Config::default());
+        let app = App::new(Arc::new(Fake::default()), Config::default()).unwrap();
         let a = api::router(app.clone());
         let e = envd::router(app.clone());
 
@@ -322,7 +322,7 @@ mod tests {
     #[tokio::test]
     async fn timeouts_are_reaped() {
         let host = Arc::new(Fake::default());
-        let app = App::new(host.clone(), Config::default());
+        let app = App::new(host.clone(), Config::default()).unwrap();
         let a = api::router(app.clone());
         let (_, _, b) =
             send(a.clone(), post("/sandboxes", "e2b_good", json!({"templateID": "base", "timeout": 0}))).await;

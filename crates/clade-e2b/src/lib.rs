@@ -60,9 +60,10 @@ pub struct App<H: Host> {
 }
 
 impl<H: Host> App<H> {
-    pub fn new(host: Arc<H>, cfg: Config) -> Arc<App<H>> {
-        let state = state::State::open(cfg.state_file.clone());
-        Arc::new(App { host, state, cfg, users: Mutex::new(HashMap::new()), watchers: Mutex::new(HashMap::new()) })
+    /// The app over `host`, its records loaded from `cfg.state_file` (the token key beside them made if missing).
+    pub fn new(host: Arc<H>, cfg: Config) -> Result<Arc<App<H>>, state::StateError> {
+        let state = state::State::open(cfg.state_file.clone())?;
+        Ok(Arc::new(App { host, state, cfg, users: Mutex::new(HashMap::new()), watchers: Mutex::new(HashMap::new()) }))
     }
 
     /// Run `f` on the host from tokio's blocking pool.

@@ -1,6 +1,16 @@
 //! What E2B knows about a sandbox that the host does not: template id, metadata, start and end times,
 //! what to do at the end (kill or pause), the envd access token, and the snapshots taken through the API.
-//! Kept in memory, written to a JSON file after every change (temp file + rename) when a path is given.
+//! Kept in memory, written to a JSON file after every change (temp file + rename, mode 0600) when a path is
+//! given.
+//!
+//! Access tokens never reach that file. E2B's API hands a sandbox's `envdAccessToken` out again on every
+//! connect and detail call, so the plaintext must be recoverable after a restart; a stored hash would not do.
+//! Each token is therefore derived: `BLAKE3-keyed(token key, sandbox id, salt)`, where the salt (random, not
+//! secret) is in the records file and the 32-byte token key is in `token.key` beside it, created 0600 in the
+//! 0700 `e2b/` directory. Reading the records file alone (the attack this answers: a 0644 file of tokens that
+//! gave a local user a root shell through envd) yields no token. Tokens are checked in constant time
+//! ([`same_secret`]). A records file from before this scheme (plaintext `token` fields) is rewritten at
+//! open: those sandboxes get new tokens, which `Sandbox.connect` returns.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -22,7 +32,12 @@ pub struct Record {
     /// Pause (not kill) when the timeout passes.
     #[serde(default)]
     pub auto_pause: bool,
+    /// The envd access token: in memory only, derived from the token key and [`Record::salt`].
+    #[serde(skip)]
     pub token: String,
+    /// Public input to the token's derivation (a new one rotates the token).
+    #[serde(default)]
+    pub salt: String,
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub disk_mb: u32,
@@ -46,7 +61,69 @@ struct Saved {
 
 pub struct State {
     path: Option<PathBuf>,
+    /// The key tokens are derived with (see the module doc).
+    token_key: [u8; 32],
     inner: Mutex<Saved>,
+}
+
+/// The records or the token key could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[error("E2B state {}: {source} (check the owner and mode of clade's e2b/ directory)", path.display())]
+pub struct StateError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Compares two secrets (API keys, access tokens) in time that depends on their lengths only, not on where
+/// they first differ: a remote guesser learns nothing from how long a refusal took. `subtle` is the
+/// RustCrypto/dalek constant-time crate, kept by people whose job is exactly this.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    a.ct_eq(b).into()
+}
+
+/// Writes `bytes` to `path` through a temp file made 0600 (never world-readable, not even for a moment).
+fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// The token key beside `records` (`token.key`): read, or made once (32 random bytes, hex, 0600).
+fn load_token_key(records: &std::path::Path) -> Result<[u8; 32], StateError> {
+    let path = records.with_file_name("token.key");
+    let err = |source| StateError { path: path.clone(), source };
+    match std::fs::read_to_string(&path) {
+        Ok(s) => {
+            let mut key = [0u8; 32];
+            hex::decode_to_slice(s.trim(), &mut key).map_err(|e| {
+                err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("not 64 hex digits ({e}); remove it to make a new key (every sandbox's token changes)"),
+                ))
+            })?;
+            Ok(key)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut key = [0u8; 32];
+            getrandom::getrandom(&mut key).map_err(|e| err(std::io::Error::other(e.to_string())))?;
+            write_private(&path, hex::encode(key).as_bytes()).map_err(err)?;
+            Ok(key)
+        }
+        Err(e) => Err(err(e)),
+    }
 }
 
 pub fn now_ms() -> u64 {
@@ -64,14 +141,60 @@ pub fn random_hex(bytes: usize) -> String {
 }
 
 impl State {
-    /// Load from `path` (a missing or unreadable file starts empty).
-    pub fn open(path: Option<PathBuf>) -> State {
-        let saved = path
-            .as_ref()
-            .and_then(|p| std::fs::read(p).ok())
-            .and_then(|b| serde_json::from_slice::<Saved>(&b).ok())
-            .unwrap_or_default();
-        State { path, inner: Mutex::new(saved) }
+    /// Load from `path` (a missing file starts empty; an unreadable or malformed one too, as before), with the
+    /// token key beside it; `None`: memory only, with a key of this process's own.
+    pub fn open(path: Option<PathBuf>) -> Result<State, StateError> {
+        let token_key = match &path {
+            Some(p) => load_token_key(p)?,
+            None => {
+                let mut k = [0u8; 32];
+                getrandom::getrandom(&mut k).map_err(|e| StateError {
+                    path: PathBuf::from("(memory)"),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                k
+            }
+        };
+        let raw = path.as_ref().and_then(|p| std::fs::read(p).ok());
+        let mut saved = raw.as_deref().and_then(|b| serde_json::from_slice::<Saved>(b).ok()).unwrap_or_default();
+        let mut legacy = raw.as_deref().is_some_and(|b| String::from_utf8_lossy(b).contains("\"token\""));
+        let state = State { path, token_key, inner: Mutex::new(Saved::default()) };
+        for r in saved.sandboxes.values_mut() {
+            if r.salt.is_empty() {
+                r.salt = random_hex(16);
+                legacy = true;
+            }
+            r.token = state.token_for(&r.id, &r.salt);
+        }
+        if legacy {
+            // Plaintext tokens of an older clade leave the disk now, not at the next change.
+            state.save(&saved);
+        }
+        *state.lock() = saved;
+        Ok(state)
+    }
+
+    /// A new salt and the token it gives `id`.
+    pub fn issue_token(&self, id: &str) -> (String, String) {
+        let salt = random_hex(16);
+        let token = self.token_for(id, &salt);
+        (salt, token)
+    }
+
+    fn token_for(&self, id: &str, salt: &str) -> String {
+        let mut h = blake3::Hasher::new_keyed(&self.token_key);
+        h.update(b"clade e2b envd access token\0");
+        h.update(id.as_bytes());
+        h.update(b"\0");
+        h.update(salt.as_bytes());
+        hex::encode(&h.finalize().as_bytes()[..16])
+    }
+
+    /// Whether `given` is `id`'s access token (constant time).
+    pub fn token_ok(&self, id: &str, given: Option<&str>) -> bool {
+        let Some(r) = self.get(id) else { return false };
+        let given = given.unwrap_or("");
+        !given.is_empty() && same_secret(given.as_bytes(), r.token.as_bytes())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Saved> {
@@ -80,12 +203,9 @@ impl State {
 
     fn save(&self, s: &Saved) {
         let Some(p) = &self.path else { return };
-        if let Some(dir) = p.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let tmp = p.with_extension("tmp");
-        if std::fs::write(&tmp, serde_json::to_vec_pretty(s).unwrap_or_default()).is_ok() {
-            let _ = std::fs::rename(tmp, p);
+        if let Err(e) = write_private(p, &serde_json::to_vec_pretty(s).unwrap_or_default()) {
+            // The records are a cache of the host's truth: serving goes on, a restart forgets what was lost.
+            eprintln!("e2b: could not save {}: {e}", p.display());
         }
     }
 
@@ -183,11 +303,82 @@ mod tests {
         assert_eq!(rfc3339_ns(1_700_000_000_000_000_001), "2023-11-14T22:13:20.000000001Z");
     }
 
+    fn record(s: &State, id: &str) -> Record {
+        let (salt, token) = s.issue_token(id);
+        Record {
+            id: id.into(),
+            template_id: "minimal".into(),
+            alias: None,
+            metadata: BTreeMap::new(),
+            started_ms: 1,
+            end_ms: 2,
+            auto_pause: false,
+            token,
+            salt,
+            cpu_count: 1,
+            memory_mb: 256,
+            disk_mb: 2048,
+        }
+    }
+
+    fn mode(p: &std::path::Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_records_file_holds_no_token_and_is_0600() {
+        let dir = std::env::temp_dir().join(format!("clade-e2b-state-{}", random_hex(6)));
+        let p = dir.join("sandboxes.json");
+        let s = State::open(Some(p.clone())).unwrap();
+        let r = record(&s, "sb-1");
+        assert_eq!(r.token.len(), 32);
+        s.put(r.clone());
+        let on_disk = std::fs::read_to_string(&p).unwrap();
+        assert!(on_disk.contains("sb-1") && !on_disk.contains(&r.token), "{on_disk}");
+        assert_eq!(mode(&p), 0o600);
+        assert_eq!(mode(&dir.join("token.key")), 0o600);
+        // The same token after a restart (E2B hands it out again on connect), checked whole.
+        let again = State::open(Some(p.clone())).unwrap();
+        assert_eq!(again.get("sb-1").unwrap().token, r.token);
+        assert!(again.token_ok("sb-1", Some(&r.token)));
+        assert!(!again.token_ok("sb-1", Some(&r.token[..31])));
+        assert!(!again.token_ok("sb-1", Some("")));
+        assert!(!again.token_ok("sb-1", None));
+        assert!(!again.token_ok("sb-2", Some(&r.token)));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn plaintext_tokens_of_an_older_clade_leave_the_disk_at_open() {
+        let dir = std::env::temp_dir().join(format!("clade-e2b-state-{}", random_hex(6)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("sandboxes.json");
+        let old = r#"{"sandboxes":{"sb-1":{"id":"sb-1","template_id":"t","started_ms":1,"end_ms":2,
+            "token":"0123456789abcdef0123456789abcdef","cpu_count":1,"memory_mb":1,"disk_mb":1}}}"#;
+        std::fs::write(&p, old).unwrap();
+        let s = State::open(Some(p.clone())).unwrap();
+        let on_disk = std::fs::read_to_string(&p).unwrap();
+        assert!(!on_disk.contains("0123456789abcdef"), "{on_disk}");
+        let t = s.get("sb-1").unwrap().token;
+        assert!(t.len() == 32 && t != "0123456789abcdef0123456789abcdef");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"abc", b"abc"));
+        assert!(!same_secret(b"abc", b"abd"));
+        assert!(!same_secret(b"abc", b"ab"));
+        assert!(!same_secret(b"", b"a"));
+        assert!(same_secret(b"", b""));
+    }
+
     #[test]
     fn state_survives_a_reopen() {
         let dir = std::env::temp_dir().join(format!("clade-e2b-state-{}", random_hex(6)));
         let p = dir.join("e2b.json");
-        let s = State::open(Some(p.clone()));
+        let s = State::open(Some(p.clone())).unwrap();
         let r = Record {
             id: "sb-1".into(),
             template_id: "minimal".into(),
@@ -196,14 +387,17 @@ mod tests {
             started_ms: 1,
             end_ms: 2,
             auto_pause: true,
-            token: random_hex(16),
+            token: String::new(),
+            salt: String::new(),
             cpu_count: 1,
             memory_mb: 256,
             disk_mb: 2048,
         };
+        let (salt, token) = s.issue_token("sb-1");
+        let r = Record { salt, token, ..r };
         s.put(r.clone());
         s.put_snapshot(SnapshotRecord { id: "mk-1".into(), sandbox: "sb-1".into(), names: vec![], created_ms: 3 });
-        let again = State::open(Some(p));
+        let again = State::open(Some(p)).unwrap();
         assert_eq!(again.get("sb-1"), Some(r));
         assert_eq!(again.snapshots().len(), 1);
         let _ = std::fs::remove_dir_all(dir);

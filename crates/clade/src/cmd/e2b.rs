@@ -1,5 +1,6 @@
 //! `clade e2b key create|ls`: API keys for the E2B-compatible API of `clade serve --e2b-api` (the official E2B
-//! SDKs send them as `E2B_API_KEY`; anything else gets 401). Kept one a line in `$CLADE_HOME/e2b/keys` (0600).
+//! SDKs send them as `E2B_API_KEY`; anything else gets 401). Their BLAKE3 hashes are kept one a line in
+//! `$CLADE_HOME/e2b/keys` (0600): a key is printed once, at create, and never stored.
 
 use clade_core::CladeHome;
 use clap::Subcommand;

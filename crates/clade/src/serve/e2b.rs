@@ -27,8 +27,9 @@ use crate::supervisor::protocol::{self, Request, StreamEvent};
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
 pub async fn spawn(ops: Arc<Ops>, api: SocketAddr, sandbox: SocketAddr, home: CladeHome) -> anyhow::Result<()> {
     let host = Arc::new(CladeHost::new(ops, home.clone()));
+    super::e2b_keys::hash_plaintext_keys(&home)?;
     let cfg = clade_e2b::Config { state_file: Some(e2b_dir(&home).join("sandboxes.json")), ..Default::default() };
-    let app = clade_e2b::App::new(host, cfg);
+    let app = clade_e2b::App::new(host, cfg)?;
     let (a, s) = clade_e2b::spawn(app, api, sandbox)
         .await
         .map_err(|e| anyhow::anyhow!("e2b listeners on {api} and {sandbox}: {e} (is the port taken?)"))?;
@@ -36,14 +37,12 @@ pub async fn spawn(ops: Arc<Ops>, api: SocketAddr, sandbox: SocketAddr, home: Cl
     Ok(())
 }
 
-/// `$CLADE_HOME/e2b/`: API keys and E2B's own records.
+/// `$CLADE_HOME/e2b/` (0700): API key hashes, E2B's own records and the token key (see clade_e2b::state).
 pub fn e2b_dir(home: &CladeHome) -> std::path::PathBuf {
-    home.root().join("e2b")
+    home.e2b_dir()
 }
 
-pub fn keys_file(home: &CladeHome) -> std::path::PathBuf {
-    e2b_dir(home).join("keys")
-}
+pub use super::e2b_keys::{check_key, create_key, keys_file};
 
 /// Clade as an E2B host.
 pub struct CladeHost {
@@ -332,25 +331,4 @@ impl Host for CladeHost {
         crate::ops::check_id(id).map_err(host_err)?;
         client::write_stream(&self.home, id, path, None, src).map_err(host_err)
     }
-}
-
-/// Whether `key` is one `clade e2b key create` made.
-pub fn check_key(home: &CladeHome, key: &str) -> bool {
-    let Ok(keys) = std::fs::read_to_string(keys_file(home)) else { return false };
-    !key.is_empty() && keys.lines().map(str::trim).any(|k| !k.is_empty() && constant_eq(k.as_bytes(), key.as_bytes()))
-}
-
-fn constant_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Make a new key (`e2b_` + 40 hex digits), add it to the keys file (mode 0600), and return it.
-pub fn create_key(home: &CladeHome) -> anyhow::Result<String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let key = format!("e2b_{}", clade_e2b::state::random_hex(20));
-    std::fs::create_dir_all(e2b_dir(home))?;
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(keys_file(home))?;
-    writeln!(f, "{key}")?;
-    Ok(key)
 }

@@ -5,6 +5,7 @@
 
 mod doors;
 pub mod e2b;
+mod e2b_keys;
 mod error;
 mod idle;
 mod metrics;
