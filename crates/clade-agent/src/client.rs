@@ -109,6 +109,8 @@ struct Inner {
     next_id: AtomicU32,
     timeout: Duration,
     shutdown: Option<UnixStream>,
+    /// From the agent's last `hello`: it runs on the host's kernel (a ct sandbox), whose clock is not its own.
+    shared_kernel: std::sync::OnceLock<bool>,
 }
 
 impl Drop for Inner {
@@ -187,6 +189,7 @@ impl AgentClient {
                 next_id: AtomicU32::new(1),
                 timeout: DEFAULT_TIMEOUT,
                 shutdown: sd,
+                shared_kernel: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -261,8 +264,19 @@ impl AgentClient {
     /// `hello`: proves the agent is up and says which boot and generation it is.
     pub fn hello(&self) -> Result<Hello> {
         match self.call_for(&Request::Hello, "hello", self.inner.timeout)? {
-            Reply::Hello(h) => Ok(h),
+            Reply::Hello(h) => {
+                let _ = self.inner.shared_kernel.set(h.shared_kernel);
+                Ok(h)
+            }
             r => Err(unexpected("hello", r)),
+        }
+    }
+
+    /// Whether the agent runs on the host's kernel (a ct sandbox), from its last `hello` (asked if none yet).
+    pub fn shared_kernel(&self) -> Result<bool> {
+        match self.inner.shared_kernel.get() {
+            Some(s) => Ok(*s),
+            None => Ok(self.hello()?.shared_kernel),
         }
     }
 
@@ -494,12 +508,16 @@ impl AgentClient {
 
     /// Probes and shifts the sandbox's wall clock until it reads within 3 ms of this host's clock plus
     /// `offset_ns` (at most 4 shifts; seed 003's recipe). Each probe is the best of three round trips.
+    ///
+    /// An agent on the host's kernel (a ct sandbox) shares this host's clock: it is probed, never shifted (the
+    /// sandbox may not set the host's clock, and what a probe measures there is only the round trip's noise).
     pub fn sync_clock(&self, offset_ns: i64) -> Result<ClockSync> {
         const WITHIN_NS: i64 = 3_000_000;
+        let shared = self.shared_kernel()?;
         let mut steps = 0;
         loop {
             let (err, rtt) = self.probe_clock(offset_ns, 3)?;
-            if err.abs() <= WITHIN_NS || steps == 4 {
+            if err.abs() <= WITHIN_NS || steps == 4 || shared {
                 return Ok(ClockSync { steps, error_ns: err, rtt_ns: rtt });
             }
             self.clock_shift(-err)?;

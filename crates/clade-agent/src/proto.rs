@@ -372,6 +372,10 @@ pub struct Hello {
     pub pid: u32,
     /// Whether `/etc/clade/services.d/*` have all returned (always true in serve mode).
     pub services_ready: bool,
+    /// A ct sandbox on the host's kernel: its clock and kernel random pool are the host's, which the sandbox
+    /// may not set (docs/security.md); hygiene leaves both alone. Absent from older agents: false.
+    #[serde(default)]
+    pub shared_kernel: bool,
 }
 
 /// How a process ended.

@@ -61,7 +61,8 @@ fn getrandom(buf: &mut [u8]) {
 /// browser) keeps what the programs hold: hostname, machine-id, connections, and runs no on-restore hook and
 /// signals no registered process (the browser's hook would clear the session the mark was taken to keep).
 /// The kernel's random pool is still reseeded and the clock still stepped: neither is state a user keeps,
-/// and a sandbox whose clock stopped at the mark is wrong, not kept.
+/// and a sandbox whose clock stopped at the mark is wrong, not kept. A ct sandbox (on the host's kernel) has
+/// neither of its own: both are left to the host.
 pub fn apply(
     agent: &clade_agent::client::AgentClient,
     id: &Identity,
@@ -69,10 +70,13 @@ pub fn apply(
 ) -> Result<HygieneReport, BackendError> {
     let start = Instant::now();
     let fail = |what: &str, e: clade_agent::client::ClientError| BackendError::Failed(format!("hygiene: {what}: {e}"));
+    // A ct sandbox runs on the host's kernel: its random pool is the host's (CRIU copies no kernel state), and
+    // the jail lets it credit no entropy; its clock is the host's too (the agent's client only probes it).
+    let shared_kernel = agent.shared_kernel().map_err(|e| fail("hello", e))?;
     let ident = clade_agent::proto::Identity {
         hostname: clean.then(|| id.hostname.clone()),
         machine_id: clean.then(|| id.machine_id.clone()),
-        entropy: id.entropy.clone(),
+        entropy: if shared_kernel { Vec::new() } else { id.entropy.clone() },
         generation: Some(id.generation),
         run_on_restore: clean,
         signal_registered: clean,

@@ -14,6 +14,8 @@
 pub mod audit;
 pub mod criu;
 pub mod dump;
+pub mod inroot;
+pub mod jail;
 pub mod lower;
 pub mod net;
 pub mod resources;
@@ -49,6 +51,11 @@ pub struct CtConfig {
     pub ready_timeout: Duration,
     /// Restore lazily when a mark's pages reach this size (see [`CtBackend::set_lazy_threshold`]).
     pub lazy_min_bytes: Option<u64>,
+    /// Jail every sandbox ([`jail`]: capabilities, no_new_privs, seccomp, masked and read-only paths, cgroup
+    /// namespace, device allow-list). Off only for tests' controls and an explicit `--unjailed-insecure`.
+    pub jail: bool,
+    /// Most processes and threads one sandbox may have (its pids cgroup; a fork bomb stays inside).
+    pub pids_max: u64,
 }
 
 impl CtConfig {
@@ -71,9 +78,14 @@ impl CtConfig {
             // serves) is faster eagerly, 574 vs 615 ms (6 interleaved pairs, 5 won by eager); DESIGN.md's
             // 1 GiB: lazy 0.14-0.24 s vs eager 0.64 s. So lazy from 512 MiB.
             lazy_min_bytes: Some(512 << 20),
+            jail: true,
+            pids_max: DEFAULT_PIDS_MAX,
         })
     }
 }
+
+/// A sandbox's default process and thread limit: a browser runs ~100 threads, a build a few hundred.
+pub const DEFAULT_PIDS_MAX: u64 = 4096;
 
 fn find_agent() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
@@ -173,6 +185,25 @@ impl CtBackend {
         fail_check(self.fail_at(), here)
     }
 
+    /// The cgroup limits of a sandbox of this shape: its memory, [`CtConfig::pids_max`], and CPU time of
+    /// `vcpus` cores; jailed, the device allow-list.
+    pub(crate) fn limits(&self, shape: &clade_core::backend::Shape) -> resources::Limits {
+        resources::Limits {
+            memory_bytes: u64::from(shape.memory_mib) << 20,
+            pids: if self.cfg.jail { self.cfg.pids_max } else { 0 },
+            cpu_ms_per_100ms: if self.cfg.jail { 100 * u64::from(shape.vcpus.max(1)) } else { 0 },
+            devices: self.cfg.jail,
+        }
+    }
+
+    /// The seccomp filters a jailed sandbox's init installs (built here, before any fork); `None` unjailed.
+    pub(crate) fn jail_programs(&self) -> Result<Option<Vec<seccompiler::BpfProgram>>, BackendError> {
+        if !self.cfg.jail {
+            return Ok(None);
+        }
+        jail::programs().map(Some).map_err(|e| BackendError::Resource { resource: "seccomp".into(), detail: e })
+    }
+
     pub(crate) fn run_dir(&self, id: &Identity) -> Result<PathBuf, BackendError> {
         let id = &id.sandbox_id;
         if id.is_empty() || id.len() > 64 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
@@ -202,8 +233,12 @@ impl Backend for CtBackend {
         BackendKind::Ct
     }
     fn host_compat(&self) -> BTreeMap<String, String> {
-        [("criu".to_string(), self.criu_version.clone()), ("arch".to_string(), std::env::consts::ARCH.to_string())]
-            .into()
+        [
+            ("criu".to_string(), self.criu_version.clone()),
+            ("arch".to_string(), std::env::consts::ARCH.to_string()),
+            ("jail".to_string(), if self.cfg.jail { jail::POLICY } else { "none" }.to_string()),
+        ]
+        .into()
     }
     fn cold_start(&self, image: &TemplateImage, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
         Ok(Box::new(self.cold_start_ct(image, id)?))
@@ -281,16 +316,20 @@ fn overcommit_for_criu() {
     }
 }
 
-/// Connect to a sandbox's agent through `/proc/<pid>/root`, retrying until it answers `hello`.
+/// Connect to a sandbox's agent, its socket resolved inside the sandbox's root ([`inroot`]: a link the
+/// sandbox put in its place leads nowhere outside), retrying until it answers `hello`.
 pub(crate) fn connect_agent(pid: u32, timeout: Duration) -> Result<clade_agent::AgentClient, BackendError> {
-    let path = format!("/proc/{pid}/root{}", clade_agent::CT_SOCKET);
+    let path = format!("{} in sandbox init {pid}", clade_agent::CT_SOCKET);
     let t0 = Instant::now();
     let mut last = String::from("socket not there yet");
     while t0.elapsed() < timeout {
         if !Path::new(&format!("/proc/{pid}")).exists() {
             return Err(BackendError::Failed(format!("sandbox init {pid} died before its agent answered")));
         }
-        match clade_agent::AgentClient::connect_unix(&path) {
+        let client = inroot::connect_unix(pid, clade_agent::CT_SOCKET)
+            .map_err(clade_agent::ClientError::from)
+            .and_then(clade_agent::AgentClient::from_unix);
+        match client {
             Ok(c) => match c.hello() {
                 Ok(_) => return Ok(c),
                 Err(e) => last = e.to_string(),

@@ -10,45 +10,162 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-/// Root of clade's memory cgroups (cgroup v1 here; v2 hosts use the unified tree, see [`Cgroup::create`]).
-const CGROUP_V1: &str = "/sys/fs/cgroup/memory/clade";
+/// cgroup v1: one hierarchy per controller, clade's sandboxes under `clade/` in each (the first one listed is
+/// where processes are counted). The devices controller carries the jail's device allow-list.
+const V1_ROOT: &str = "/sys/fs/cgroup";
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "devices"];
+/// cgroup v2: one unified tree; `clade/` gets the controllers enabled in every ancestor's subtree_control.
 const CGROUP_V2: &str = "/sys/fs/cgroup/clade";
+const V2_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
 
-/// A per-sandbox memory cgroup.
+/// The devices a jailed sandbox may open (cgroup v1 `devices.allow` lines): null, zero, full, random,
+/// urandom, tty, ptmx and the pseudo-terminals; `mknod` of any node is allowed (as Docker does), opening
+/// anything else is refused. On v2 the same holds through `nodev` mounts (crate::spawn).
+pub const DEVICE_ALLOW: [&str; 10] = [
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",
+    "c *:* m",
+    "b *:* m",
+];
+
+/// What a sandbox's cgroups hold it to. Zero means no limit.
+#[derive(Debug, Clone, Default)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// Processes and threads.
+    pub pids: u64,
+    /// CPU time per 100 ms period, in ms (100 per vCPU).
+    pub cpu_ms_per_100ms: u64,
+    /// Apply the device allow-list (cgroup v1; a jailed sandbox).
+    pub devices: bool,
+}
+
+/// A sandbox's cgroups: one directory on v2, one per controller on v1.
 #[derive(Debug)]
 pub struct Cgroup {
-    pub dir: PathBuf,
+    pub dirs: Vec<PathBuf>,
     v2: bool,
 }
 
-impl Cgroup {
-    /// Create `clade/<id>` with `limit` bytes of memory (0: no limit).
-    pub fn create(id: &str, limit: u64) -> Result<Cgroup, String> {
-        let v2 = clade_core::host::cgroup_version() == Some("v2");
-        let parent = Path::new(if v2 { CGROUP_V2 } else { CGROUP_V1 });
-        std::fs::create_dir_all(parent)
-            .map_err(|e| format!("create {}: {e} (is the memory cgroup mounted?)", parent.display()))?;
-        let dir = parent.join(id);
-        std::fs::create_dir(&dir).map_err(|e| {
-            format!("create cgroup {}: {e} (a sandbox with this id exists or was not cleaned up)", dir.display())
-        })?;
-        let cg = Cgroup { dir, v2 };
-        if limit > 0 {
-            let file = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
-            std::fs::write(cg.dir.join(file), limit.to_string())
-                .map_err(|e| format!("set {file} of {}: {e}", cg.dir.display()))?;
+fn write(dir: &Path, file: &str, value: &str) -> Result<(), String> {
+    std::fs::write(dir.join(file), value).map_err(|e| format!("set {file} of {}: {e}", dir.display()))
+}
+
+/// cgroup v2: a child gets a controller's files only once every ancestor below the root lists it in
+/// `cgroup.subtree_control` (a fresh Debian 12 or Ubuntu 24.04 host enables none for new groups).
+fn enable_v2_controllers(clade_root: &Path) -> Result<(), String> {
+    let top = Path::new("/sys/fs/cgroup");
+    let mut chain = vec![clade_root.to_path_buf()];
+    let mut p = clade_root.parent();
+    while let Some(dir) = p {
+        if dir == top || !dir.starts_with(top) {
+            break;
         }
+        chain.push(dir.to_path_buf());
+        p = dir.parent();
+    }
+    chain.push(top.to_path_buf());
+    for dir in chain.iter().rev() {
+        let have = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
+        let missing: Vec<String> = V2_CONTROLLERS
+            .iter()
+            .filter(|c| !have.split_whitespace().any(|h| h == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if !missing.is_empty() {
+            write(dir, "cgroup.subtree_control", &missing.join(" ")).map_err(|e| {
+                format!("{e} (enable the controllers for clade's cgroups; a cgroup with processes of its own cannot delegate them)")
+            })?;
+        }
+    }
+    Ok(())
+}
+
+impl Cgroup {
+    /// Create `clade/<id>` (in each v1 controller, or once on v2) with `limits`.
+    pub fn create(id: &str, limits: &Limits) -> Result<Cgroup, String> {
+        let v2 = clade_core::host::cgroup_version() == Some("v2");
+        let mut cg = Cgroup { dirs: Vec::new(), v2 };
+        let parents: Vec<PathBuf> = if v2 {
+            vec![PathBuf::from(CGROUP_V2)]
+        } else {
+            V1_CONTROLLERS
+                .iter()
+                .filter(|c| **c != "devices" || limits.devices)
+                .map(|c| Path::new(V1_ROOT).join(c).join("clade"))
+                .collect()
+        };
+        for parent in &parents {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("create {}: {e} (is the cgroup controller mounted?)", parent.display()))?;
+            if v2 {
+                enable_v2_controllers(parent)?;
+            }
+            let dir = parent.join(id);
+            std::fs::create_dir(&dir).map_err(|e| {
+                format!("create cgroup {}: {e} (a sandbox with this id exists or was not cleaned up)", dir.display())
+            })?;
+            // Pushed first: a failure below drops `cg`, which removes what was made.
+            cg.dirs.push(dir);
+        }
+        cg.apply(limits)?;
         Ok(cg)
     }
 
-    /// The file a process writes its pid into to join.
-    pub fn procs_file(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
+    fn dir_of(&self, controller: &str) -> Option<&Path> {
+        if self.v2 {
+            return self.dirs.first().map(PathBuf::as_path);
+        }
+        self.dirs.iter().find(|d| d.parent().and_then(Path::parent).is_some_and(|p| p.ends_with(controller))).map(PathBuf::as_path)
+    }
+
+    fn apply(&self, l: &Limits) -> Result<(), String> {
+        let (mem, pids, cpu) = (self.dir_of("memory"), self.dir_of("pids"), self.dir_of("cpu"));
+        if let (Some(d), true) = (mem, l.memory_bytes > 0) {
+            write(d, if self.v2 { "memory.max" } else { "memory.limit_in_bytes" }, &l.memory_bytes.to_string())?;
+        }
+        if let (Some(d), true) = (pids, l.pids > 0) {
+            write(d, "pids.max", &l.pids.to_string())?;
+        }
+        if let (Some(d), true) = (cpu, l.cpu_ms_per_100ms > 0) {
+            let quota_us = l.cpu_ms_per_100ms * 1000;
+            if self.v2 {
+                write(d, "cpu.max", &format!("{quota_us} 100000"))?;
+            } else {
+                write(d, "cpu.cfs_period_us", "100000")?;
+                write(d, "cpu.cfs_quota_us", &quota_us.to_string())?;
+            }
+        }
+        if l.devices && !self.v2 {
+            if let Some(d) = self.dir_of("devices") {
+                write(d, "devices.deny", "a")?;
+                for line in DEVICE_ALLOW {
+                    write(d, "devices.allow", line)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The files a process writes its pid into to join every one of the sandbox's cgroups.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// The first cgroup's directory (the memory controller's on v1): where processes are listed.
+    pub fn dir(&self) -> &Path {
+        self.dirs.first().map(PathBuf::as_path).unwrap_or(Path::new("/nonexistent"))
     }
 
     /// Host pids of every process in the cgroup.
     pub fn pids(&self) -> Vec<u32> {
-        std::fs::read_to_string(self.procs_file())
+        std::fs::read_to_string(self.dir().join("cgroup.procs"))
             .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
             .unwrap_or_default()
     }
@@ -56,28 +173,45 @@ impl Cgroup {
     /// Bytes charged to the cgroup now.
     pub fn memory_usage(&self) -> Option<u64> {
         let file = if self.v2 { "memory.current" } else { "memory.usage_in_bytes" };
-        std::fs::read_to_string(self.dir.join(file)).ok()?.trim().parse().ok()
+        std::fs::read_to_string(self.dir_of("memory")?.join(file)).ok()?.trim().parse().ok()
+    }
+
+    /// The value of one of the cgroups' files (`pids.max`, `memory.limit_in_bytes`, ...), for the audit.
+    pub fn read(&self, controller: &str, file: &str) -> Option<String> {
+        std::fs::read_to_string(self.dir_of(controller)?.join(file)).ok().map(|s| s.trim().to_string())
     }
 
     fn remove(&self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            for p in self.pids() {
-                let _ = kill(Pid::from_raw(p as i32), Signal::SIGKILL);
-            }
-            match std::fs::remove_dir(&self.dir) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-                Err(e) if Instant::now() > deadline => {
-                    return Err(format!(
-                        "remove cgroup {}: {e} (processes left: {:?})",
-                        self.dir.display(),
-                        self.pids()
-                    ))
+        let mut errors = Vec::new();
+        // The process-counting cgroup first: once it is empty, the others are too.
+        for dir in &self.dirs {
+            loop {
+                for p in self.pids() {
+                    let _ = kill(Pid::from_raw(p as i32), Signal::SIGKILL);
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                match std::fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    Err(e) if Instant::now() > deadline => {
+                        errors.push(format!("remove cgroup {}: {e} (processes left: {:?})", dir.display(), self.pids()));
+                        break;
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
             }
         }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = self.remove();
     }
 }
 

@@ -16,7 +16,7 @@ use clade_store::TreeId;
 use nix::mount::{mount, MsFlags};
 
 use crate::resources::{mount_tmpfs, Cgroup, Resources};
-use crate::sandbox::{limit_bytes, with_console, CtSandbox, ROLE_CRIU, ROLE_ROOTFS, ROLE_UPPER};
+use crate::sandbox::{with_console, CtSandbox, ROLE_CRIU, ROLE_ROOTFS, ROLE_UPPER};
 use crate::{connect_agent, CtBackend, FailPoint};
 
 const PR_SET_MEMORY_MERGE: libc::c_int = 67;
@@ -53,7 +53,10 @@ pub struct CtPrepared {
     img: std::path::PathBuf,
     root: std::path::PathBuf,
     overlay: String,
-    procs: std::path::PathBuf,
+    procs: Vec<std::path::PathBuf>,
+    /// Jailed: the restored root is mounted nodev, the sandbox gets its hostname from the host (below).
+    jail: bool,
+    hostname: Option<String>,
     kdat: std::path::PathBuf,
     fail_at: Option<FailPoint>,
     /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
@@ -87,6 +90,17 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         });
     }
     check_compat(&mark.compat, &b.host_compat())?;
+    // A mark from before the jail has no `jail` key, and CRIU would bring its tasks back as they were: unjailed.
+    let host = b.host_compat();
+    let want = host.get("jail").map(String::as_str).unwrap_or("none");
+    if mark.compat.get("jail").map(String::as_str).unwrap_or("none") != want {
+        return Err(BackendError::Incompatible {
+            key: "jail".into(),
+            mark: mark.compat.get("jail").cloned().unwrap_or_else(|| "(none: taken before the jail)".into()),
+            host: want.into(),
+            hint: "its tasks would come back with the jail they were marked with: rebuild the base (clade base build) and mark again".into(),
+        });
+    }
     let net = crate::net::mark_net(mark)?;
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     let lower =
@@ -119,8 +133,8 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     }
     lap("files", &mut phases);
     b.check_fail(FailPoint::Files)?;
-    let cg = Cgroup::create(&id.sandbox_id, limit_bytes(&mark.shape)).map_err(failed)?;
-    let procs = cg.procs_file();
+    let cg = Cgroup::create(&id.sandbox_id, &b.limits(&mark.shape)).map_err(failed)?;
+    let procs = cg.procs_files();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
     let mut loopback = None;
@@ -163,6 +177,9 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         root,
         overlay,
         procs,
+        jail: b.cfg.jail,
+        // A clean mark's sibling gets its own hostname; a not-clean one keeps the mark's.
+        hostname: mark.clean.then(|| id.hostname.clone()),
         kdat,
         fail_at: b.fail_at(),
         loopback,
@@ -208,6 +225,7 @@ impl CtPrepared {
             cmd.arg("-v4");
         }
         let ksm = self.ksm;
+        let jail = self.jail;
         let root2 = root.clone();
         let kdat2 = kdat.clone();
         // Egress: the fresh namespace made in prepare goes to CRIU as the mark's external one (crate::net).
@@ -233,7 +251,7 @@ impl CtPrepared {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                child_setup(&root2, &overlay, &procs, ksm, &kdat2)
+                child_setup(&root2, &overlay, &procs, ksm, jail, &kdat2)
             });
         }
         let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
@@ -250,6 +268,10 @@ impl CtPrepared {
             return Err(failed(format!("criu restore failed ({out}): {tail}{hint}")));
         }
         lap("criu", &mut phases);
+        if let (Some(name), Some(pid)) = (&self.hostname, pid) {
+            // The jail leaves the sandbox no right to set its hostname: the host sets it in its namespace.
+            set_hostname(pid, name).map_err(failed)?;
+        }
         check(FailPoint::Processes)?;
         let agent = connect_agent(pid.unwrap_or_default(), self.ready_timeout).map_err(|e| with_console(e, &res))?;
         lap("agent", &mut phases);
@@ -275,11 +297,39 @@ impl CtPrepared {
     }
 }
 
-fn child_setup(root: &Path, overlay: &str, procs: &Path, ksm: bool, kdat: &Path) -> std::io::Result<()> {
+/// Sets the hostname of a sandbox whose init is `pid` from a short-lived thread that joins its UTS namespace
+/// (a thread's namespaces are its own; the supervisor's other threads keep the host's).
+pub(crate) fn set_hostname(pid: u32, name: &str) -> Result<(), String> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/uts")).map_err(|e| format!("open uts namespace of {pid}: {e}"))?;
+    let name = name.to_string();
+    std::thread::spawn(move || {
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWUTS).map_err(|e| format!("join uts namespace: {e}"))?;
+        nix::unistd::sethostname(&name).map_err(|e| format!("sethostname {name}: {e}"))
+    })
+    .join()
+    .map_err(|_| "the hostname thread panicked".to_string())?
+}
+
+fn child_setup(
+    root: &Path,
+    overlay: &str,
+    procs: &[PathBuf],
+    ksm: bool,
+    jail: bool,
+    kdat: &Path,
+) -> std::io::Result<()> {
     let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
-    std::fs::write(procs, std::process::id().to_string())?;
+    for p in procs {
+        std::fs::write(p, std::process::id().to_string())?;
+    }
     crate::criu::private_run(kdat)?;
-    mount(Some("overlay"), root, Some("overlay"), MsFlags::empty(), Some(overlay)).map_err(io)?;
+    if jail {
+        // After joining the cgroups: CRIU (told to leave cgroups alone) restores the tasks into its own cgroup
+        // namespace, which is then rooted at the sandbox's cgroup, as a cold start's is.
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP).map_err(io)?;
+    }
+    let flags = if jail { MsFlags::MS_NODEV } else { MsFlags::empty() };
+    mount(Some("overlay"), root, Some("overlay"), flags, Some(overlay)).map_err(io)?;
     if ksm {
         // SAFETY: prctl with integer arguments only; an old kernel answers EINVAL, which is fine (no KSM).
         unsafe {

@@ -43,10 +43,6 @@ fn failed(e: String) -> BackendError {
     BackendError::Failed(e)
 }
 
-pub(crate) fn limit_bytes(shape: &Shape) -> u64 {
-    u64::from(shape.memory_mib) << 20
-}
-
 /// Cold start of a template's rootfs.
 pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) -> Result<CtSandbox, BackendError> {
     let t0 = Instant::now();
@@ -74,7 +70,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     }
     let lower = format!("{}:{rootfs}", agent_layer(&b.home, &b.cfg.agent_bin)?.display());
     b.check_fail(FailPoint::Files)?;
-    res.cgroup = Some(Cgroup::create(&id.sandbox_id, limit_bytes(&image.shape)).map_err(failed)?);
+    res.cgroup = Some(Cgroup::create(&id.sandbox_id, &b.limits(&image.shape)).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     if image.egress {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
@@ -86,8 +82,9 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         work,
         root,
         hostname: id.hostname.clone(),
-        cgroup_procs: res.cgroup.as_ref().map(Cgroup::procs_file),
+        cgroup_procs: res.cgroup.as_ref().map(Cgroup::procs_files).unwrap_or_default(),
         netns: res.net.as_ref().map(crate::net::SandboxNet::netns_path),
+        jail: b.jail_programs()?,
     };
     res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
     b.check_fail(FailPoint::Processes)?;
@@ -121,7 +118,7 @@ pub(crate) fn with_console(e: BackendError, res: &Resources) -> BackendError {
 }
 
 fn console_of(pid: u32) -> String {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/root{}", crate::spawn::CONSOLE_PATH)).unwrap_or_default();
+    let text = crate::inroot::read_to_string(pid, crate::spawn::CONSOLE_PATH).unwrap_or_default();
     text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
@@ -131,7 +128,9 @@ fn console_of(pid: u32) -> String {
 fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, BackendError> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let md = std::fs::metadata(bin).map_err(|e| failed(format!("the agent {}: {e}", bin.display())))?;
-    let dir = home.cache_dir().join("ct-agent").join(format!("{}-{}-{}", md.len(), md.mtime(), md.mtime_nsec()));
+    // v2: the layer also holds the jail's empty file and directory (crate::spawn::EMPTY_FILE, EMPTY_DIR).
+    let dir =
+        home.cache_dir().join("ct-agent").join(format!("{}-{}-{}-v2", md.len(), md.mtime(), md.mtime_nsec()));
     if dir.exists() {
         return Ok(dir);
     }
@@ -141,6 +140,8 @@ fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, Back
         std::fs::create_dir_all(dest.parent().unwrap_or(&tmp))?;
         std::fs::copy(bin, &dest)?;
         std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::write(tmp.join(crate::spawn::EMPTY_FILE.trim_start_matches('/')), b"")?;
+        std::fs::create_dir(tmp.join(crate::spawn::EMPTY_DIR.trim_start_matches('/')))?;
         std::fs::rename(&tmp, &dir)
     })();
     if let Err(e) = res {
@@ -294,7 +295,13 @@ impl CtSandbox {
         let dumped = dump::dump(&spec);
         if leave_running || dumped.is_err() {
             // On failure CRIU resumes the tasks: the sandbox keeps running either way.
-            let _ = self.reconnect();
+            let reconnected = self.reconnect();
+            if let (Ok(_), Err(e)) = (&dumped, reconnected) {
+                // The agent that was dumped does not answer again (a sandbox that moved or replaced its socket,
+                // or an agent that died): what was dumped is not a sandbox anyone could use. No mark.
+                let _ = std::fs::remove_dir_all(&stage);
+                return Err(failed(format!("the sandbox's agent did not answer after the dump, so no mark was taken: {e}")));
+            }
         }
         let times = dumped.map_err(|e| {
             let _ = std::fs::remove_dir_all(&stage);

@@ -39,7 +39,11 @@ pub struct InitSpec {
     /// Mount point of the merged root (a directory in the run dir; mounted only inside the sandbox).
     pub root: PathBuf,
     pub hostname: String,
-    pub cgroup_procs: Option<PathBuf>,
+    /// `cgroup.procs` of each of the sandbox's cgroups (one on v2, one per controller on v1).
+    pub cgroup_procs: Vec<PathBuf>,
+    /// The jail's seccomp filters (crate::jail); `None` starts the sandbox unjailed (tests' controls, and
+    /// `--unjailed-insecure`).
+    pub jail: Option<Vec<seccompiler::BpfProgram>>,
     /// Join this network namespace (made by crate::net) instead of unsharing a new one.
     pub netns: Option<PathBuf>,
 }
@@ -51,7 +55,8 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     seed_upper(&spec.upper)?;
     let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
-    let argv: Vec<CString> = [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET)]
+    let argv: Vec<CString> =
+        [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET), "--shared-kernel"]
         .iter()
         .map(|s| CString::new(*s).map_err(|e| e.to_string()))
         .collect::<Result<_, _>>()?;
@@ -114,13 +119,17 @@ fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err
         let _ = nix::unistd::write(&err_w, msg.as_bytes());
         1
     };
-    if let Some(procs) = &spec.cgroup_procs {
+    for procs in &spec.cgroup_procs {
         if let Err(e) = std::fs::write(procs, std::process::id().to_string()) {
             return fail(format!("join cgroup {}: {e}", procs.display()));
         }
     }
     let mut flags =
         CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC;
+    if spec.jail.is_some() {
+        // After joining the cgroups: the sandbox sees its own cgroup as the root of the hierarchy.
+        flags |= CloneFlags::CLONE_NEWCGROUP;
+    }
     match &spec.netns {
         None => flags |= CloneFlags::CLONE_NEWNET,
         Some(path) => {
@@ -154,7 +163,11 @@ fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err
 
 /// PID 1 of the new namespaces: returns only with the reason it could not exec.
 fn init_stage(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err_w: &OwnedFd) -> String {
-    match prepare_root(spec, overlay, err_w) {
+    let jailed = prepare_root(spec, overlay, err_w).and_then(|()| match &spec.jail {
+        Some(programs) => crate::jail::enter(programs),
+        None => Ok(()),
+    });
+    match jailed {
         Err(e) => e,
         Ok(()) => match nix::unistd::execve(&argv[0], argv, env) {
             Err(e) => format!("exec {AGENT_PATH}: {e} (does the rootfs have the agent's libraries?)"),
@@ -205,7 +218,10 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
     let root = &spec.root;
-    m(Some("overlay"), root, Some("overlay"), MsFlags::empty(), Some(overlay))?;
+    let jail = spec.jail.is_some();
+    // Jailed, every mount the sandbox can write is nodev: a device node it makes cannot be opened.
+    let nodev = if jail { MsFlags::MS_NODEV } else { MsFlags::empty() };
+    m(Some("overlay"), root, Some("overlay"), nodev, Some(overlay))?;
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     let dir = |p: &str| {
         let d = root.join(p);
@@ -214,7 +230,7 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     };
     m(Some("proc"), &dir("proc")?, Some("proc"), nosuid | MsFlags::MS_NOEXEC, None)?;
     let dev = root.join("dev");
-    bind_self(&dev, MsFlags::MS_NOSUID)?;
+    bind_self(&dev, MsFlags::MS_NOSUID | nodev)?;
     for d in DEVICES {
         let target = dev.join(d);
         std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
@@ -230,11 +246,23 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
     std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;
+    m(
+        Some("devpts"),
+        &dev.join("pts"),
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
     bind_self(&dev.join("shm"), nosuid)?;
     // /tmp is the overlay's own /tmp, bound onto itself for the same reason as the others.
-    bind_self(&dir("tmp")?, MsFlags::empty())?;
+    bind_self(&dir("tmp")?, nodev)?;
     bind_self(&root.join("run"), nosuid)?;
     dir("run/clade")?;
+    if jail {
+        jail_paths(root)?;
+    }
+    // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it up).
+    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
     nix::unistd::chdir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
@@ -243,6 +271,39 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     close_inherited(err_w.as_raw_fd());
     Ok(())
 }
+
+/// The jail's paths (crate::jail): /sys read-only, the masked paths behind the agent layer's empty file and
+/// directory (read-only binds), the read-only paths bound read-only onto themselves. A path this kernel does
+/// not have is skipped.
+fn jail_paths(root: &Path) -> Result<(), String> {
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    let sys = root.join("sys");
+    std::fs::create_dir_all(&sys).map_err(|e| format!("create {}: {e}", sys.display()))?;
+    m(Some("sysfs"), &sys, Some("sysfs"), ro, None)?;
+    let inside = |p: &str| root.join(p.trim_start_matches('/'));
+    let masks = crate::jail::MASKED_FILES
+        .iter()
+        .map(|p| (p, EMPTY_FILE))
+        .chain(crate::jail::MASKED_DIRS.iter().map(|p| (p, EMPTY_DIR)));
+    for (path, empty) in masks {
+        let target = inside(path);
+        if target.exists() {
+            m(Some(&inside(empty).display().to_string()), &target, None, MsFlags::MS_BIND, None)?;
+            m(None, &target, None, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro, None)?;
+        }
+    }
+    for path in crate::jail::READ_ONLY {
+        let target = inside(path);
+        if target.exists() {
+            bind_self(&target, ro)?;
+        }
+    }
+    Ok(())
+}
+
+/// An empty file and an empty directory in the agent's read-only layer: what masked paths are covered with.
+pub const EMPTY_FILE: &str = "/usr/lib/clade/empty";
+pub const EMPTY_DIR: &str = "/usr/lib/clade/empty.d";
 
 fn reopen_stdio() -> Result<(), String> {
     use nix::fcntl::{open, OFlag};

@@ -7,7 +7,6 @@ use crate::{log, Agent, Listen};
 use nix::mount::{mount, MsFlags};
 use std::collections::HashSet;
 use std::fs;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -15,8 +14,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const SERVICE_TIMEOUT: Duration = Duration::from_secs(60);
-const SIOCGIFFLAGS: u64 = 0x8913;
-const SIOCSIFFLAGS: u64 = 0x8914;
 
 fn mounted() -> HashSet<PathBuf> {
     fs::read_to_string("/proc/self/mountinfo")
@@ -62,29 +59,7 @@ pub fn mount_system() {
     mount_missing(&have, "tmpfs", "/tmp", "tmpfs", nosuid, "mode=1777");
 }
 
-#[repr(C)]
-struct IfreqFlags {
-    name: [u8; 16],
-    flags: libc::c_short,
-    pad: [u8; 22],
-}
-
-/// Brings the loopback interface up (SIOCSIFFLAGS on a datagram socket).
-pub fn loopback_up() -> std::io::Result<()> {
-    let sock = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;
-    let mut ifr = IfreqFlags { name: [0; 16], flags: 0, pad: [0; 22] };
-    ifr.name[..2].copy_from_slice(b"lo");
-    // SAFETY: SIOCGIFFLAGS reads the name and writes the flags of a `struct ifreq`-sized buffer we own.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), SIOCGIFFLAGS as _, &mut ifr) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    ifr.flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-    // SAFETY: as above; SIOCSIFFLAGS only reads the buffer.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), SIOCSIFFLAGS as _, &ifr) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
+pub use clade_agent::netif::loopback_up;
 
 /// Runs `/etc/clade/services.d/*` in name order, each to completion: a service script starts its daemon
 /// and returns once it listens (seed 003). One that hangs is abandoned after 60 s, and the next starts.

@@ -36,6 +36,9 @@ pub struct Agent {
     pub procs: procs::Procs,
     pub reaper: reaper::Reaper,
     pub restore_signals: Mutex<Vec<(u32, i32)>>,
+    /// `--shared-kernel`: a ct sandbox, on the host's kernel (its clock and random pool are the host's; the
+    /// jail leaves this agent no right to set either).
+    pub shared_kernel: bool,
 }
 
 impl Agent {
@@ -73,9 +76,10 @@ struct Opts {
     listen: Option<Listen>,
     sysroot: PathBuf,
     mounts: bool,
+    shared_kernel: bool,
 }
 
-const USAGE: &str = "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts]
+const USAGE: &str = "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts] [--shared-kernel]
        clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]
        clade-agent version";
 
@@ -88,7 +92,7 @@ fn parse_args() -> Result<Opts, String> {
         _ if pid1 => "init".to_string(),
         other => return Err(format!("unknown mode {other:?}")),
     };
-    let mut o = Opts { mode, listen: None, sysroot: PathBuf::from("/"), mounts: true };
+    let mut o = Opts { mode, listen: None, sysroot: PathBuf::from("/"), mounts: true, shared_kernel: false };
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -96,6 +100,7 @@ fn parse_args() -> Result<Opts, String> {
             "--port" => o.listen = Some(Listen::Virtio(value()?.into())),
             "--sysroot" => o.sysroot = value()?.into(),
             "--no-mounts" => o.mounts = false,
+            "--shared-kernel" => o.shared_kernel = true,
             _ if pid1 => log(&format!("ignoring argument {a:?}")),
             _ => return Err(format!("unknown argument {a:?}")),
         }
@@ -114,7 +119,7 @@ fn main() {
         // PID 1 must not exit over a bad argument: it serves with the defaults instead.
         Err(e) if std::process::id() == 1 => {
             log(&format!("{e}; starting init with the defaults"));
-            Opts { mode: "init".into(), listen: None, sysroot: PathBuf::from("/"), mounts: true }
+            Opts { mode: "init".into(), listen: None, sysroot: PathBuf::from("/"), mounts: true, shared_kernel: false }
         }
         Err(e) => {
             eprintln!("clade-agent: {e}\n{USAGE}");
@@ -138,6 +143,7 @@ fn main() {
         procs: procs::Procs::default(),
         reaper: reaper::Reaper::default(),
         restore_signals: Mutex::new(Vec::new()),
+        shared_kernel: o.shared_kernel,
     });
     let a = agent.clone();
     if std::thread::Builder::new().name("reaper".into()).spawn(move || a.reaper.run()).is_err() {

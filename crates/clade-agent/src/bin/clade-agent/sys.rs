@@ -60,6 +60,7 @@ pub fn hello(agent: &Agent, boot_id: &str) -> Hello {
         generation: agent.generation.load(Ordering::Relaxed),
         pid: std::process::id(),
         services_ready: agent.services_ready.load(Ordering::Relaxed),
+        shared_kernel: agent.shared_kernel,
     }
 }
 
@@ -168,7 +169,10 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
         if !valid {
             rep.errors.push(format!("hostname {h:?} refused: use 1-64 of [A-Za-z0-9.-]"));
         } else {
-            match nix::unistd::sethostname(h) {
+            // A jailed ct sandbox may not set its hostname; its host already did (through the namespace).
+            let current = nix::unistd::gethostname().ok().and_then(|n| n.into_string().ok());
+            let set = if current.as_deref() == Some(h.as_str()) { Ok(()) } else { nix::unistd::sethostname(h) };
+            match set {
                 Err(e) => rep.errors.push(format!("sethostname: {e} (needs CAP_SYS_ADMIN in its uts namespace)")),
                 Ok(()) => {
                     let p = agent.sys_path("/etc/hostname");

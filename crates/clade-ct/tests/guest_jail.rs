@@ -1,0 +1,257 @@
+//! The escape suite (docs/security.md): known ways out of a container, tried from inside a jailed cold ct
+//! sandbox and a jailed **restored sibling** (what users run), each of which must be refused with the expected
+//! errno; and the same probes in an unjailed sandbox (the control), where each must get through, so that a
+//! probe that could not detect its escape fails the test instead of passing it. Root, namespaces and CRIU are
+//! required (tier names: `privileged`, `guest`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use clade_agent::ExecSpec;
+use clade_core::backend::{Identity, MarkOptions, Sandbox};
+use clade_core::CladeHome;
+use clade_ct::{CtBackend, CtConfig};
+use serde_json::Value;
+
+const PROBE: &str = include_str!("probe_escape.py");
+/// The pids limit of the jailed sandboxes here, and how many children the fork bomb tries.
+const PIDS_MAX: u64 = 64;
+const FORKS: u64 = 120;
+
+struct Env {
+    backend: CtBackend,
+    image: clade_core::backend::TemplateImage,
+    home: PathBuf,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.home);
+    }
+}
+
+fn env(name: &str, jail: bool) -> Option<Env> {
+    let real = CladeHome::from_env();
+    let mut cfg = match CtConfig::from_home(&real) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("skipping: {e}");
+            return None;
+        }
+    };
+    if !cfg.criu.exists() {
+        eprintln!("skipping: no CRIU at {} (run ./x setup)", cfg.criu.display());
+        return None;
+    }
+    cfg.jail = jail;
+    cfg.pids_max = PIDS_MAX;
+    let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin).expect("test rootfs");
+    let home = real.tmp_dir().join(format!("ct-jail-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    let h = CladeHome::at(&home);
+    let store = clade_store::Store::open(&h.store_dir(), Default::default()).expect("store");
+    let backend = CtBackend::new(h, store, cfg).expect("backend");
+    let image = clade_ct::testroot::image("ct-jail", rootfs, 256, false);
+    Some(Env { backend, image, home })
+}
+
+fn id(name: &str) -> Identity {
+    clade_core::hygiene::new_identity(&format!("jail-{name}-{}", std::process::id()), 0)
+}
+
+/// A block device node this host can open (major, minor): what the mknod probe makes and opens inside. Taken
+/// from /dev, since a host may itself be confined (here the disk in /proc/partitions is not openable even by
+/// root, the loop devices are).
+fn host_block_device() -> (u32, u32) {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let rd = std::fs::read_dir("/dev").expect("read /dev");
+    let mut nodes: Vec<_> = rd.flatten().map(|e| e.path()).collect();
+    nodes.sort();
+    nodes
+        .into_iter()
+        .find_map(|p| {
+            let md = std::fs::metadata(&p).ok()?;
+            if !md.file_type().is_block_device() || std::fs::File::open(&p).is_err() {
+                return None;
+            }
+            let rdev = md.rdev();
+            Some((libc::major(rdev), libc::minor(rdev)))
+        })
+        .expect("this host has a block device node in /dev that root can open")
+}
+
+/// Masked or read-only paths this kernel has at all (a probe of a missing one answers ENOENT everywhere).
+fn host_has(path: &str) -> bool {
+    std::path::Path::new(path).exists()
+}
+
+fn probe(sb: &dyn Sandbox, other_pid: u32) -> BTreeMap<String, Value> {
+    let (major, minor) = host_block_device();
+    let args = [major.to_string(), minor.to_string(), other_pid.to_string(), FORKS.to_string()];
+    let mut argv = vec!["/usr/bin/python3".to_string(), "-c".into(), PROBE.into()];
+    argv.extend(args);
+    let out = sb.agent().run(ExecSpec::new(argv)).expect("exec the probe");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "probe failed: {:?} {stdout} {}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("probe output {stdout:?}: {e}"))
+}
+
+const EPERM: i64 = libc::EPERM as i64;
+const EACCES: i64 = libc::EACCES as i64;
+const EROFS: i64 = libc::EROFS as i64;
+const ESRCH: i64 = libc::ESRCH as i64;
+
+/// Probe -> the errnos the jail may answer with (any other answer, 0 included, is an escape).
+fn refusals() -> Vec<(&'static str, Vec<i64>)> {
+    vec![
+        ("devtmpfs_mount", vec![EPERM]),
+        ("cgroup_mount", vec![EPERM]),
+        ("proc_mount", vec![EPERM]),
+        ("release_agent", vec![EPERM]),
+        // mknod itself is allowed (as Docker does); opening the node is not (nodev mounts, devices cgroup).
+        ("blockdev_open", vec![EACCES, EPERM]),
+        ("open_by_handle_at", vec![EPERM]),
+        ("core_pattern", vec![EROFS]),
+        ("sysctl_vm", vec![EROFS]),
+        ("sysrq_trigger", if host_has("/proc/sysrq-trigger") { vec![EROFS] } else { vec![libc::ENOENT as i64] }),
+        ("sys_write", vec![EROFS]),
+        ("settimeofday", vec![EPERM]),
+        ("adjtimex", vec![EPERM]),
+        ("init_module", vec![EPERM]),
+        ("finit_module", vec![EPERM]),
+        ("bpf", vec![EPERM]),
+        ("keyctl", vec![EPERM]),
+        ("perf_event_open", vec![EPERM]),
+        ("io_uring_setup", vec![EPERM]),
+        ("userfaultfd", vec![EPERM]),
+        ("unshare", vec![EPERM]),
+        ("ptrace_other_sandbox", vec![ESRCH]),
+    ]
+}
+
+fn int(r: &BTreeMap<String, Value>, k: &str) -> i64 {
+    r.get(k).and_then(Value::as_i64).unwrap_or_else(|| panic!("probe {k} missing: {r:?}"))
+}
+
+fn assert_jailed(what: &str, r: &BTreeMap<String, Value>) {
+    let mut escapes = Vec::new();
+    for (k, ok) in refusals() {
+        let got = int(r, k);
+        if !ok.contains(&got) {
+            escapes.push(format!("{k}: errno {got}, want one of {ok:?}"));
+        }
+    }
+    let mask = format!("{:016x}", clade_ct::jail::keep_mask());
+    for set in ["CapBnd", "CapEff", "CapPrm"] {
+        let got = r.get(&format!("status_{set}")).and_then(Value::as_str).unwrap_or("?");
+        if got != mask {
+            escapes.push(format!("{set} {got}, want {mask}"));
+        }
+    }
+    for (k, want) in [("status_Seccomp", "2"), ("status_NoNewPrivs", "1"), ("cgroup", "0::/")] {
+        let got = r.get(k).and_then(Value::as_str).unwrap_or("?");
+        // cgroup v1 lists a line per hierarchy; each must show the sandbox's own cgroup as its root.
+        let fine = if k == "cgroup" { got.lines().all(|l| l.ends_with(":/")) } else { got == want };
+        if !fine {
+            escapes.push(format!("{k} {got:?}, want {want:?}"));
+        }
+    }
+    for k in ["kcore_bytes", "timer_list_bytes", "sys_firmware_entries"] {
+        if int(r, k) > 0 {
+            escapes.push(format!("{k}: {} (a masked path shows content)", int(r, k)));
+        }
+    }
+    if int(r, "forked") >= PIDS_MAX as i64 {
+        escapes.push(format!("forked {} children past pids.max {PIDS_MAX}", int(r, "forked")));
+    }
+    // The probe's own control: it can ptrace what it can see.
+    if int(r, "ptrace_own_child") != 0 {
+        escapes.push(format!("ptrace of its own child failed ({}): the ptrace probe proves nothing", int(r, "ptrace_own_child")));
+    }
+    assert!(escapes.is_empty(), "{what}: the jail let these through:\n  {}\nprobe: {r:?}", escapes.join("\n  "));
+}
+
+#[test]
+fn privileged_guest_jail_refuses_every_escape_cold_and_restored() {
+    let Some(e) = env("on", true) else { return };
+    let mut cold = e.backend.cold_start_ct(&e.image, &id("cold")).expect("cold start");
+    let mark = cold.mark(&MarkOptions { label: None, not_clean: false }).expect("mark a jailed sandbox");
+    assert_eq!(mark.compat.get("jail").map(String::as_str), Some(clade_ct::jail::POLICY));
+    let sib_id = id("sibling");
+    let sibling = e.backend.restore_ct(&mark, &sib_id).expect("restore a sibling");
+    clade_core::hygiene::apply(sibling.agent(), &sib_id, mark.clean).expect("hygiene in a jailed sibling");
+    let host_name = std::fs::read_to_string(format!("/proc/{}/root/etc/hostname", sibling.init_pid())).unwrap();
+    assert_eq!(host_name.trim(), sib_id.hostname, "the sibling's hostname, set from the host");
+    assert_jailed("cold jailed sandbox", &probe(&cold, sibling.init_pid()));
+    assert_jailed("restored jailed sibling", &probe(&sibling, cold.init_pid()));
+    // The jail survives a second generation: a mark of the sibling, restored again.
+    let mut sibling = sibling;
+    let mark2 = sibling.mark(&MarkOptions { label: None, not_clean: false }).expect("mark the sibling");
+    let grandchild = e.backend.restore_ct(&mark2, &id("grandchild")).expect("restore the grandchild");
+    assert_jailed("restored grandchild", &probe(&grandchild, cold.init_pid()));
+    for s in [Box::new(cold) as Box<dyn Sandbox>, Box::new(sibling), Box::new(grandchild)] {
+        s.kill().expect("kill");
+    }
+}
+
+#[test]
+fn privileged_guest_jail_control_unjailed_sandbox_lets_each_probe_through() {
+    let Some(e) = env("off", false) else { return };
+    let sb = e.backend.cold_start_ct(&e.image, &id("unjailed")).expect("cold start unjailed");
+    let r = probe(&sb, std::process::id());
+    let mut blind = Vec::new();
+    for (k, refused) in refusals() {
+        let got = int(&r, k);
+        if k == "ptrace_other_sandbox" {
+            continue; // namespaces are not the jail's switch: another sandbox is out of sight either way
+        }
+        if k == "sysrq_trigger" && !host_has("/proc/sysrq-trigger") {
+            eprintln!("note: this kernel has no /proc/sysrq-trigger (CONFIG_MAGIC_SYSRQ off): its probe is moot here");
+            continue;
+        }
+        if refused.contains(&got) {
+            blind.push(format!("{k}: errno {got} with the jail off"));
+        }
+    }
+    if int(&r, "forked") < FORKS as i64 {
+        blind.push(format!("fork bomb stopped at {} with no pids limit", int(&r, "forked")));
+    }
+    for (k, path) in [("kcore_bytes", "/proc/kcore"), ("timer_list_bytes", "/proc/timer_list")] {
+        if !host_has(path) {
+            eprintln!("note: this kernel has no {path}: its mask is moot here");
+            continue;
+        }
+        if int(&r, k) <= 0 {
+            blind.push(format!("{k}: {} with nothing masked", int(&r, k)));
+        }
+    }
+    assert!(blind.is_empty(), "probes that cannot see their escape:\n  {}\nprobe: {r:?}", blind.join("\n  "));
+    // A jailed backend refuses a mark taken without the jail: CRIU would restore it unjailed.
+    let mut sb = sb;
+    let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark unjailed");
+    let jailed = env("on-refuses", true).expect("jailed env");
+    let err = jailed.backend.restore_ct(&mark, &id("refused")).expect_err("an unjailed mark must be refused").to_string();
+    assert!(err.contains("jail"), "{err}");
+    Box::new(sb).kill().expect("kill");
+}
+
+#[test]
+fn privileged_guest_jail_agent_socket_link_to_a_host_socket_is_not_followed() {
+    let Some(e) = env("link", true) else { return };
+    let mut sb = e.backend.cold_start_ct(&e.image, &id("link")).expect("cold start");
+    let host_sock = e.home.join("host.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&host_sock).expect("host listener");
+    listener.set_nonblocking(true).unwrap();
+    let script = format!("rm -f /run/clade/agent.sock && ln -s {} /run/clade/agent.sock", host_sock.display());
+    let out = sb.agent().run(ExecSpec::new(["/bin/sh", "-c", &script])).expect("exec");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Control: a path walked through /proc/PID/root follows the sandbox's link to the host's socket.
+    let walked = std::os::unix::net::UnixStream::connect(format!("/proc/{}/root/run/clade/agent.sock", sb.init_pid()));
+    assert!(walked.is_ok() && listener.accept().is_ok(), "control: the link must lead a path walk to the host socket");
+    // The backend resolves inside the sandbox: the mark's reconnect finds no agent, and the mark is refused.
+    let err = sb.mark(&MarkOptions { label: None, not_clean: false }).expect_err("a mark whose agent did not answer");
+    assert!(err.to_string().contains("did not answer"), "{err}");
+    assert!(listener.accept().is_err(), "the supervisor connected to the host socket the sandbox pointed at");
+    Box::new(sb).kill().expect("kill");
+}
