@@ -320,6 +320,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_doors_refuse_origin_and_foreign_hosts_and_a_huge_body_is_413() {
+        let app = App::new(Arc::new(Fake::default()), Config::default()).unwrap();
+        let hosts = vec!["127.0.0.1:3000".to_string(), "localhost:3000".to_string()];
+        let a = crate::with_doors(api::router(app.clone()), hosts.clone());
+        let e = crate::with_doors(envd::router(app.clone()), hosts);
+        let get = |uri: &str, host: &str| Request::get(uri).header("host", host).header("x-api-key", "e2b_good");
+        let (st, _, b) = send(a.clone(), get("/v2/sandboxes", "127.0.0.1:3000").body(Body::empty()).unwrap()).await;
+        assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+        let origin = get("/v2/sandboxes", "127.0.0.1:3000").header("origin", "http://evil.example");
+        let (st, _, b) = send(a.clone(), origin.body(Body::empty()).unwrap()).await;
+        assert_eq!(st, StatusCode::FORBIDDEN);
+        assert!(String::from_utf8_lossy(&b).contains("Origin"));
+        let (st, _, b) = send(a.clone(), get("/v2/sandboxes", "evil.example:3000").body(Body::empty()).unwrap()).await;
+        assert_eq!(st, StatusCode::FORBIDDEN);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["code"], 403);
+        for (host, origin, refused) in [
+            ("evil.example:3000", None, true),
+            ("localhost:3000", Some("http://x"), true),
+            ("localhost:3000", None, false),
+        ] {
+            let mut rq = Request::get("/health").header("host", host);
+            if let Some(o) = origin {
+                rq = rq.header("origin", o);
+            }
+            let (st, _, _) = send(e.clone(), rq.body(Body::empty()).unwrap()).await;
+            assert_eq!(st == StatusCode::FORBIDDEN, refused, "envd {host} {origin:?}: {st}");
+        }
+        let huge = format!(r#"{{"templateID":"base","metadata":{{"k":"{}"}}}}"#, "x".repeat(3 << 20));
+        let rq = Request::post("/v2/sandboxes")
+            .header("host", "localhost:3000")
+            .header("x-api-key", "e2b_good")
+            .header("content-type", "application/json")
+            .body(Body::from(huge))
+            .unwrap();
+        assert_eq!(send(a, rq).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[tokio::test]
     async fn timeouts_are_reaped() {
         let host = Arc::new(Fake::default());
         let app = App::new(host.clone(), Config::default()).unwrap();

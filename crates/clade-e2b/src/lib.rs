@@ -93,6 +93,24 @@ pub fn spawn_reaper<H: Host>(app: Arc<App<H>>, every: Duration) -> tokio::task::
     })
 }
 
+/// `router` behind the doors the native API has too (clade_api::doors): no `Origin`, a `Host` naming the
+/// listener (`hosts`). A refusal is a 403 in E2B's error shape, naming the door.
+pub fn with_doors(router: axum::Router, hosts: Vec<String>) -> axum::Router {
+    router.layer(axum::middleware::from_fn_with_state(Arc::new(hosts), doors))
+}
+
+async fn doors(
+    axum::extract::State(hosts): axum::extract::State<Arc<Vec<String>>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match clade_api::doors::check(&hosts, req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(r) => api::ApiError(axum::http::StatusCode::FORBIDDEN, r.message()).into_response(),
+    }
+}
+
 /// Bind both listeners, then serve them (and the reaper) as tokio tasks. Returns once both are bound.
 pub async fn spawn<H: Host>(
     app: Arc<App<H>>,
@@ -102,18 +120,11 @@ pub async fn spawn<H: Host>(
     let api_l = tokio::net::TcpListener::bind(api_addr).await?;
     let envd_l = tokio::net::TcpListener::bind(envd_addr).await?;
     let (a, e) = (api_l.local_addr()?, envd_l.local_addr()?);
-    let api_r = api::router(app.clone());
-    let envd_r = envd::router(app.clone());
-    tokio::spawn(async move {
-        if let Err(err) = axum::serve(api_l, api_r).await {
-            eprintln!("e2b api server on {a} ended: {err}");
-        }
-    });
-    tokio::spawn(async move {
-        if let Err(err) = axum::serve(envd_l, envd_r).await {
-            eprintln!("e2b envd server on {e} ended: {err}");
-        }
-    });
+    let api_r = with_doors(api::router(app.clone()), clade_api::doors::tcp_hosts(a));
+    let envd_r = with_doors(envd::router(app.clone()), clade_api::doors::tcp_hosts(e));
+    let limits = clade_api::Limits::default();
+    tokio::spawn(clade_api::serve(api_l, api_r, limits));
+    tokio::spawn(clade_api::serve(envd_l, envd_r, limits));
     spawn_reaper(app, Duration::from_secs(1));
     Ok((a, e))
 }

@@ -66,6 +66,10 @@ pub struct ExecRequest {
     /// The HTTP API streams output as it comes (NDJSON lines) instead of answering once at the end.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream: bool,
+    /// The HTTP API kills a non-streamed command past this many milliseconds (at most the daemon's
+    /// `--exec-timeout`, which applies when this is absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 impl ExecRequest {

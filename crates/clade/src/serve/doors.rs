@@ -25,11 +25,9 @@ pub struct Doors {
 }
 
 impl Doors {
+    #[cfg(test)]
     fn host_ok(&self, host: Option<&str>) -> bool {
-        match host {
-            None => self.hosts.iter().any(|h| h == "localhost"),
-            Some(h) => self.hosts.iter().any(|ok| ok.eq_ignore_ascii_case(h)),
-        }
+        clade_api::doors::host_ok(&self.hosts, host)
     }
 }
 
@@ -50,16 +48,9 @@ fn takes_bytes(path: &str) -> bool {
 
 pub async fn check(State(doors): State<Arc<Doors>>, req: Request, next: Next) -> Response {
     let h = req.headers();
-    if h.contains_key(header::ORIGIN) {
-        return refuse(StatusCode::FORBIDDEN, "origin", "requests carrying Origin are refused (no browser access)");
-    }
-    let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
-    if !doors.host_ok(host) {
-        return refuse(
-            StatusCode::FORBIDDEN,
-            "host",
-            &format!("Host {:?} is not this listener ({})", host.unwrap_or(""), doors.hosts.join(", ")),
-        );
+    // The same Origin and Host doors as the E2B faces (clade_api::doors), in this API's error shape.
+    if let Err(r) = clade_api::doors::check(&doors.hosts, h) {
+        return refuse(StatusCode::FORBIDDEN, r.code(), &r.message());
     }
     let auth = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
     let given = auth.strip_prefix("Bearer ").unwrap_or("");

@@ -1,12 +1,16 @@
 //! Errors as HTTP: the same codes the CLI exits with, as statuses (2 -> 400, 3 -> 404, 4 -> 409, 5 -> 507,
 //! 6 -> 403 for a permission the sandbox refused), with a JSON body `{"error": {"code", "message"}}`. A malformed
-//! JSON body is a 400 whose message names the field.
+//! JSON body is a 400 whose message names the field; one
+//! over [`JSON_LIMIT`] is a 413.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
+
+/// The largest JSON body accepted (axum's default body limit, which the JSON extractor applies).
+pub const JSON_LIMIT: usize = 2 << 20;
 
 pub fn error_body(code: &str, message: &str) -> serde_json::Value {
     serde_json::json!({"error": {"code": code, "message": message}})
@@ -37,6 +41,9 @@ impl From<anyhow::Error> for ApiError {
                 _ => (StatusCode::TOO_MANY_REQUESTS, "no_capacity"),
             };
             return ApiError { status, code, message: format!("{e:#}") };
+        }
+        if e.chain().any(|c| c.is::<super::exec::ExecTimedOut>()) {
+            return ApiError::new(StatusCode::GATEWAY_TIMEOUT, "exec_timeout", format!("{e:#}"));
         }
         let (status, code) = match crate::cmd::exit_code(&e) {
             2 => (StatusCode::BAD_REQUEST, "bad_request"),
@@ -94,6 +101,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
             Err(JsonRejection::MissingJsonContentType(_)) => {
                 Err(ApiError::bad_request("request body: Content-Type must be application/json"))
             }
+            // Past the JSON body limit (axum's DefaultBodyLimit, 2 MiB): 413, so a client knows to send less
+            // rather than to fix its syntax.
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("request body: larger than the {} MiB a JSON body may be", JSON_LIMIT >> 20),
+            )),
             Err(e) => Err(ApiError::bad_request(format!("request body: {}", e.body_text()))),
         }
     }

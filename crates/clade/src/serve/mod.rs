@@ -7,7 +7,9 @@ mod doors;
 pub mod e2b;
 mod e2b_keys;
 mod error;
+mod exec;
 mod idle;
+mod lock;
 mod metrics;
 pub mod routes;
 
@@ -40,6 +42,9 @@ pub struct Args {
     /// Largest file upload accepted, MiB (larger: 413).
     #[arg(long, default_value_t = 1024)]
     pub max_upload_mib: u64,
+    /// A non-streamed exec is killed after this many seconds (504); a request's timeout_ms may only lower it.
+    #[arg(long, default_value_t = 3600)]
+    pub exec_timeout: u64,
     /// Suspend sandboxes idle for this many seconds unless a create says otherwise (0: only those that ask).
     #[arg(long, default_value_t = 0)]
     pub idle_timeout: u64,
@@ -54,6 +59,7 @@ pub struct App {
     metrics: metrics::Metrics,
     idle: idle::Idle,
     max_upload: u64,
+    exec_limit: Duration,
 }
 
 enum Listen {
@@ -90,22 +96,12 @@ pub fn app_router(app: Arc<App>, key: String, hosts: Vec<String>) -> axum::Route
 }
 
 fn tcp_hosts(addr: SocketAddr) -> Vec<String> {
-    let port = addr.port();
-    let mut h = vec![addr.to_string(), format!("localhost:{port}")];
-    if addr.ip().is_unspecified() || addr.ip().is_loopback() {
-        h.push(format!("127.0.0.1:{port}"));
-        h.push(format!("[::1]:{port}"));
-    }
-    if addr.ip().is_unspecified() {
-        if let Ok(n) = nix::unistd::gethostname() {
-            h.push(format!("{}:{port}", n.to_string_lossy()));
-        }
-    }
-    h
+    clade_api::doors::tcp_hosts(addr)
 }
 
 pub fn run(a: Args) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
+    let _lock = lock::take(&home)?;
     let ops = Arc::new(Ops::open(&home)?);
     let key = load_or_create_key(&home)?;
     let app = Arc::new(App {
@@ -113,6 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         metrics: metrics::Metrics::new(),
         idle: idle::Idle::load(&home, a.idle_timeout),
         max_upload: a.max_upload_mib << 20,
+        exec_limit: Duration::from_secs(a.exec_timeout.max(1)),
     });
     let listens: Vec<Listen> = if a.listen.is_empty() {
         vec![Listen::Unix(home.root().join("api.sock"))]
@@ -135,14 +132,14 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
                     eprintln!("clade serve: listening on unix:{}", path.display());
                     let r = app_router(app.clone(), key.clone(), vec!["localhost".into()]);
-                    tasks.push(tokio::spawn(async move { axum::serve(lis, r).await }));
+                    tasks.push(tokio::spawn(clade_api::serve(lis, r, clade_api::Limits::default())));
                 }
                 Listen::Tcp(addr) => {
                     let lis = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
                     let addr = lis.local_addr()?;
                     eprintln!("clade serve: listening on http://{addr}");
                     let r = app_router(app.clone(), key.clone(), tcp_hosts(addr));
-                    tasks.push(tokio::spawn(async move { axum::serve(lis, r).await }));
+                    tasks.push(tokio::spawn(clade_api::serve(lis, r, clade_api::Limits::default())));
                 }
             }
         }

@@ -193,9 +193,10 @@ async fn exec(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Bo
     if req.stream {
         return exec_stream(app, id, req).await;
     }
+    let limit = super::exec::limit_for(&req, app.exec_limit);
     let out = blocking(&app, "exec", move |a| {
         wake(a, &id)?;
-        a.ops.exec(&id, req)
+        super::exec::exec_within(&a.ops, &id, req, limit)
     })
     .await?;
     Ok(json(out))
@@ -533,6 +534,7 @@ mod tests {
             metrics: super::super::metrics::Metrics::new(),
             idle: super::super::idle::Idle::load(&home, 0),
             max_upload: 1 << 20,
+            exec_limit: std::time::Duration::from_secs(60),
         });
         let r = super::super::app_router(app.clone(), "k3y".into(), vec!["localhost".into()]);
         (app, r)
@@ -638,6 +640,10 @@ mod tests {
         assert_eq!(s, 400);
         let (s, _) = send(&r, json("POST", "/v1/sandboxes/x/exec", r#"{"argv":[]}"#)).await;
         assert_eq!(s, 400);
+        let huge = format!(r#"{{"from":"{}"}}"#, "x".repeat(3 << 20));
+        let huge = req("POST", "/v1/sandboxes").header("content-type", "application/json").body(huge.into()).unwrap();
+        let (s, v) = send(&r, huge).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (413, Some("too_large")), "{v}");
         let big = req("PUT", "/v1/sandboxes/x/files?path=/tmp/f").body(vec![0u8; (1 << 20) + 1].into()).unwrap();
         assert_eq!(send(&r, big).await.0, 413);
         let (s, _) = send(&r, req("GET", "/metrics").body(axum::body::Body::empty()).unwrap()).await;
