@@ -198,6 +198,92 @@ pub fn enter(programs: &[BpfProgram]) -> Result<(), String> {
     Ok(())
 }
 
+/// The environment variable that turns the jail off, named so that nobody sets it by accident: a sandbox
+/// started with it is host root (docs/security.md). Only `1` counts.
+pub const UNJAILED_ENV: &str = "CLADE_CT_UNJAILED_INSECURE";
+
+/// One thing the jail needs from this host: `Ok(what was found)` or `Err((what is missing, how to get it))`.
+pub type Support = (&'static str, Result<String, (String, String)>);
+
+/// What this host offers the jail: seccomp filters, the cgroup controllers for the limits (and v1's devices
+/// controller), cgroup namespaces, `openat2` for resolving paths inside a sandbox.
+pub fn host_support() -> Vec<Support> {
+    let mut out: Vec<Support> = Vec::new();
+    let actions = std::fs::read_to_string("/proc/sys/kernel/seccomp/actions_avail").unwrap_or_default();
+    out.push((
+        "seccomp",
+        if actions.split_whitespace().any(|a| a == "errno") {
+            Ok("seccomp filters (errno action)".into())
+        } else {
+            Err(("no seccomp filters in this kernel".into(), "a kernel with CONFIG_SECCOMP_FILTER".into()))
+        },
+    ));
+    let v2 = clade_core::host::cgroup_version() == Some("v2");
+    let missing: Vec<&str> = if v2 {
+        let have = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").unwrap_or_default();
+        ["memory", "pids", "cpu"].into_iter().filter(|c| !have.split_whitespace().any(|h| h == *c)).collect()
+    } else {
+        ["memory", "pids", "cpu", "devices"]
+            .into_iter()
+            .filter(|c| !std::path::Path::new("/sys/fs/cgroup").join(c).join("cgroup.procs").exists())
+            .collect()
+    };
+    out.push((
+        "cgroup-controllers",
+        if missing.is_empty() {
+            Ok(format!("{} memory, pids, cpu{}", if v2 { "v2" } else { "v1" }, if v2 { "" } else { ", devices" }))
+        } else {
+            Err((
+                format!("cgroup controllers missing: {}", missing.join(", ")),
+                if v2 {
+                    "enable them in /sys/fs/cgroup/cgroup.subtree_control (or boot with them)".into()
+                } else {
+                    format!("mount them under /sys/fs/cgroup ({})", missing.join(", "))
+                },
+            ))
+        },
+    ));
+    out.push((
+        "cgroup-ns",
+        if std::path::Path::new("/proc/self/ns/cgroup").exists() {
+            Ok("cgroup namespaces".into())
+        } else {
+            Err(("no cgroup namespaces".into(), "a kernel with CONFIG_CGROUPS and namespaces (4.6 or newer)".into()))
+        },
+    ));
+    let openat2 = rustix::fs::openat2(
+        rustix::fs::CWD,
+        "/",
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+        rustix::fs::ResolveFlags::IN_ROOT,
+    );
+    out.push((
+        "openat2",
+        match openat2 {
+            Ok(_) => Ok("openat2 with RESOLVE_IN_ROOT".into()),
+            Err(e) => Err((format!("openat2: {e}"), "a kernel of 5.6 or newer".into())),
+        },
+    ));
+    out
+}
+
+/// Refuse to run without the jail: names every missing part, how to get it, and the way around it.
+pub fn check_host() -> Result<(), String> {
+    let missing: Vec<String> = host_support()
+        .into_iter()
+        .filter_map(|(name, r)| r.err().map(|(what, fix)| format!("{name}: {what} (fix: {fix})")))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "this host cannot jail ct sandboxes: {}. Fix that, or set {UNJAILED_ENV}=1 to run sandboxes that are \
+         NOT a security boundary (their root is host root)",
+        missing.join("; ")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,6 +327,12 @@ mod tests {
         ] {
             assert!(!ALLOWED.contains(&nr), "syscall {nr} must not be on the allow-list");
         }
+    }
+
+    #[test]
+    fn this_host_can_jail() {
+        // The project's own machines can (./x setup needs nothing more); a failure names what is missing.
+        check_host().expect("jail support");
     }
 
     #[test]

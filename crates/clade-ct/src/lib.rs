@@ -16,6 +16,7 @@ pub mod criu;
 pub mod dump;
 pub mod inroot;
 pub mod jail;
+pub mod jail_audit;
 pub mod lower;
 pub mod net;
 pub mod resources;
@@ -78,7 +79,7 @@ impl CtConfig {
             // serves) is faster eagerly, 574 vs 615 ms (6 interleaved pairs, 5 won by eager); DESIGN.md's
             // 1 GiB: lazy 0.14-0.24 s vs eager 0.64 s. So lazy from 512 MiB.
             lazy_min_bytes: Some(512 << 20),
-            jail: true,
+            jail: std::env::var(jail::UNJAILED_ENV).map(|v| v != "1").unwrap_or(true),
             pids_max: DEFAULT_PIDS_MAX,
         })
     }
@@ -144,6 +145,14 @@ impl CtBackend {
                     detail: format!("{} --version failed: run ./x setup (or set CLADE_CRIU)", cfg.criu.display()),
                 }
             })?;
+        if cfg.jail {
+            jail::check_host().map_err(|detail| BackendError::Resource { resource: "jail".into(), detail })?;
+        } else {
+            eprintln!(
+                "clade-ct: WARNING: {}=1: ct sandboxes run UNJAILED; code in them is host root (docs/security.md)",
+                jail::UNJAILED_ENV
+            );
+        }
         if cfg.ksm {
             ksm_enable();
         }

@@ -185,6 +185,12 @@ fn privileged_guest_jail_refuses_every_escape_cold_and_restored() {
     assert_eq!(host_name.trim(), sib_id.hostname, "the sibling's hostname, set from the host");
     assert_jailed("cold jailed sandbox", &probe(&cold, sibling.init_pid()));
     assert_jailed("restored jailed sibling", &probe(&sibling, cold.init_pid()));
+    // The host's audit (clade audit --security) finds nothing to report in either, and the control below
+    // shows it does report an unjailed sandbox.
+    for s in [&cold, &sibling] {
+        let a = clade_ct::jail_audit::audit(s.id(), &Sandbox::pids(s));
+        assert!(a.deviations.is_empty() && a.processes >= 1, "{a:?}");
+    }
     // The jail survives a second generation: a mark of the sibling, restored again.
     let mut sibling = sibling;
     let mark2 = sibling.mark(&MarkOptions { label: None, not_clean: false }).expect("mark the sibling");
@@ -227,6 +233,10 @@ fn privileged_guest_jail_control_unjailed_sandbox_lets_each_probe_through() {
         }
     }
     assert!(blind.is_empty(), "probes that cannot see their escape:\n  {}\nprobe: {r:?}", blind.join("\n  "));
+    let a = clade_ct::jail_audit::audit(sb.id(), &Sandbox::pids(&sb));
+    for want in ["CapBnd", "Seccomp", "NoNewPrivs", "cgroup namespace", "/proc/sys", "pids.max"] {
+        assert!(a.deviations.iter().any(|d| d.contains(want)), "the audit missed {want} in an unjailed sandbox: {a:?}");
+    }
     // A jailed backend refuses a mark taken without the jail: CRIU would restore it unjailed.
     let mut sb = sb;
     let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark unjailed");

@@ -14,6 +14,7 @@ mod ops;
 mod remote;
 mod roam;
 mod serve;
+mod security;
 mod siblings;
 mod supervisor;
 

@@ -93,3 +93,36 @@ fn guest_audit_ct_siblings_against_a_cold_pair() {
         json_of(h, &["kill", id, "--json"], 0);
     }
 }
+
+/// `clade audit --security`: forked ct siblings conform to the jail policy (exit 0, every field named); a
+/// sandbox that is not running is a deviation (exit 1). That the audit reports an unjailed sandbox is shown
+/// in clade-ct's guest_jail control, which starts one.
+#[test]
+fn guest_audit_ct_security_of_forked_siblings() {
+    let Some(t) = common::ct_home("clade-audit-sec") else { return };
+    let h = t.path();
+    common::ct_template_record(h);
+    let fork = json_of(h, &["fork", "ctbox", "--backend", "ct", "--count", "2", "--json"], 0);
+    let ids: Vec<String> =
+        fork["sandboxes"].as_array().unwrap().iter().map(|s| s["sandbox"].as_str().unwrap().to_string()).collect();
+    let v = json_of(h, &["audit", "--security", "--json"], 0);
+    assert_eq!(v["ok"], true, "{v}");
+    let rows = v["sandboxes"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "every running sandbox by default: {v}");
+    for r in rows {
+        assert_eq!(r["backend"], "ct");
+        assert!(r["deviations"].as_array().unwrap().is_empty(), "{r}");
+        assert_eq!(r["status"]["Seccomp"][0], "2", "{r}");
+        assert_eq!(r["status"]["NoNewPrivs"][0], "1", "{r}");
+        assert_eq!(r["own_cgroup_namespace"], true, "{r}");
+        assert!(r["limits"]["pids.max"].as_str().unwrap().parse::<u64>().is_ok(), "{r}");
+    }
+    let (code, out, err) = clade(h, &["audit", "--security", &ids[0]]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("conforms to the jail policy") && out.contains("/proc/sys ro"), "{out}");
+    json_of(h, &["kill", &ids[1], "--json"], 0);
+    let (code, out, _) = clade(h, &["audit", "--security", &ids[1]]);
+    assert_eq!(code, 1, "a sandbox that is not running cannot be shown jailed: {out}");
+    assert!(out.contains("DEVIATION"), "{out}");
+    json_of(h, &["kill", &ids[0], "--json"], 0);
+}

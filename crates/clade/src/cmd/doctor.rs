@@ -169,6 +169,25 @@ fn vm_checks(home: &CladeHome, checks: &mut Vec<Check>, refresh: bool) -> Option
 
 fn ct_checks(home: &CladeHome, checks: &mut Vec<Check>) {
     let ct = &["ct"];
+    // The jail (docs/security.md): without these a ct sandbox would not start (unless explicitly unjailed).
+    for (name, r) in clade_ct::jail::host_support() {
+        checks.push(match r {
+            Ok(found) => Check::ok(name, found),
+            Err((what, fix)) => Check::missing(name, what, fix).needed_by(ct),
+        });
+    }
+    if std::env::var(clade_ct::jail::UNJAILED_ENV).as_deref() == Ok("1") {
+        checks.push(
+            Check::missing(
+                "jail",
+                format!("{}=1: ct sandboxes run UNJAILED (their root is host root)", clade_ct::jail::UNJAILED_ENV),
+                format!("unset {}", clade_ct::jail::UNJAILED_ENV),
+            )
+            .needed_by(ct),
+        );
+    } else {
+        checks.push(Check::ok("jail", format!("ct sandboxes are jailed (policy {})", clade_ct::jail::POLICY)));
+    }
     let bin = clade_ct::criu::criu_binary(home);
     match clade_ct::criu::criu_version(&bin) {
         Some(v) => checks.push(Check::ok("criu", format!("{} {v}", bin.display()))),

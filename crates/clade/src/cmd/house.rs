@@ -37,8 +37,14 @@ pub struct AuditArgs {
     /// Two running ct sandboxes: seed 000's sibling audit (distinct namespaces, disjoint PIDs, no shared pipe,
     /// socket, eventfd, writable file or lock; shared character devices judged against a control pair)
     /// instead of the ledger audit.
-    #[arg(num_args = 0..=2, value_names = ["SBX_A", "SBX_B"])]
+    /// With --security: the sandboxes to audit (default: every running one).
+    #[arg(num_args = 0.., value_names = ["SBX_A", "SBX_B"])]
     pub sandboxes: Vec<String>,
+    /// The security audit: each sandbox's jail as the host's kernel reports it (ct: capabilities, seccomp,
+    /// no_new_privs, id map, cgroup namespace, masked and read-only paths, limits; vm: QEMU's uid,
+    /// capabilities, seccomp, -sandbox flags, chroot, mount namespace). Exit 1 on any deviation from the policy.
+    #[arg(long, conflicts_with_all = ["control", "no_control", "fix"])]
+    pub security: bool,
     /// The sibling audit's control pair: two running ct sandboxes (default: two cold sandboxes of the
     /// siblings' template, started for the audit and ended after it).
     #[arg(long, num_args = 2, value_names = ["SBX_C", "SBX_D"], conflicts_with = "no_control")]
@@ -120,6 +126,20 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
 }
 
 pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
+    if a.security {
+        let body = match face()? {
+            Face::Local(ops) => crate::security::audit(&ops, &a.sandboxes)?,
+            Face::Remote(_) => {
+                return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
+                    2,
+                    "the security audit reads the host's /proc: run it on the sandbox's host (unset CLADE_HOST)"
+                )))
+            }
+        };
+        let ok = body["ok"].as_bool().unwrap_or(false);
+        print(a.json, &body, crate::security::render)?;
+        return Ok(if ok { 0 } else { 1 });
+    }
     match a.sandboxes.len() {
         0 if a.control.is_some() || a.no_control => {
             return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
