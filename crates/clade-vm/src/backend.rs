@@ -14,8 +14,9 @@
 //!   derived from the root's.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use clade_store::{ImageKind, Lease, ManifestId, Store};
 use crate::accel::Accel;
 use crate::agent_link::NoHello;
 use crate::disks::{DiskExport, DiskHost};
+use crate::jail::{CgroupPlan, VmJail, VmLimits};
 use crate::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 
 /// Roles of a `vm` mark's manifests.
@@ -65,6 +67,8 @@ struct Inner {
     shm: PathBuf,
     /// The agent's first hello must come within this (ms; 0: the defaults above).
     hello_timeout_ms: AtomicU64,
+    /// Every QEMU runs in a jail (crate::jail) unless turned off for a measurement ([`VmBackend::set_jailed`]).
+    jailed: AtomicBool,
     fail_at: Mutex<Option<FailPoint>>,
 }
 
@@ -156,6 +160,7 @@ impl VmBackend {
                 initrd,
                 shm,
                 hello_timeout_ms: AtomicU64::new(0),
+                jailed: AtomicBool::new(true),
                 fail_at: Mutex::new(None),
             }),
         })
@@ -176,6 +181,36 @@ impl VmBackend {
             0 => default,
             ms => Duration::from_millis(ms),
         }
+    }
+
+    /// Run QEMUs jailed (the default) or not. Off only to measure what the jail costs (docs/vm.md, "The jail"):
+    /// an unjailed QEMU runs as root with every capability.
+    pub fn set_jailed(&self, on: bool) {
+        self.inner.jailed.store(on, Ordering::Relaxed);
+    }
+
+    /// The jail of sandbox `id`'s QEMU: a uid of its own, its cgroup (`clade/<id>`) with limits from `shape`,
+    /// and the other sandboxes' mounts (under `$CLADE_HOME` and the RAM dir) detached from its mount namespace.
+    pub fn jail(&self, id: &str, shape: &Shape) -> Option<VmJail> {
+        if !self.inner.jailed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let i = &self.inner;
+        let mut j = VmJail::new(i.home.run_dir().join("vm-uids"));
+        j.cgroup = Some(CgroupPlan {
+            name: id.to_string(),
+            limits: VmLimits::for_guest(shape.memory_mib, shape.vcpus, i.accel),
+        });
+        j.detach_mounts_under = vec![i.home.root().to_path_buf(), i.shm.clone()];
+        Some(j)
+    }
+
+    fn spawn(&self, id: &str, shape: &Shape, spec: VmSpec, run_dir: &Path) -> Result<Vm, BackendError> {
+        match self.jail(id, shape) {
+            Some(j) => Vm::spawn_jailed(&self.inner.qemu, spec, run_dir, &j),
+            None => Vm::spawn(&self.inner.qemu, spec, run_dir),
+        }
+        .map_err(failed)
     }
 
     /// Test hook: make the next cold starts and restores fail right after `at` (None: never).
@@ -335,7 +370,14 @@ impl Backend for VmBackend {
         crate::net::apply(&mut spec, image.egress);
         let qemu_dir = run.path.join("qemu");
         let guard = RamGuard(Some(ram.clone()));
-        let mut vm = Vm::spawn(&self.inner.qemu, spec, &qemu_dir).map_err(failed)?;
+        // Created here, 0600: QEMU would create it 0644.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&ram)
+            .map_err(|e| failed(format!("create RAM file {}: {e}", ram.display())))?;
+        let mut vm = self.spawn(&id.sandbox_id, &image.shape, spec, &qemu_dir)?;
         self.check_fail(FailPoint::Process)?;
         let agent = await_hello(&mut vm, &agent_sock, self.hello_timeout(COLD_TIMEOUT))?;
         self.check_fail(FailPoint::Agent)?;
@@ -426,7 +468,7 @@ impl VmBackend {
             devstate_only,
         );
         crate::net::apply(&mut spec, egress);
-        let vm = Vm::spawn(&self.inner.qemu, spec, &run.path.join("qemu")).map_err(failed)?;
+        let vm = self.spawn(&id.sandbox_id, &mark.shape, spec, &run.path.join("qemu"))?;
         self.check_fail(FailPoint::Process)?;
         crate::templating::write_mark_pages(&vm, &pages, &data).map_err(failed)?;
         self.check_fail(FailPoint::Pages)?;
@@ -746,6 +788,16 @@ impl VmSandbox {
         self.vm.as_ref().map(|v| v.pid())
     }
 
+    /// The uid its QEMU runs as (`None`: unjailed).
+    pub fn qemu_uid(&self) -> Option<u32> {
+        self.vm.as_ref().and_then(|v| v.jailed()).map(|j| j.uid())
+    }
+
+    /// The RAM file its QEMU maps.
+    pub fn ram_file(&self) -> &Path {
+        &self.ram_file
+    }
+
     fn put_bytes(&self, data: &[u8], kind: ImageKind) -> Result<clade_store::PutReport, BackendError> {
         self.backend.inner.store.put_bytes(data, kind).map_err(|e| failed(format!("store: {e}")))
     }
@@ -797,9 +849,15 @@ impl VmSandbox {
             false,
         );
         crate::net::apply(&mut spec, self.egress);
-        let (vm, _) =
-            crate::templating::restore(&self.backend.inner.qemu, spec, &state_path, &self.run.path.join("qemu"))
-                .map_err(failed)?;
+        let jail = self.backend.jail(&self.id, &self.shape);
+        let (vm, _) = crate::templating::restore_jailed(
+            &self.backend.inner.qemu,
+            spec,
+            &state_path,
+            &self.run.path.join("qemu"),
+            jail.as_ref(),
+        )
+        .map_err(failed)?;
         self.vm = Some(vm);
         self.ram_file = root_file;
         self.root = Some(root.clone());

@@ -2,6 +2,7 @@
 //! console) and its lifecycle (spawn, QMP, kill on drop). Everything the `vm` backend does to a guest goes
 //! through here, so every sandbox is started the same way and nothing is left behind when one fails.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -9,6 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::accel::Accel;
+use crate::jail::{Jailed, VmJail};
 use crate::qmp::{Qmp, QmpError};
 
 /// The machine type. `q35` has vmgenid (clones reseed their CRNG on fork) and boots reliably; `microvm` boots
@@ -142,6 +144,8 @@ pub enum VmError {
     Spawn { qemu: String, source: std::io::Error },
     #[error("run dir {0}: {1}")]
     RunDir(String, std::io::Error),
+    #[error("jail: {0}")]
+    Jail(String),
     #[error("{source}; QEMU said: {stderr}")]
     Qmp { source: QmpError, stderr: String },
 }
@@ -154,24 +158,44 @@ pub struct Vm {
     pub run_dir: PathBuf,
     pub spec: VmSpec,
     keep_run_dir: bool,
+    /// Released (cgroup removed, uid freed) only after the process is dead: see Drop.
+    jailed: Option<Jailed>,
 }
 
 impl Vm {
-    /// Start QEMU for `spec` with its sockets and console in `run_dir` (created) and connect QMP.
+    /// Start QEMU for `spec` with its sockets and console in `run_dir` (created) and connect QMP. Unjailed: QEMU
+    /// runs as the caller (root). The backend always uses [`Vm::spawn_jailed`]; this is for low-level tests.
     pub fn spawn(qemu: &Path, spec: VmSpec, run_dir: &Path) -> Result<Vm, VmError> {
-        std::fs::create_dir_all(run_dir).map_err(|e| VmError::RunDir(run_dir.display().to_string(), e))?;
+        Self::start(qemu, spec, run_dir, None)
+    }
+
+    /// Start QEMU as [`Vm::spawn`] does, in `jail` (crate::jail): its own uid (claimed now, freed when the Vm is
+    /// dropped), chrooted into `<run_dir>/jail`, under its seccomp filter, in its own mount namespace and
+    /// cgroup, with a bounding set of three capabilities.
+    pub fn spawn_jailed(qemu: &Path, spec: VmSpec, run_dir: &Path, jail: &VmJail) -> Result<Vm, VmError> {
+        Self::start(qemu, spec, run_dir, Some(jail))
+    }
+
+    fn start(qemu: &Path, spec: VmSpec, run_dir: &Path, jail: Option<&VmJail>) -> Result<Vm, VmError> {
+        let dir_err = |e| VmError::RunDir(run_dir.display().to_string(), e);
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(run_dir).map_err(dir_err)?;
         let stderr_path = run_dir.join("qemu.stderr");
-        let stderr =
-            std::fs::File::create(&stderr_path).map_err(|e| VmError::RunDir(run_dir.display().to_string(), e))?;
-        let child = Command::new(qemu)
-            .args(spec.args(run_dir))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .map_err(|e| VmError::Spawn { qemu: qemu.display().to_string(), source: e })?;
+        let stderr = std::fs::File::create(&stderr_path).map_err(dir_err)?;
+        let mut cmd = Command::new(qemu);
+        cmd.args(spec.args(run_dir)).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+        let jailed = match jail {
+            Some(j) => {
+                let mut needs: Vec<&Path> = vec![&spec.ram.path, &spec.kernel, run_dir];
+                needs.extend(spec.initrd.as_deref());
+                needs.extend(spec.disks.iter().map(|d| d.socket.as_path()));
+                needs.extend(spec.agent_socket.as_deref());
+                Some(crate::jail::prepare(j, run_dir, &needs, spec.net.is_some(), &mut cmd).map_err(VmError::Jail)?)
+            }
+            None => None,
+        };
+        let child = cmd.spawn().map_err(|e| VmError::Spawn { qemu: qemu.display().to_string(), source: e })?;
         match Qmp::connect(&run_dir.join("qmp.sock"), Duration::from_secs(10)) {
-            Ok(qmp) => Ok(Vm { child, qmp, run_dir: run_dir.to_path_buf(), spec, keep_run_dir: false }),
+            Ok(qmp) => Ok(Vm { child, qmp, run_dir: run_dir.to_path_buf(), spec, keep_run_dir: false, jailed }),
             Err(source) => {
                 let mut child = child;
                 let _ = child.kill();
@@ -181,6 +205,11 @@ impl Vm {
                 Err(VmError::Qmp { source, stderr: stderr.trim().to_string() })
             }
         }
+    }
+
+    /// What this QEMU's jail holds (uid, chroot, cgroup); `None` when it was started unjailed.
+    pub fn jailed(&self) -> Option<&Jailed> {
+        self.jailed.as_ref()
     }
 
     pub fn pid(&self) -> u32 {
@@ -238,5 +267,7 @@ impl Drop for Vm {
         if !self.keep_run_dir {
             let _ = std::fs::remove_dir_all(&self.run_dir);
         }
+        // The process is reaped: its cgroup can go and its uid can be given to another sandbox.
+        self.jailed = None;
     }
 }

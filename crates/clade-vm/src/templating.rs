@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::jail::VmJail;
 use crate::machine::{Vm, VmError, VmSpec};
 use crate::qmp::QmpError;
 
@@ -66,6 +67,17 @@ pub fn save_device_state(vm: &mut Vm, dest: &Path) -> Result<SaveStats, VmError>
 /// Start a clone of a mark: `spec` must name the mark's RAM file with `share: false` and `incoming: true`.
 pub fn restore(qemu: &Path, spec: VmSpec, state: &Path, run_dir: &Path) -> Result<(Vm, RestoreStats), VmError> {
     restore_clone_mark(qemu, spec, state, &[], &[], run_dir)
+}
+
+/// [`restore`] with QEMU in `jail` (`None`: unjailed).
+pub fn restore_jailed(
+    qemu: &Path,
+    spec: VmSpec,
+    state: &Path,
+    run_dir: &Path,
+    jail: Option<&VmJail>,
+) -> Result<(Vm, RestoreStats), VmError> {
+    restore_pages(qemu, spec, state, &[], &[], run_dir, jail)
 }
 
 /// Load device state into a QEMU waiting on `-incoming defer` (its RAM already in place) and continue it.
@@ -157,6 +169,15 @@ pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> 
     ph.stop_ms = ms(start);
     // Device state (QEMU's main thread does the work) and the pages (our threads) at once.
     let tmp = dest.with_extension("tmp");
+    // QEMU opens the file by name after it started: a jailed QEMU inside its chroot (which it owns), from where
+    // the host takes the file out without following links (crate::jail::take_out).
+    let in_qemu = match vm.jailed() {
+        Some(j) => {
+            crate::jail::clear(j, JAIL_DEVSTATE).map_err(|e| VmError::RunDir(j.dir.display().to_string(), e))?;
+            format!("/{JAIL_DEVSTATE}")
+        }
+        None => tmp.display().to_string(),
+    };
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4);
     let (saved, copied) = std::thread::scope(|s| {
         let data = &mut data;
@@ -170,7 +191,7 @@ pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> 
             Ok((pages, scan, ms(t)))
         });
         let t = Instant::now();
-        let r = vm.qmp.execute("xen-save-devices-state", json!({"filename": tmp.display().to_string(), "live": false}));
+        let r = vm.qmp.execute("xen-save-devices-state", json!({"filename": in_qemu, "live": false}));
         let r = qmp(vm, r);
         ph.devstate_ms = ms(t);
         let copied = pages.join().unwrap_or_else(|_| Err(std::io::Error::other("page copy thread panicked")));
@@ -181,10 +202,18 @@ pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> 
     ph.scan_ms = scan_ms;
     ph.copy_ms = copy_ms;
     let pause_ms = ms(start);
-    std::fs::rename(&tmp, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
+    match vm.jailed() {
+        Some(j) => {
+            crate::jail::take_out(j, JAIL_DEVSTATE, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
+        }
+        None => std::fs::rename(&tmp, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?,
+    }
     let state_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
     Ok(CloneMark { stats: SaveStats { pause_ms, state_bytes }, pages, data, phases: ph })
 }
+
+/// The name a jailed QEMU writes a clone's device state to, at the top of its chroot.
+const JAIL_DEVSTATE: &str = "devstate.tmp";
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -203,8 +232,23 @@ pub fn restore_clone_mark(
     data: &[u8],
     run_dir: &Path,
 ) -> Result<(Vm, RestoreStats), VmError> {
+    restore_pages(qemu, spec, state, pages, data, run_dir, None)
+}
+
+fn restore_pages(
+    qemu: &Path,
+    spec: VmSpec,
+    state: &Path,
+    pages: &[u64],
+    data: &[u8],
+    run_dir: &Path,
+    jail: Option<&VmJail>,
+) -> Result<(Vm, RestoreStats), VmError> {
     let start = Instant::now();
-    let mut vm = Vm::spawn(qemu, spec, run_dir)?;
+    let mut vm = match jail {
+        Some(j) => Vm::spawn_jailed(qemu, spec, run_dir, j)?,
+        None => Vm::spawn(qemu, spec, run_dir)?,
+    };
     let spawn_ms = start.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
     write_mark_pages(&vm, pages, data)?;
