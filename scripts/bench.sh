@@ -8,7 +8,7 @@
 #   template  issue 6's: a cold build of minimal vs a cache hit, its image's stored bytes vs its files
 #                                                        (crates/clade-template/src/bin/template-bench.rs)
 #   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
-#   ct     issue 8's figures: minimal rootfs and the browser template, vs plain CRIU by hand
+#   ct     issue 8's figures: minimal rootfs and the browser template, vs plain CRIU by hand; the jail's cost
 #                                                                     (crates/clade-ct/src/bin/ct-bench/)
 #   browser  the seeds' headline (issue 10) with the browser template on ct, then vm (TCG: slow)
 #                                                                     (crates/clade/src/bench/browser.rs)
@@ -74,7 +74,9 @@ for w in "${what[@]}"; do
     vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5 --mem-counts 1,2 --mark-gap-secs 10  # minimal only
         elif tpl=$(browser_template ct); then run ct $bin/ct-bench --n 20 --browser "$tpl"
-        else echo "=== bench ct: FAILED to build the browser template" >&2; failed+=(ct); fi ;;
+        else echo "=== bench ct: FAILED to build the browser template" >&2; failed+=(ct); fi
+        # The jail's cost: jail on / off side by side (docs/security.md).
+        run ct-jail $bin/ct-bench --only jail --n $([ $quick = 1 ] && echo 3 || echo 10) ;;
     browser) if [ $quick = 1 ]; then
           echo "=== bench browser: skipped by --quick (the browser template is ~1 GB to build; run ./x bench browser)" >&2
         else

@@ -16,11 +16,14 @@
 //! check (`clone_check.rs`); lazy vs eager, the warm pool, the memory slope over `--mem-counts` with the sibling
 //! audit (rule 2a against a cold pair).
 //!
-//! `ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] [--only browser|minimal]
+//! `--only jail`: the jail's cost, jail on vs off side by side (jail.rs).
+//!
+//! `ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] [--only browser|minimal|jail]
 //!  [--mark-gap-secs 60]`
 
 mod cleanup;
 mod clone_check;
+mod jail;
 mod peer;
 
 use std::time::{Duration, Instant};
@@ -214,7 +217,7 @@ fn browser_workload(path: &str) -> Result<Workload, String> {
 }
 
 const USAGE: &str = "ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] \
-                     [--only browser|minimal] [--mark-gap-secs 60] [--no-ksm]";
+                     [--only browser|minimal|jail] [--mark-gap-secs 60] [--no-ksm]";
 
 /// Every argument is a known flag (with its value); `--help` prints the usage. A typo must not start a
 /// ten-minute run with the defaults.
@@ -249,7 +252,7 @@ fn run() -> Result<(), String> {
     // Chromium answers its agent after the services ran; the restore's agent connect is not the bottleneck.
     cfg.ready_timeout = Duration::from_secs(60);
     let mut workloads = Vec::new();
-    if only.is_empty() || only == "minimal" {
+    if only.is_empty() || only == "minimal" || only == "jail" {
         let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin)?;
         workloads.push(Workload {
             name: "minimal",
@@ -266,6 +269,10 @@ fn run() -> Result<(), String> {
             script: Some(server_py(payload)),
             timeout: Duration::from_secs(30),
         });
+    }
+    if only == "jail" {
+        // The jail's cost on the minimal workload (jail.rs); nothing else runs.
+        return jail::run(&real, &cfg, &workloads[0], n);
     }
     let browser = arg("--browser", "");
     if !browser.is_empty() && (only.is_empty() || only == "browser") {
