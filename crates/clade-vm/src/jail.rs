@@ -9,9 +9,10 @@
 //! - QEMU opens everything it needs (kernel, initrd, RAM file, sockets, console log, the NBD connection) as root
 //!   at start, then `-chroot`s into an empty directory of its gid and `-runas`'s the sandbox's uid, under its own
 //!   seccomp filter ([`SANDBOX_OPTS`]).
-//! - Before exec (in the forked child): the QEMU joins its cgroup, gets its own mount namespace (every mount
-//!   a slave of the host's, the other sandboxes' mounts detached), `no_new_privs`, and a bounding set of only
-//!   the three capabilities `-runas` and `-chroot` use ([`KEPT_CAPS`]).
+//! - Before exec (in the forked child): the QEMU gets its own mount namespace (every mount a slave of the
+//!   host's, the other sandboxes' mounts detached), `no_new_privs`, and a bounding set of only the three
+//!   capabilities `-runas` and `-chroot` use ([`KEPT_CAPS`]). Right after exec it is moved into its cgroup
+//!   ([`Jailed::enter_cgroup`]).
 //!
 //! [`VmCgroup`] is the vm twin of clade-ct's `resources::Cgroup` (same layout, `clade/<sandbox>` per
 //! controller, so the audit finds leftovers of both): merge them when cgroups move to clade-core.
@@ -119,6 +120,20 @@ impl Jailed {
     pub fn uid(&self) -> u32 {
         self.slot.uid()
     }
+
+    /// Move the just exec'd QEMU `pid` (all its threads) into its cgroup. Done from the parent while QEMU
+    /// initializes rather than in the child before exec: on cgroup v1 a move waits for an RCU grace period
+    /// (~3 ms per controller here), which in the child added ~10 ms to every start; from here it overlaps
+    /// QEMU's own start-up. A restore's guest runs only after QMP's `cont`, and a cold guest's first
+    /// instructions are firmware: what QEMU allocated before the move (its first milliseconds) stays charged
+    /// to the parent's cgroup.
+    pub fn enter_cgroup(&self, pid: u32) -> Result<(), String> {
+        for procs in self.cgroup.iter().flat_map(|c| c.procs_files()) {
+            std::fs::write(&procs, pid.to_string())
+                .map_err(|e| format!("move QEMU {pid} into {}: {e}", procs.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Claim a uid, make the chroot, create the cgroup, and set `cmd` up to exec QEMU jailed. `needs` are the host
@@ -130,7 +145,8 @@ pub(crate) fn prepare(
     copy_resolv_conf: bool,
     cmd: &mut std::process::Command,
 ) -> Result<Jailed, String> {
-    let slot = UidSlot::claim(&jail.uids_dir).map_err(|e| format!("claim a uid in {}: {e}", jail.uids_dir.display()))?;
+    let slot =
+        UidSlot::claim(&jail.uids_dir).map_err(|e| format!("claim a uid in {}: {e}", jail.uids_dir.display()))?;
     let uid = slot.uid();
     let dir = run_dir.join("jail");
     make_chroot(&dir, uid, copy_resolv_conf).map_err(|e| format!("jail {}: {e}", dir.display()))?;
@@ -139,7 +155,6 @@ pub(crate) fn prepare(
         None => None,
     };
     let setup = ChildSetup {
-        cgroup_procs: cgroup.as_ref().map(|c| c.procs_files()).unwrap_or_default().iter().map(|p| cstr(p)).collect(),
         root: CString::new("/").expect("no NUL"),
         detach: mounts_to_detach(&jail.detach_mounts_under, needs).iter().map(|p| cstr(p)).collect(),
         drop_caps: (0..=cap_last_cap()).filter(|c| !KEPT_CAPS.contains(c)).collect(),
@@ -148,8 +163,8 @@ pub(crate) fn prepare(
     cmd.args(["-runas".to_string(), format!("{uid}:{uid}")]);
     cmd.arg("-chroot").arg(&dir);
     // SAFETY: the closure runs in the forked child before exec; `ChildSetup::enter` makes only
-    // async-signal-safe system calls (open, write, close, unshare, mount, umount2, prctl) on data built before
-    // the fork, and allocates nothing.
+    // async-signal-safe system calls (unshare, mount, umount2, prctl) on data built before the fork, and
+    // allocates nothing.
     unsafe {
         std::os::unix::process::CommandExt::pre_exec(cmd, move || setup.enter());
     }
@@ -170,7 +185,8 @@ fn make_chroot(dir: &Path, uid: u32, resolv_conf: bool) -> std::io::Result<()> {
         let etc = dir.join("etc");
         std::fs::DirBuilder::new().mode(0o755).create(&etc)?;
         let text = std::fs::read("/etc/resolv.conf").unwrap_or_default();
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(etc.join("resolv.conf"))?;
+        let mut f =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(etc.join("resolv.conf"))?;
         f.write_all(&text)?;
     }
     std::os::unix::fs::chown(dir, Some(0), Some(uid))?;
@@ -226,7 +242,6 @@ fn cap_last_cap() -> u32 {
 
 /// What the forked child does before exec, all of it computed before the fork.
 struct ChildSetup {
-    cgroup_procs: Vec<CString>,
     root: CString,
     detach: Vec<CString>,
     drop_caps: Vec<u32>,
@@ -237,22 +252,9 @@ impl ChildSetup {
     fn enter(&self) -> std::io::Result<()> {
         use nix::libc;
         let err = std::io::Error::last_os_error;
-        // SAFETY: plain system calls on NUL-terminated strings owned by `self` and a static buffer; none of them
-        // allocates or takes a lock (all are async-signal-safe).
+        // SAFETY: plain system calls on NUL-terminated strings owned by `self`; none of them allocates or takes
+        // a lock (all are async-signal-safe).
         unsafe {
-            // Join the cgroup first, so everything QEMU allocates is charged there ("0": the writing process).
-            for procs in &self.cgroup_procs {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(err());
-                }
-                let n = libc::write(fd, b"0".as_ptr().cast(), 1);
-                let e = err();
-                libc::close(fd);
-                if n != 1 {
-                    return Err(e);
-                }
-            }
             // An own mount namespace. Slave, not private: where the host's mounts are shared, the host's
             // unmounts still reach this copy (a private copy would keep them alive while QEMU runs); nothing
             // mounted here reaches the host (QEMU cannot mount anyway).

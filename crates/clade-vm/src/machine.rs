@@ -194,6 +194,15 @@ impl Vm {
             None => None,
         };
         let child = cmd.spawn().map_err(|e| VmError::Spawn { qemu: qemu.display().to_string(), source: e })?;
+        if let Some(j) = &jailed {
+            if let Err(e) = j.enter_cgroup(child.id()) {
+                let mut child = child;
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = std::fs::remove_dir_all(run_dir);
+                return Err(VmError::Jail(e));
+            }
+        }
         match Qmp::connect(&run_dir.join("qmp.sock"), Duration::from_secs(10)) {
             Ok(qmp) => Ok(Vm { child, qmp, run_dir: run_dir.to_path_buf(), spec, keep_run_dir: false, jailed }),
             Err(source) => {

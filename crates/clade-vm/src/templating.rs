@@ -204,7 +204,8 @@ pub fn save_clone_state(vm: &mut Vm, dest: &Path) -> Result<CloneMark, VmError> 
     let pause_ms = ms(start);
     match vm.jailed() {
         Some(j) => {
-            crate::jail::take_out(j, JAIL_DEVSTATE, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
+            crate::jail::take_out(j, JAIL_DEVSTATE, dest)
+                .map_err(|e| VmError::RunDir(dest.display().to_string(), e))?;
         }
         None => std::fs::rename(&tmp, dest).map_err(|e| VmError::RunDir(dest.display().to_string(), e))?,
     }

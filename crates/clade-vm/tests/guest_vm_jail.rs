@@ -105,7 +105,11 @@ fn assert_jailed(pid: u32, run_dir: &Path, id: &str, memory_mib: u32) -> u32 {
         format!("/sys/fs/cgroup/memory/clade/{id}/memory.limit_in_bytes")
     };
     assert_eq!(std::fs::read_to_string(mem).unwrap().trim(), limits.memory_bytes.to_string());
-    let pids = if v2 { format!("/sys/fs/cgroup/clade/{id}/pids.max") } else { format!("/sys/fs/cgroup/pids/clade/{id}/pids.max") };
+    let pids = if v2 {
+        format!("/sys/fs/cgroup/clade/{id}/pids.max")
+    } else {
+        format!("/sys/fs/cgroup/pids/clade/{id}/pids.max")
+    };
     assert_eq!(std::fs::read_to_string(pids).unwrap().trim(), "512");
     uid
 }
@@ -218,8 +222,11 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
 
     // Dropping them kills the QEMUs, frees their uids and removes their cgroups.
     let pids: Vec<u32> = sibs.iter().flat_map(|(s, _, _)| s.pids()).chain(child.pids()).chain(a.pids()).collect();
-    let ids: Vec<String> =
-        sibs.iter().map(|(_, id, _)| id.sandbox_id.clone()).chain([child_id.sandbox_id.clone(), a_id.clone()]).collect();
+    let ids: Vec<String> = sibs
+        .iter()
+        .map(|(_, id, _)| id.sandbox_id.clone())
+        .chain([child_id.sandbox_id.clone(), a_id.clone()])
+        .collect();
     drop(sibs);
     drop(child);
     drop(a);
@@ -237,5 +244,77 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
             assert!(!d.exists(), "cgroup {} removed", d.display());
         }
         assert!(!Path::new("/sys/fs/cgroup/clade").join(&id).exists());
+    }
+}
+
+/// What the jail costs (docs/vm.md, "The jail"): 3 cold boots and 3 restores jailed and 3 each unjailed,
+/// interleaved, to the agent's hello. Ignored by default (about a minute under TCG): `cargo test -p clade-vm
+/// --test guest_vm_jail -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn guest_vm_jail_cost_cold_and_restore() {
+    let Some(agent) = agent_binary() else {
+        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+        return;
+    };
+    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return;
+    }
+    let work = tempfile::Builder::new().prefix("clade-vmjailcost").tempdir_in("/dev/shm").unwrap();
+    let w = work.path();
+    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
+    let img = w.join("root.img");
+    busybox_root_image(w, &agent, &img, 64);
+    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
+    let home = clade_core::CladeHome::at(home());
+    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
+    let image = TemplateImage {
+        name: "busybox-test".into(),
+        hash: "test".into(),
+        rootfs: w.join("root"),
+        disk_manifest: Some(disk),
+        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
+        egress: false,
+    };
+    let tag = std::process::id();
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    let (mut cold, mut restore) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    let mut mark = None;
+    for i in 0..3 {
+        for (k, jailed) in [(0, true), (1, false)] {
+            backend.set_jailed(jailed);
+            let t = std::time::Instant::now();
+            let mut s = backend.cold_start(&image, &hygiene::new_identity(&format!("t{tag}c{i}{k}"), 0)).unwrap();
+            cold[k].push(ms(t));
+            if mark.is_none() {
+                mark = Some(s.mark(&MarkOptions::default()).unwrap());
+            }
+        }
+    }
+    let mark = mark.unwrap();
+    for i in 0..3 {
+        for (k, jailed) in [(0, true), (1, false)] {
+            backend.set_jailed(jailed);
+            let t = std::time::Instant::now();
+            let s = backend.restore(&mark, &hygiene::new_identity(&format!("t{tag}r{i}{k}"), 1)).unwrap();
+            restore[k].push(ms(t));
+            drop(s);
+        }
+    }
+    let med = |v: &Vec<f64>| {
+        let mut v = v.clone();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (what, r) in [("cold boot to hello", &cold), ("restore to hello", &restore)] {
+        eprintln!(
+            "{what}: jailed {:?} ms (median {:.0}), unjailed {:?} ms (median {:.0}), ratio {:.3}",
+            r[0].iter().map(|x| x.round()).collect::<Vec<_>>(),
+            med(&r[0]),
+            r[1].iter().map(|x| x.round()).collect::<Vec<_>>(),
+            med(&r[1]),
+            med(&r[0]) / med(&r[1])
+        );
     }
 }
