@@ -126,21 +126,15 @@ impl Cgroup {
     }
 
     fn apply(&self, l: &Limits) -> Result<(), String> {
-        let (mem, pids, cpu) = (self.dir_of("memory"), self.dir_of("pids"), self.dir_of("cpu"));
+        let (mem, pids) = (self.dir_of("memory"), self.dir_of("pids"));
         if let (Some(d), true) = (mem, l.memory_bytes > 0) {
             write(d, if self.v2 { "memory.max" } else { "memory.limit_in_bytes" }, &l.memory_bytes.to_string())?;
         }
         if let (Some(d), true) = (pids, l.pids > 0) {
             write(d, "pids.max", &l.pids.to_string())?;
         }
-        if let (Some(d), true) = (cpu, l.cpu_ms_per_100ms > 0) {
-            let quota_us = l.cpu_ms_per_100ms * 1000;
-            if self.v2 {
-                write(d, "cpu.max", &format!("{quota_us} 100000"))?;
-            } else {
-                write(d, "cpu.cfs_period_us", "100000")?;
-                write(d, "cpu.cfs_quota_us", &quota_us.to_string())?;
-            }
+        if l.cpu_ms_per_100ms > 0 {
+            self.set_cpu(l.cpu_ms_per_100ms)?;
         }
         if l.devices && !self.v2 {
             if let Some(d) = self.dir_of("devices") {
@@ -151,6 +145,21 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// CPU time per 100 ms period, in ms (0: no limit). CRIU's work for a sandbox (the parasite of a dump, the
+    /// restorer) runs inside its cgroup: the backend lifts the quota around a dump and sets it only after a
+    /// restore, so the template's vCPU count limits the sandbox's programs, not clade's own work on them.
+    pub fn set_cpu(&self, ms_per_100ms: u64) -> Result<(), String> {
+        let Some(d) = self.dir_of("cpu") else { return Ok(()) };
+        if self.v2 {
+            let max = if ms_per_100ms == 0 { "max".to_string() } else { (ms_per_100ms * 1000).to_string() };
+            write(d, "cpu.max", &format!("{max} 100000"))
+        } else {
+            write(d, "cpu.cfs_period_us", "100000")?;
+            let quota = if ms_per_100ms == 0 { "-1".to_string() } else { (ms_per_100ms * 1000).to_string() };
+            write(d, "cpu.cfs_quota_us", &quota)
+        }
     }
 
     /// The files a process writes its pid into to join every one of the sandbox's cgroups.

@@ -57,6 +57,7 @@ pub struct CtPrepared {
     /// Jailed: the restored root is mounted nodev, the sandbox gets its hostname from the host (below).
     jail: bool,
     hostname: Option<String>,
+    cpu_ms: u64,
     kdat: std::path::PathBuf,
     fail_at: Option<FailPoint>,
     /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
@@ -133,7 +134,11 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     }
     lap("files", &mut phases);
     b.check_fail(FailPoint::Files)?;
-    let cg = Cgroup::create(&id.sandbox_id, &b.limits(&mark.shape)).map_err(failed)?;
+    // The CPU quota is set once the restore is done (Cgroup::set_cpu).
+    let limits = b.limits(&mark.shape);
+    let cpu_ms = limits.cpu_ms_per_100ms;
+    let cg = Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits })
+        .map_err(failed)?;
     let procs = cg.procs_files();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
@@ -178,6 +183,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         overlay,
         procs,
         jail: b.cfg.jail,
+        cpu_ms,
         // A clean mark's sibling gets its own hostname; a not-clean one keeps the mark's.
         hostname: mark.clean.then(|| id.hostname.clone()),
         kdat,
@@ -275,6 +281,9 @@ impl CtPrepared {
         check(FailPoint::Processes)?;
         let agent = connect_agent(pid.unwrap_or_default(), self.ready_timeout).map_err(|e| with_console(e, &res))?;
         lap("agent", &mut phases);
+        if let Some(cg) = &res.cgroup {
+            cg.set_cpu(self.cpu_ms).map_err(failed)?;
+        }
         check(FailPoint::Agent)?;
         if !lazy {
             let _ = std::fs::remove_dir_all(&img);
@@ -291,6 +300,7 @@ impl CtPrepared {
             compat: self.compat.clone(),
             ready_timeout: self.ready_timeout,
             dumps: 0,
+            cpu_ms: self.cpu_ms,
             startup: t0.elapsed(),
             phases,
         })

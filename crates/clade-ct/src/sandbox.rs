@@ -33,6 +33,8 @@ pub struct CtSandbox {
     pub(crate) compat: BTreeMap<String, String>,
     pub(crate) ready_timeout: Duration,
     pub(crate) dumps: u32,
+    /// The cgroup's CPU quota (ms per 100 ms; 0: none), lifted while CRIU dumps the sandbox.
+    pub(crate) cpu_ms: u64,
     /// Time from the start call to the agent's first answer.
     pub startup: Duration,
     /// Time since the start call at the end of each phase (restore: verified, upper, files, criu, agent).
@@ -70,7 +72,9 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     }
     let lower = format!("{}:{rootfs}", agent_layer(&b.home, &b.cfg.agent_bin)?.display());
     b.check_fail(FailPoint::Files)?;
-    res.cgroup = Some(Cgroup::create(&id.sandbox_id, &b.limits(&image.shape)).map_err(failed)?);
+    let limits = b.limits(&image.shape);
+    let cpu_ms = limits.cpu_ms_per_100ms;
+    res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     if image.egress {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
@@ -102,6 +106,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         compat: clade_core::backend::Backend::host_compat(b),
         ready_timeout: b.cfg.ready_timeout,
         dumps: 0,
+        cpu_ms,
         startup: t0.elapsed(),
         phases: Vec::new(),
     })
@@ -292,7 +297,17 @@ impl CtSandbox {
             log: self.res.run_dir.join(format!("dump-{}.log", self.dumps)),
             external_net,
         };
+        // CRIU's parasite runs in the frozen tasks' cgroup: no quota while it works (Cgroup::set_cpu).
+        let cg = self.res.cgroup.as_ref();
+        if let (Some(cg), true) = (cg, self.cpu_ms > 0) {
+            cg.set_cpu(0).map_err(failed)?;
+        }
         let dumped = dump::dump(&spec);
+        if let (Some(cg), true) = (cg, self.cpu_ms > 0) {
+            if let Err(e) = cg.set_cpu(self.cpu_ms) {
+                eprintln!("clade-ct: {}: could not set the CPU quota back: {e}", self.id);
+            }
+        }
         if leave_running || dumped.is_err() {
             // On failure CRIU resumes the tasks: the sandbox keeps running either way.
             let reconnected = self.reconnect();

@@ -81,6 +81,19 @@ fn host_block_device() -> (u32, u32) {
         .expect("this host has a block device node in /dev that root can open")
 }
 
+/// Why a probe's escape cannot be open on this host whatever the jail does (its control is then moot).
+fn moot_here(probe: &str) -> Option<&'static str> {
+    let modules_off = !host_has("/proc/modules")
+        || std::fs::read_to_string("/proc/sys/kernel/modules_disabled").is_ok_and(|s| s.trim() == "1");
+    match probe {
+        "sysrq_trigger" if !host_has("/proc/sysrq-trigger") => Some("no /proc/sysrq-trigger (CONFIG_MAGIC_SYSRQ off)"),
+        "init_module" | "finit_module" if modules_off => Some("no loadable modules in this kernel"),
+        // The v1 release_agent escape needs the v1 hierarchies; on a cgroup v2 host the kernel refuses it.
+        "release_agent" if clade_core::host::cgroup_version() != Some("v1") => Some("a cgroup v2 host"),
+        _ => None,
+    }
+}
+
 /// Masked or read-only paths this kernel has at all (a probe of a missing one answers ENOENT everywhere).
 fn host_has(path: &str) -> bool {
     std::path::Path::new(path).exists()
@@ -212,8 +225,8 @@ fn privileged_guest_jail_control_unjailed_sandbox_lets_each_probe_through() {
         if k == "ptrace_other_sandbox" {
             continue; // namespaces are not the jail's switch: another sandbox is out of sight either way
         }
-        if k == "sysrq_trigger" && !host_has("/proc/sysrq-trigger") {
-            eprintln!("note: this kernel has no /proc/sysrq-trigger (CONFIG_MAGIC_SYSRQ off): its probe is moot here");
+        if let Some(why) = moot_here(k) {
+            eprintln!("note: {k}: {why}: the escape is closed on this host even without the jail");
             continue;
         }
         if refused.contains(&got) {

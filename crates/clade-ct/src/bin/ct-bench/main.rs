@@ -217,12 +217,13 @@ fn browser_workload(path: &str) -> Result<Workload, String> {
 }
 
 const USAGE: &str = "ct-bench [--n 10] [--payload-mib 32] [--mem-counts 1,4,8] [--browser PATH] \
-                     [--only browser|minimal|jail] [--mark-gap-secs 60] [--no-ksm]";
+                     [--only browser|minimal|jail] [--mark-gap-secs 60] [--no-ksm] [--vcpus 1]";
 
 /// Every argument is a known flag (with its value); `--help` prints the usage. A typo must not start a
 /// ten-minute run with the defaults.
 fn check_args() -> Result<bool, String> {
-    const VALUED: [&str; 6] = ["--n", "--payload-mib", "--mem-counts", "--mark-gap-secs", "--only", "--browser"];
+    const VALUED: [&str; 7] =
+        ["--n", "--payload-mib", "--mem-counts", "--mark-gap-secs", "--only", "--browser", "--vcpus"];
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -261,7 +262,7 @@ fn run() -> Result<(), String> {
                 hash: "test".into(),
                 rootfs,
                 disk_manifest: None,
-                shape: Shape { memory_mib: 1024, vcpus: 1, disk_gib: 1 },
+                shape: Shape { memory_mib: 1024, vcpus: arg("--vcpus", "1").parse().unwrap_or(1), disk_gib: 1 },
                 egress: false,
             },
             ready: ReadyTarget::Port { port: PORT },
