@@ -4,8 +4,8 @@
 //! not the host's, it is in its cgroup with the guest's limits, and its command line carries the `-sandbox`
 //! options. Escape probes, each with a control that proves the probe can see an open succeed: as a sandbox's
 //! uid, another sandbox's RAM file and `/proc/PID/mem` cannot be opened (EACCES), as root they can. A mark of a
-//! sibling (device state written inside the jail) and a child restored from it still work, and dropping the
-//! sandboxes frees their uids and cgroups.
+//! sibling (device state written inside the jail) and a child restored from it still work, another sandbox's
+//! mount is not copied into a QEMU's mount namespace, and dropping the sandboxes frees their uids and cgroups.
 
 mod common;
 
@@ -54,6 +54,14 @@ fn open_as(uid: Option<u32>, path: &Path) -> Result<(), String> {
         Ok(())
     } else {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Unmounts a test mount on drop.
+struct Unmount(std::path::PathBuf);
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
 }
 
@@ -171,6 +179,13 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
     let mark = a.mark(&MarkOptions::default()).unwrap();
     let a_pid = a.pids()[0];
     let a_uid = assert_jailed(a_pid, &run(&a_id), &a_id, shape.memory_mib);
+    // Another sandbox's mount under the RAM dir (as a lazy RAM mount would be): QEMUs started while it exists
+    // must not hold a copy of it in their mount namespaces.
+    let other = shm.join("lazy").join(format!("t{tag}other"));
+    std::fs::create_dir_all(&other).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&other).status().unwrap();
+    assert!(mounted.success());
+    let _unmount = Unmount(other.clone());
     let mut sibs = Vec::new();
     for i in 0..2 {
         let id = hygiene::new_identity(&format!("t{tag}jail{i}"), 1);
@@ -181,6 +196,18 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
         sibs.push((s, id, uid));
     }
     let (b_uid, c_uid) = (sibs[0].2, sibs[1].2);
+    let mounts_of = |pid: Option<u32>| {
+        let mut c = Command::new("nsenter");
+        if let Some(p) = pid {
+            c.arg(format!("--mount=/proc/{p}/ns/mnt"));
+        }
+        let out = c.args(["--", "cat", "/proc/self/mountinfo"]).output().unwrap();
+        assert!(out.status.success(), "nsenter: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let needle = format!(" {} ", other.display());
+    assert!(mounts_of(None).contains(&needle), "control: the host has the mount");
+    assert!(!mounts_of(Some(sibs[0].0.pids()[0])).contains(&needle), "B's QEMU holds no copy of the mount");
     assert!(a_uid != b_uid && b_uid != c_uid && a_uid != c_uid, "one uid per sandbox: {a_uid} {b_uid} {c_uid}");
     for u in [a_uid, b_uid, c_uid] {
         assert!(home.run_dir().join("vm-uids").join((u - UID_BASE).to_string()).exists(), "slot of {u} claimed");
