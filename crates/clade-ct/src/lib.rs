@@ -148,10 +148,12 @@ impl CtBackend {
         if cfg.jail {
             jail::check_host().map_err(|detail| BackendError::Resource { resource: "jail".into(), detail })?;
         } else {
-            eprintln!(
-                "clade-ct: WARNING: {}=1: ct sandboxes run UNJAILED; code in them is host root (docs/security.md)",
-                jail::UNJAILED_ENV
-            );
+            let why = if std::env::var(jail::UNJAILED_ENV).as_deref() == Ok("1") {
+                format!("{}=1", jail::UNJAILED_ENV)
+            } else {
+                "the jail is off in this backend's configuration".to_string()
+            };
+            eprintln!("clade-ct: WARNING: {why}: ct sandboxes run UNJAILED; code in them is host root (docs/security.md)");
         }
         if cfg.ksm {
             ksm_enable();

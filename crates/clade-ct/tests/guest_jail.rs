@@ -5,12 +5,9 @@
 //! required (tier names: `privileged`, `guest`).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use clade_agent::ExecSpec;
 use clade_core::backend::{Identity, MarkOptions, Sandbox};
-use clade_core::CladeHome;
-use clade_ct::{CtBackend, CtConfig};
 use serde_json::Value;
 
 const PROBE: &str = include_str!("probe_escape.py");
@@ -18,42 +15,14 @@ const PROBE: &str = include_str!("probe_escape.py");
 const PIDS_MAX: u64 = 64;
 const FORKS: u64 = 120;
 
-struct Env {
-    backend: CtBackend,
-    image: clade_core::backend::TemplateImage,
-    home: PathBuf,
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.home);
-    }
-}
+mod common;
+use common::Env;
 
 fn env(name: &str, jail: bool) -> Option<Env> {
-    let real = CladeHome::from_env();
-    let mut cfg = match CtConfig::from_home(&real) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("skipping: {e}");
-            return None;
-        }
-    };
-    if !cfg.criu.exists() {
-        eprintln!("skipping: no CRIU at {} (run ./x setup)", cfg.criu.display());
-        return None;
-    }
-    cfg.jail = jail;
-    cfg.pids_max = PIDS_MAX;
-    let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin).expect("test rootfs");
-    let home = real.tmp_dir().join(format!("ct-jail-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    std::fs::create_dir_all(&home).unwrap();
-    let h = CladeHome::at(&home);
-    let store = clade_store::Store::open(&h.store_dir(), Default::default()).expect("store");
-    let backend = CtBackend::new(h, store, cfg).expect("backend");
-    let image = clade_ct::testroot::image("ct-jail", rootfs, 256, false);
-    Some(Env { backend, image, home })
+    common::env_with(&format!("jail-{name}"), 256, false, |cfg| {
+        cfg.jail = jail;
+        cfg.pids_max = PIDS_MAX;
+    })
 }
 
 fn id(name: &str) -> Identity {

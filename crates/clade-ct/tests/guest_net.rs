@@ -7,50 +7,19 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clade_agent::ExecSpec;
-use clade_core::backend::{Identity, MarkOptions, Sandbox, TemplateImage};
-use clade_core::CladeHome;
+use clade_core::backend::{Identity, MarkOptions, Sandbox};
 use clade_ct::net::host_state;
-use clade_ct::{CtBackend, CtConfig, CtSandbox, FailPoint};
+use clade_ct::{CtSandbox, FailPoint};
 
-struct Env {
-    backend: CtBackend,
-    image: TemplateImage,
-    home: PathBuf,
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.home);
-    }
-}
+mod common;
+use common::Env;
 
 fn env(name: &str) -> Option<Env> {
-    let real = CladeHome::from_env();
-    let cfg = match CtConfig::from_home(&real) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("skipping: {e}");
-            return None;
-        }
-    };
-    if !cfg.criu.exists() {
-        eprintln!("skipping: no CRIU at {} (run ./x setup)", cfg.criu.display());
-        return None;
-    }
-    let rootfs = clade_ct::testroot::ensure(&real, &cfg.agent_bin).expect("test rootfs");
-    let home = real.tmp_dir().join(format!("ct-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    std::fs::create_dir_all(&home).unwrap();
-    let h = CladeHome::at(&home);
-    let store = clade_store::Store::open(&h.store_dir(), Default::default()).expect("store");
-    let backend = CtBackend::new(h, store, cfg).expect("backend");
-    let image = clade_ct::testroot::image("ct-test", rootfs, 512, true);
-    Some(Env { backend, image, home })
+    common::env_with(name, 512, true, |_| {})
 }
 
 fn id(name: &str) -> Identity {
