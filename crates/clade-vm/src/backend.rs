@@ -49,6 +49,10 @@ pub mod role {
     pub const DISK: &str = "disk";
 }
 
+/// Where uid slots are claimed, under `$CLADE_HOME/run`. The leading dot keeps it out of what `clade audit`
+/// takes for a sandbox's run dir (sandbox ids never start with one): an audit `--fix` must not remove it.
+pub const UIDS_DIR: &str = ".vm-uids";
+
 /// How long a guest may take to answer its first hello.
 const COLD_TIMEOUT: Duration = Duration::from_secs(120);
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -196,7 +200,7 @@ impl VmBackend {
             return None;
         }
         let i = &self.inner;
-        let mut j = VmJail::new(i.home.run_dir().join("vm-uids"));
+        let mut j = VmJail::new(i.home.run_dir().join(UIDS_DIR));
         j.cgroup = Some(CgroupPlan {
             name: id.to_string(),
             limits: VmLimits::for_guest(shape.memory_mib, shape.vcpus, i.accel),

@@ -2,7 +2,7 @@
 //! itself (docs/vm.md, "The jail").
 //!
 //! - **One uid per sandbox**: `0x7A000000 + slot` (65536 slots, gid = uid), claimed by a lock file created with
-//!   `O_EXCL` in `$CLADE_HOME/run/vm-uids/<slot>` that names its owner (pid and start time) and is removed when
+//!   `O_EXCL` in `$CLADE_HOME/run/.vm-uids/<slot>` that names its owner (pid and start time) and is removed when
 //!   the [`crate::machine::Vm`] is dropped, after its QEMU is dead. A slot whose owner is dead and whose uid no
 //!   process runs as is taken over. A compromised QEMU thus cannot read another sandbox's RAM file (root's,
 //!   0600) nor ptrace another QEMU (another uid).
@@ -50,7 +50,7 @@ const MAX_JAIL_FILE: u64 = 256 << 20;
 /// How a QEMU is jailed (the policy; what one QEMU holds is [`Jailed`]).
 #[derive(Debug, Clone)]
 pub struct VmJail {
-    /// Where uid slots are claimed (`$CLADE_HOME/run/vm-uids`).
+    /// Where uid slots are claimed (`$CLADE_HOME/run/.vm-uids`).
     pub uids_dir: PathBuf,
     /// The QEMU's own cgroup (`None`: it stays in its parent's).
     pub cgroup: Option<CgroupPlan>,

@@ -210,7 +210,10 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
     assert!(!mounts_of(Some(sibs[0].0.pids()[0])).contains(&needle), "B's QEMU holds no copy of the mount");
     assert!(a_uid != b_uid && b_uid != c_uid && a_uid != c_uid, "one uid per sandbox: {a_uid} {b_uid} {c_uid}");
     for u in [a_uid, b_uid, c_uid] {
-        assert!(home.run_dir().join("vm-uids").join((u - UID_BASE).to_string()).exists(), "slot of {u} claimed");
+        assert!(
+            home.run_dir().join(clade_vm::backend::UIDS_DIR).join((u - UID_BASE).to_string()).exists(),
+            "slot of {u} claimed"
+        );
     }
 
     // Escape probes as sibling B's uid against A, each with its control as root.
@@ -262,7 +265,10 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
         assert!(!Path::new(&format!("/proc/{p}")).exists(), "QEMU {p} left running");
     }
     for u in [a_uid, b_uid, c_uid, child_uid] {
-        assert!(!home.run_dir().join("vm-uids").join((u - UID_BASE).to_string()).exists(), "uid {u} freed");
+        assert!(
+            !home.run_dir().join(clade_vm::backend::UIDS_DIR).join((u - UID_BASE).to_string()).exists(),
+            "uid {u} freed"
+        );
         assert!(!clade_vm::jail::uid_in_use(u), "no process runs as {u}");
     }
     for id in ids {
