@@ -10,7 +10,8 @@
 //!   at start, then `-chroot`s into an empty directory of its gid and `-runas`'s the sandbox's uid, under its own
 //!   seccomp filter ([`SANDBOX_OPTS`]).
 //! - Before exec (in the forked child): the QEMU gets its own mount namespace (every mount a slave of the
-//!   host's, the other sandboxes' mounts detached), `no_new_privs`, and a bounding set of only the three
+//!   host's, the other sandboxes' mounts detached), an empty network namespace unless its guest has egress
+//!   (user-mode networking runs inside QEMU), `no_new_privs`, and a bounding set of only the three
 //!   capabilities `-runas` and `-chroot` use ([`KEPT_CAPS`]). Right after exec it is moved into its cgroup
 //!   ([`Jailed::enter_cgroup`]).
 //!
@@ -137,25 +138,28 @@ impl Jailed {
 }
 
 /// Claim a uid, make the chroot, create the cgroup, and set `cmd` up to exec QEMU jailed. `needs` are the host
-/// paths QEMU opens at start (no mount above them is detached).
+/// paths QEMU opens at start (no mount above them is detached). Without `egress` QEMU also gets an empty
+/// network namespace: it cannot reach the host's TCP services (clade's API on loopback) or abstract unix
+/// sockets; its own sockets (QMP, agent, NBD) are paths, which work across network namespaces.
 pub(crate) fn prepare(
     jail: &VmJail,
     run_dir: &Path,
     needs: &[&Path],
-    copy_resolv_conf: bool,
+    egress: bool,
     cmd: &mut std::process::Command,
 ) -> Result<Jailed, String> {
     let slot =
         UidSlot::claim(&jail.uids_dir).map_err(|e| format!("claim a uid in {}: {e}", jail.uids_dir.display()))?;
     let uid = slot.uid();
     let dir = run_dir.join("jail");
-    make_chroot(&dir, uid, copy_resolv_conf).map_err(|e| format!("jail {}: {e}", dir.display()))?;
+    make_chroot(&dir, uid, egress).map_err(|e| format!("jail {}: {e}", dir.display()))?;
     let cgroup = match &jail.cgroup {
         Some(plan) => Some(VmCgroup::create(&plan.name, &plan.limits)?),
         None => None,
     };
     let setup = ChildSetup {
         root: CString::new("/").expect("no NUL"),
+        new_net: !egress,
         detach: mounts_to_detach(&jail.detach_mounts_under, needs).iter().map(|p| cstr(p)).collect(),
         drop_caps: (0..=cap_last_cap()).filter(|c| !KEPT_CAPS.contains(c)).collect(),
     };
@@ -242,6 +246,8 @@ fn cap_last_cap() -> u32 {
 
 /// What the forked child does before exec, all of it computed before the fork.
 struct ChildSetup {
+    /// An empty network namespace (a guest without egress: QEMU needs no network; its sockets are paths).
+    new_net: bool,
     root: CString,
     detach: Vec<CString>,
     drop_caps: Vec<u32>,
@@ -258,7 +264,8 @@ impl ChildSetup {
             // An own mount namespace. Slave, not private: where the host's mounts are shared, the host's
             // unmounts still reach this copy (a private copy would keep them alive while QEMU runs); nothing
             // mounted here reaches the host (QEMU cannot mount anyway).
-            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            let net = if self.new_net { libc::CLONE_NEWNET } else { 0 };
+            if libc::unshare(libc::CLONE_NEWNS | net) != 0 {
                 return Err(err());
             }
             if libc::mount(

@@ -159,6 +159,17 @@ fn guest_vm_net_egress_siblings_and_none() {
         pids.extend(s.pids());
     }
     assert_eq!(pids.len(), 3);
+    // User-mode networking runs inside QEMU: a jailed QEMU of an egress guest stays in the host's network
+    // namespace, with the host's resolv.conf copied into its chroot (libslirp reads it after the chroot).
+    let netns = |p: u32| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+    let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    for p in &pids {
+        assert_eq!(netns(*p), host_ns, "QEMU {p} of an egress guest is in the host's network namespace");
+    }
+    for s in &sibs {
+        let jail = home.run_dir().join(s.id()).join("qemu/jail");
+        assert!(jail.join("etc/resolv.conf").is_file(), "{} holds etc/resolv.conf", jail.display());
+    }
     for s in sibs {
         s.kill().unwrap();
     }
@@ -172,6 +183,7 @@ fn guest_vm_net_egress_siblings_and_none() {
     assert!(!route.contains("default"), "routes: {route}");
     let (code, out, _) = sh(none.as_ref(), &connect("none"));
     assert!(code != 0 && !out.contains("pong"), "a guest without network connected: {code} {out}");
+    assert_ne!(netns(none.pids()[0]), host_ns, "a QEMU without egress has its own network namespace");
     pids.extend(none.pids());
     none.kill().unwrap();
     assert!(!seen.lock().unwrap().iter().any(|l| l == "none"));

@@ -94,6 +94,11 @@ fn assert_jailed(pid: u32, run_dir: &Path, id: &str, memory_mib: u32) -> u32 {
         std::fs::read_link("/proc/self/ns/mnt").unwrap(),
         "QEMU has its own mount namespace"
     );
+    assert_ne!(
+        std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap(),
+        std::fs::read_link("/proc/self/ns/net").unwrap(),
+        "a QEMU without egress has its own (empty) network namespace"
+    );
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
     let after = |flag: &str| args.iter().position(|a| a == flag).map(|i| args[i + 1].clone());
