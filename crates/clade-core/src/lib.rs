@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod backend;
+pub mod cgroup;
 pub mod engine;
 pub mod home;
 pub mod host;

@@ -203,7 +203,7 @@ impl CtBackend {
             memory_bytes: u64::from(shape.memory_mib) << 20,
             pids: if self.cfg.jail { self.cfg.pids_max } else { 0 },
             cpu_ms_per_100ms: if self.cfg.jail { 100 * u64::from(shape.vcpus.max(1)) } else { 0 },
-            devices: self.cfg.jail,
+            devices: self.cfg.jail.then_some(&resources::DEVICE_ALLOW[..]),
         }
     }
 

@@ -31,7 +31,7 @@ use clade_store::{ImageKind, Lease, ManifestId, Store};
 use crate::accel::Accel;
 use crate::agent_link::NoHello;
 use crate::disks::{DiskExport, DiskHost};
-use crate::jail::{CgroupPlan, VmJail, VmLimits};
+use crate::jail::{CgroupPlan, VmJail};
 use crate::machine::{MachineType, NbdDisk, RamBacking, Vm, VmSpec};
 
 /// Roles of a `vm` mark's manifests.
@@ -203,7 +203,7 @@ impl VmBackend {
         let mut j = VmJail::new(i.home.run_dir().join(UIDS_DIR));
         j.cgroup = Some(CgroupPlan {
             name: id.to_string(),
-            limits: VmLimits::for_guest(shape.memory_mib, shape.vcpus, i.accel),
+            limits: crate::jail::limits_for_guest(shape.memory_mib, shape.vcpus, i.accel),
         });
         j.detach_mounts_under = vec![i.home.root().to_path_buf(), i.shm.clone()];
         Some(j)

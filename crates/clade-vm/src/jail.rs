@@ -15,15 +15,14 @@
 //!   capabilities `-runas` and `-chroot` use ([`KEPT_CAPS`]). Right after exec it is moved into its cgroup
 //!   ([`Jailed::enter_cgroup`]).
 //!
-//! [`VmCgroup`] is the vm twin of clade-ct's `resources::Cgroup` (same layout, `clade/<sandbox>` per
-//! controller, so the audit finds leftovers of both): merge them when cgroups move to clade-core.
+//! The cgroup is `clade_core::cgroup::Cgroup`, the one the ct backend uses (`clade/<sandbox>` per controller,
+//! so the audit finds leftovers of both).
 
 use std::ffi::CString;
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 /// The first uid of the range sandbox QEMUs run as (no `/etc/passwd` entry: `-runas UID:GID`).
 pub const UID_BASE: u32 = 0x7A00_0000;
@@ -69,34 +68,27 @@ pub struct CgroupPlan {
     pub limits: VmLimits,
 }
 
-/// What a QEMU's cgroup holds it to (0: no limit).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct VmLimits {
-    pub memory_bytes: u64,
-    /// Processes and threads.
-    pub pids: u64,
-    /// CPU time per 100 ms period, in ms.
-    pub cpu_ms_per_100ms: u64,
-}
+/// A QEMU's cgroup limits (the cgroup type is clade-core's, shared with the ct backend).
+pub type VmLimits = clade_core::cgroup::Limits;
 
-impl VmLimits {
-    /// Limits for a guest of `memory_mib` and `vcpus`: memory twice the guest's RAM plus 256 MiB (QEMU itself,
-    /// a cold guest's shared RAM file charged to it, a clone's private copies), plus the TCG translation cache
-    /// (QEMU 7.2's default bound is 1 GiB, touched as code is translated); 512 tasks (QEMU's threads: vCPUs,
-    /// main loop, RCU, its I/O worker pool); the vCPUs' time plus one CPU for the main loop (NBD, agent, QMP).
-    pub fn for_guest(memory_mib: u32, vcpus: u32, accel: crate::accel::Accel) -> VmLimits {
-        let tb_mib = match accel {
-            crate::accel::Accel::Kvm => 0,
-            crate::accel::Accel::Tcg => match crate::accel::tb_size_mib() {
-                0 => 1024,
-                n => n as u64,
-            },
-        };
-        VmLimits {
-            memory_bytes: (2 * memory_mib as u64 + 256 + tb_mib) << 20,
-            pids: 512,
-            cpu_ms_per_100ms: (vcpus.max(1) as u64 + 1) * 100,
-        }
+/// The limits of a QEMU running a guest of `memory_mib` and `vcpus`: memory twice the guest's RAM plus 256 MiB
+/// (QEMU itself, a cold guest's shared RAM file charged to it, a clone's private copies), plus the TCG
+/// translation cache (QEMU 7.2's default bound is 1 GiB, touched as code is translated); 512 tasks (QEMU's
+/// threads: vCPUs, main loop, RCU, its I/O worker pool); the vCPUs' time plus one CPU for the main loop (NBD,
+/// agent, QMP).
+pub fn limits_for_guest(memory_mib: u32, vcpus: u32, accel: crate::accel::Accel) -> VmLimits {
+    let tb_mib = match accel {
+        crate::accel::Accel::Kvm => 0,
+        crate::accel::Accel::Tcg => match crate::accel::tb_size_mib() {
+            0 => 1024,
+            n => n as u64,
+        },
+    };
+    VmLimits {
+        memory_bytes: (2 * memory_mib as u64 + 256 + tb_mib) << 20,
+        pids: 512,
+        cpu_ms_per_100ms: (vcpus.max(1) as u64 + 1) * 100,
+        devices: None,
     }
 }
 
@@ -113,7 +105,7 @@ impl VmJail {
 pub struct Jailed {
     /// The chroot (`<run_dir>/jail`): root's, group the sandbox's gid, 0770.
     pub dir: PathBuf,
-    pub cgroup: Option<VmCgroup>,
+    pub cgroup: Option<clade_core::cgroup::Cgroup>,
     pub slot: UidSlot,
 }
 
@@ -154,7 +146,7 @@ pub(crate) fn prepare(
     let dir = run_dir.join("jail");
     make_chroot(&dir, uid, egress).map_err(|e| format!("jail {}: {e}", dir.display()))?;
     let cgroup = match &jail.cgroup {
-        Some(plan) => Some(VmCgroup::create(&plan.name, &plan.limits)?),
+        Some(plan) => Some(clade_core::cgroup::Cgroup::create(&plan.name, &plan.limits)?),
         None => None,
     };
     let setup = ChildSetup {
@@ -435,150 +427,6 @@ pub fn uid_in_use(uid: u32) -> bool {
     })
 }
 
-/// cgroup v1: one hierarchy per controller.
-const V1_ROOT: &str = "/sys/fs/cgroup";
-const V1_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
-/// cgroup v2: `clade/` gets the controllers enabled in every ancestor's subtree_control.
-const CGROUP_V2: &str = "/sys/fs/cgroup/clade";
-const V2_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
-
-/// One QEMU's cgroup(s): `clade/<name>` in the memory, pids and cpu hierarchies on v1, once on v2. Removed on
-/// drop (whatever is left in it killed first). The vm twin of clade-ct's `resources::Cgroup`.
-#[derive(Debug)]
-pub struct VmCgroup {
-    pub dirs: Vec<PathBuf>,
-    v2: bool,
-}
-
-fn cg_write(dir: &Path, file: &str, value: &str) -> Result<(), String> {
-    std::fs::write(dir.join(file), value).map_err(|e| format!("set {file} of {}: {e}", dir.display()))
-}
-
-/// cgroup v2: a child gets a controller's files only once every ancestor below the root lists it in
-/// `cgroup.subtree_control`.
-fn enable_v2_controllers(clade_root: &Path) -> Result<(), String> {
-    let top = Path::new("/sys/fs/cgroup");
-    let mut chain = vec![clade_root.to_path_buf()];
-    let mut p = clade_root.parent();
-    while let Some(dir) = p {
-        if dir == top || !dir.starts_with(top) {
-            break;
-        }
-        chain.push(dir.to_path_buf());
-        p = dir.parent();
-    }
-    chain.push(top.to_path_buf());
-    for dir in chain.iter().rev() {
-        let have = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
-        let missing: Vec<String> = V2_CONTROLLERS
-            .iter()
-            .filter(|c| !have.split_whitespace().any(|h| h == **c))
-            .map(|c| format!("+{c}"))
-            .collect();
-        if !missing.is_empty() {
-            cg_write(dir, "cgroup.subtree_control", &missing.join(" "))?;
-        }
-    }
-    Ok(())
-}
-
-impl VmCgroup {
-    pub fn create(name: &str, limits: &VmLimits) -> Result<VmCgroup, String> {
-        let v2 = clade_core::host::cgroup_version() == Some("v2");
-        let mut cg = VmCgroup { dirs: Vec::new(), v2 };
-        let parents: Vec<PathBuf> = if v2 {
-            vec![PathBuf::from(CGROUP_V2)]
-        } else {
-            V1_CONTROLLERS.iter().map(|c| Path::new(V1_ROOT).join(c).join("clade")).collect()
-        };
-        for parent in &parents {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| format!("create {}: {e} (is the cgroup controller mounted?)", parent.display()))?;
-            if v2 {
-                enable_v2_controllers(parent)?;
-            }
-            let dir = parent.join(name);
-            if let Err(e) = std::fs::create_dir(&dir) {
-                // One left empty by a process that died: rmdir works only on an empty cgroup.
-                if e.kind() != std::io::ErrorKind::AlreadyExists
-                    || std::fs::remove_dir(&dir).and_then(|_| std::fs::create_dir(&dir)).is_err()
-                {
-                    return Err(format!("create cgroup {}: {e} (in use by another process?)", dir.display()));
-                }
-            }
-            cg.dirs.push(dir);
-        }
-        cg.apply(limits)?;
-        Ok(cg)
-    }
-
-    fn dir_of(&self, controller: &str) -> Option<&Path> {
-        if self.v2 {
-            return self.dirs.first().map(PathBuf::as_path);
-        }
-        self.dirs
-            .iter()
-            .find(|d| d.parent().and_then(Path::parent).is_some_and(|p| p.ends_with(controller)))
-            .map(PathBuf::as_path)
-    }
-
-    fn apply(&self, l: &VmLimits) -> Result<(), String> {
-        if let (Some(d), true) = (self.dir_of("memory"), l.memory_bytes > 0) {
-            cg_write(d, if self.v2 { "memory.max" } else { "memory.limit_in_bytes" }, &l.memory_bytes.to_string())?;
-        }
-        if let (Some(d), true) = (self.dir_of("pids"), l.pids > 0) {
-            cg_write(d, "pids.max", &l.pids.to_string())?;
-        }
-        if let (Some(d), true) = (self.dir_of("cpu"), l.cpu_ms_per_100ms > 0) {
-            let quota_us = l.cpu_ms_per_100ms * 1000;
-            if self.v2 {
-                cg_write(d, "cpu.max", &format!("{quota_us} 100000"))?;
-            } else {
-                cg_write(d, "cpu.cfs_period_us", "100000")?;
-                cg_write(d, "cpu.cfs_quota_us", &quota_us.to_string())?;
-            }
-        }
-        Ok(())
-    }
-
-    pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
-    }
-
-    /// Host pids of every process in the cgroup.
-    pub fn pids(&self) -> Vec<u32> {
-        self.dirs
-            .first()
-            .and_then(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
-            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
-    }
-
-    /// The value of one of the cgroup's files (`pids.max`, `memory.limit_in_bytes`, ...).
-    pub fn read(&self, controller: &str, file: &str) -> Option<String> {
-        std::fs::read_to_string(self.dir_of(controller)?.join(file)).ok().map(|s| s.trim().to_string())
-    }
-}
-
-impl Drop for VmCgroup {
-    fn drop(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for dir in &self.dirs {
-            loop {
-                for p in self.pids() {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
-                }
-                match std::fs::remove_dir(dir) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
-                    Err(_) if Instant::now() > deadline => break,
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -592,7 +440,7 @@ mod tests {
 
     #[test]
     fn limits_scale_with_the_guest() {
-        let l = VmLimits::for_guest(256, 2, crate::accel::Accel::Kvm);
+        let l = limits_for_guest(256, 2, crate::accel::Accel::Kvm);
         assert_eq!(l.memory_bytes, (512 + 256) << 20);
         assert_eq!(l.pids, 512);
         assert_eq!(l.cpu_ms_per_100ms, 300);

@@ -110,7 +110,7 @@ fn assert_jailed(pid: u32, run_dir: &Path, id: &str, memory_mib: u32) -> u32 {
     let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     let want = format!("/clade/{id}");
     assert!(cg.lines().any(|l| l.ends_with(&want)), "QEMU {pid} is in {want}: {cg}");
-    let limits = clade_vm::jail::VmLimits::for_guest(memory_mib, 1, accel());
+    let limits = clade_vm::jail::limits_for_guest(memory_mib, 1, accel());
     let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
     let mem = if v2 {
         format!("/sys/fs/cgroup/clade/{id}/memory.max")

@@ -26,9 +26,6 @@ fn settle() -> Duration {
     Duration::from_millis(ms)
 }
 
-/// Per-sandbox memory cgroups, cgroup v1 and v2 (see clade-ct's resources).
-const CGROUP_ROOTS: [&str; 2] = ["/sys/fs/cgroup/memory/clade", "/sys/fs/cgroup/clade"];
-
 /// One thing found wrong.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
@@ -205,8 +202,8 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
         let fixed = fix && nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).is_ok();
         out.push(Finding { kind: "leftover-mount", id: id.into(), detail: m.display().to_string(), fixed });
     }
-    for root in CGROUP_ROOTS {
-        let cg = Path::new(root).join(id);
+    // Every hierarchy a sandbox has a cgroup in (memory, pids, cpu, devices on v1), either backend.
+    for cg in clade_core::cgroup::leftover_dirs(id) {
         if cg.is_dir() && settled(&cg) {
             let fixed = fix && remove_cgroup(&cg);
             out.push(Finding { kind: "leftover-cgroup", id: id.into(), detail: cg.display().to_string(), fixed });
