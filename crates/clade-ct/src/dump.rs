@@ -52,6 +52,9 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
         .arg(&spec.log)
         .args(["--external", "mnt[]", "--network-lock", "skip", "--tcp-established", "--file-locks"])
         .args(["--ghost-limit", "64M"])
+        // Restores put the tasks into a cgroup of their own (crate::resources) and tell CRIU to leave cgroups
+        // alone, so the dump need not read the hierarchies' properties either (15-25 ms of the frozen time here).
+        .arg("--manage-cgroups=ignore")
         // Inotify watches (Chromium watches the time zone database) are dumped as file handles, which an
         // overlay without nfs_export cannot open again: CRIU then finds the watched inode by scanning paths.
         .args(IRMAP_SCAN_PATHS.iter().flat_map(|p| ["--irmap-scan-path", p]))
