@@ -191,7 +191,11 @@ impl Cgroup {
                     Ok(()) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
                     Err(e) if Instant::now() > deadline => {
-                        errors.push(format!("remove cgroup {}: {e} (processes left: {:?})", dir.display(), self.pids()));
+                        errors.push(format!(
+                            "remove cgroup {}: {e} (processes left: {:?})",
+                            dir.display(),
+                            self.pids()
+                        ));
                         break;
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(10)),

@@ -160,13 +160,8 @@ pub fn programs() -> Result<Vec<BpfProgram>, String> {
         f.try_into().map_err(|e: seccompiler::BackendError| format!("seccomp: {e}"))
     };
     let clone3: BTreeMap<i64, Vec<SeccompRule>> = [(libc::SYS_clone3, vec![])].into();
-    let first = SeccompFilter::new(
-        clone3,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        arch,
-    )
-    .map_err(|e| format!("seccomp: {e}"))?;
+    let first = SeccompFilter::new(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+        .map_err(|e| format!("seccomp: {e}"))?;
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().map(|&nr| (nr, vec![])).collect();
     let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| format!("seccomp rule: {e}"));
     rules.insert(libc::SYS_clone, vec![rule(vec![cond(0, SeccompCmpOp::MaskedEq(CLONE_NS_FLAGS), 0)?])?]);

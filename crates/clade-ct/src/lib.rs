@@ -153,7 +153,9 @@ impl CtBackend {
             } else {
                 "the jail is off in this backend's configuration".to_string()
             };
-            eprintln!("clade-ct: WARNING: {why}: ct sandboxes run UNJAILED; code in them is host root (docs/security.md)");
+            eprintln!(
+                "clade-ct: WARNING: {why}: ct sandboxes run UNJAILED; code in them is host root (docs/security.md)"
+            );
         }
         if cfg.ksm {
             ksm_enable();

@@ -137,8 +137,8 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     // The CPU quota is set once the restore is done (Cgroup::set_cpu).
     let limits = b.limits(&mark.shape);
     let cpu_ms = limits.cpu_ms_per_100ms;
-    let cg = Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits })
-        .map_err(failed)?;
+    let cg =
+        Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits }).map_err(failed)?;
     let procs = cg.procs_files();
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
@@ -310,7 +310,8 @@ impl CtPrepared {
 /// Sets the hostname of a sandbox whose init is `pid` from a short-lived thread that joins its UTS namespace
 /// (a thread's namespaces are its own; the supervisor's other threads keep the host's).
 pub(crate) fn set_hostname(pid: u32, name: &str) -> Result<(), String> {
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/uts")).map_err(|e| format!("open uts namespace of {pid}: {e}"))?;
+    let ns =
+        std::fs::File::open(format!("/proc/{pid}/ns/uts")).map_err(|e| format!("open uts namespace of {pid}: {e}"))?;
     let name = name.to_string();
     std::thread::spawn(move || {
         nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWUTS).map_err(|e| format!("join uts namespace: {e}"))?;

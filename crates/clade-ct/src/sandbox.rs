@@ -134,8 +134,7 @@ fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, Back
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let md = std::fs::metadata(bin).map_err(|e| failed(format!("the agent {}: {e}", bin.display())))?;
     // v2: the layer also holds the jail's empty file and directory (crate::spawn::EMPTY_FILE, EMPTY_DIR).
-    let dir =
-        home.cache_dir().join("ct-agent").join(format!("{}-{}-{}-v2", md.len(), md.mtime(), md.mtime_nsec()));
+    let dir = home.cache_dir().join("ct-agent").join(format!("{}-{}-{}-v2", md.len(), md.mtime(), md.mtime_nsec()));
     if dir.exists() {
         return Ok(dir);
     }
@@ -315,7 +314,9 @@ impl CtSandbox {
                 // The agent that was dumped does not answer again (a sandbox that moved or replaced its socket,
                 // or an agent that died): what was dumped is not a sandbox anyone could use. No mark.
                 let _ = std::fs::remove_dir_all(&stage);
-                return Err(failed(format!("the sandbox's agent did not answer after the dump, so no mark was taken: {e}")));
+                return Err(failed(format!(
+                    "the sandbox's agent did not answer after the dump, so no mark was taken: {e}"
+                )));
             }
         }
         let times = dumped.map_err(|e| {

@@ -57,9 +57,9 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
     let argv: Vec<CString> =
         [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET), "--shared-kernel"]
-        .iter()
-        .map(|s| CString::new(*s).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
+            .iter()
+            .map(|s| CString::new(*s).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
     let env: Vec<CString> =
         ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TERM=linux"]
             .iter()

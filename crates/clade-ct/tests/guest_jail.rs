@@ -149,7 +149,10 @@ fn assert_jailed(what: &str, r: &BTreeMap<String, Value>) {
     }
     // The probe's own control: it can ptrace what it can see.
     if int(r, "ptrace_own_child") != 0 {
-        escapes.push(format!("ptrace of its own child failed ({}): the ptrace probe proves nothing", int(r, "ptrace_own_child")));
+        escapes.push(format!(
+            "ptrace of its own child failed ({}): the ptrace probe proves nothing",
+            int(r, "ptrace_own_child")
+        ));
     }
     assert!(escapes.is_empty(), "{what}: the jail let these through:\n  {}\nprobe: {r:?}", escapes.join("\n  "));
 }
@@ -223,7 +226,8 @@ fn privileged_guest_jail_control_unjailed_sandbox_lets_each_probe_through() {
     let mut sb = sb;
     let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark unjailed");
     let jailed = env("on-refuses", true).expect("jailed env");
-    let err = jailed.backend.restore_ct(&mark, &id("refused")).expect_err("an unjailed mark must be refused").to_string();
+    let err =
+        jailed.backend.restore_ct(&mark, &id("refused")).expect_err("an unjailed mark must be refused").to_string();
     assert!(err.contains("jail"), "{err}");
     Box::new(sb).kill().expect("kill");
 }

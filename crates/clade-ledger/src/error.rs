@@ -71,8 +71,10 @@ pub enum LedgerError {
     },
 
     /// The ledger file (or its -wal/-shm) could not be made 0600.
-    #[error("cannot make the ledger file {path} private (mode 0600): {source}; it holds every sandbox's record: \
-             check its owner, or run clade as the user that owns it")]
+    #[error(
+        "cannot make the ledger file {path} private (mode 0600): {source}; it holds every sandbox's record: \
+             check its owner, or run clade as the user that owns it"
+    )]
     Private {
         path: PathBuf,
         #[source]

@@ -13,8 +13,8 @@ mod gc;
 mod ops;
 mod remote;
 mod roam;
-mod serve;
 mod security;
+mod serve;
 mod siblings;
 mod supervisor;
 

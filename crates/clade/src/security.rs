@@ -107,11 +107,20 @@ pub fn render(b: &Value) -> String {
             "{} ({}): {}\n",
             r["id"].as_str().unwrap_or("?"),
             r["backend"].as_str().unwrap_or("?"),
-            if devs.is_empty() { "conforms to the jail policy".to_string() } else { format!("{} deviation(s)", devs.len()) }
+            if devs.is_empty() {
+                "conforms to the jail policy".to_string()
+            } else {
+                format!("{} deviation(s)", devs.len())
+            }
         ));
         if r["backend"] == "ct" {
             for (k, v) in r["status"].as_object().into_iter().flatten() {
-                s.push_str(&format!("  {k:<10} {}\n", v.as_array().map(|a| a.iter().map(|x| x.as_str().unwrap_or("")).collect::<Vec<_>>().join(", ")).unwrap_or_default()));
+                s.push_str(&format!(
+                    "  {k:<10} {}\n",
+                    v.as_array()
+                        .map(|a| a.iter().map(|x| x.as_str().unwrap_or("")).collect::<Vec<_>>().join(", "))
+                        .unwrap_or_default()
+                ));
             }
             s.push_str(&format!("  uid_map    {}\n", r["uid_map"].as_str().unwrap_or("")));
             s.push_str(&format!("  cgroup ns  {}\n", if r["own_cgroup_namespace"] == true { "own" } else { "HOST'S" }));
@@ -122,7 +131,16 @@ pub fn render(b: &Value) -> String {
                 s.push_str(&format!("  limit      {k} = {}\n", v.as_str().unwrap_or("")));
             }
         } else if r["backend"] == "vm" {
-            for k in ["qemu_pid", "uid", "cap_eff", "seccomp", "no_new_privs", "sandbox_flags", "root", "own_mount_namespace"] {
+            for k in [
+                "qemu_pid",
+                "uid",
+                "cap_eff",
+                "seccomp",
+                "no_new_privs",
+                "sandbox_flags",
+                "root",
+                "own_mount_namespace",
+            ] {
                 s.push_str(&format!("  {k:<20} {}\n", r[k]));
             }
         }

@@ -79,7 +79,8 @@ struct Opts {
     shared_kernel: bool,
 }
 
-const USAGE: &str = "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts] [--shared-kernel]
+const USAGE: &str =
+    "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts] [--shared-kernel]
        clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]
        clade-agent version";
 
