@@ -265,7 +265,11 @@ pub fn host_support() -> Vec<Support> {
 
 /// Refuse to run without the jail: names every missing part, how to get it, and the way around it.
 pub fn check_host() -> Result<(), String> {
-    let missing: Vec<String> = host_support()
+    refusal(host_support())
+}
+
+fn refusal(support: Vec<Support>) -> Result<(), String> {
+    let missing: Vec<String> = support
         .into_iter()
         .filter_map(|(name, r)| r.err().map(|(what, fix)| format!("{name}: {what} (fix: {fix})")))
         .collect();
@@ -322,6 +326,18 @@ mod tests {
         ] {
             assert!(!ALLOWED.contains(&nr), "syscall {nr} must not be on the allow-list");
         }
+    }
+
+    #[test]
+    fn a_host_that_cannot_jail_is_refused_naming_what_and_how() {
+        let support: Vec<Support> = vec![
+            ("seccomp", Ok("seccomp filters".into())),
+            ("cgroup-controllers", Err(("cgroup controllers missing: pids".into(), "mount them".into()))),
+        ];
+        let e = refusal(support).unwrap_err();
+        assert!(e.contains("cgroup controllers missing: pids") && e.contains("fix: mount them"), "{e}");
+        assert!(e.contains(UNJAILED_ENV) && e.contains("NOT a security boundary"), "{e}");
+        assert!(!e.contains("seccomp"), "only what is missing is named: {e}");
     }
 
     #[test]
