@@ -136,8 +136,31 @@ pub const ALLOWED: &[i64] = &[
     libc::SYS_tkill, libc::SYS_truncate, libc::SYS_umask, libc::SYS_uname, libc::SYS_unlink, libc::SYS_unlinkat,
     libc::SYS_utime, libc::SYS_utimensat, libc::SYS_utimes, libc::SYS_vfork, libc::SYS_vmsplice,
     libc::SYS_wait4, libc::SYS_waitid, libc::SYS_write, libc::SYS_writev,
-    // clone3 is allowed here and answered ENOSYS by the first filter (see `programs`).
+    // clone3 and the rest of NOT_IMPLEMENTED are allowed by the allow-list and answered ENOSYS by the first
+    // filter (see `programs`).
+    // Newer than Debian 12's glibc, used by newer ones (fchmodat2 by glibc 2.39's fchmodat): as harmless as
+    // their older forms. Numbers, since libc does not name them all.
+    451, // cachestat
+    libc::SYS_fchmodat2,
+    453, // map_shadow_stack
+    454, 455, 456, // futex_wake, futex_wait, futex_requeue
+    libc::SYS_mseal,
+    463, 464, 465, 466, // setxattrat, getxattrat, listxattrat, removexattrat
+];
+
+/// System calls answered ENOSYS instead of EPERM: `clone3` (see [`programs`]), and ones newer than this list
+/// that the policy leaves out, so that a C library that tries one falls back to an older call instead of
+/// failing (runc returns ENOSYS for syscalls newer than its profile for the same reason).
+pub const NOT_IMPLEMENTED: &[i64] = &[
     libc::SYS_clone3,
+    457,
+    458, // statmount, listmount
+    459,
+    460,
+    461, // lsm_get_self_attr, lsm_set_self_attr, lsm_list_modules
+    467,
+    468,
+    469, // open_tree_attr, file_getattr, file_setattr
 ];
 
 /// `personality` values Docker allows (Linux default, and the 32-bit / ADDR_NO_RANDOMIZE variants; a query).
@@ -151,18 +174,21 @@ fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, Strin
     SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value).map_err(|e| format!("seccomp condition: {e}"))
 }
 
-/// The two filters every sandbox process carries, in install order: first `clone3` -> ENOSYS (everything else
-/// allowed), then the allow-list (everything else EPERM). The kernel runs both and takes the stricter answer.
+/// The two filters every sandbox process carries, in install order: first [`NOT_IMPLEMENTED`] -> ENOSYS
+/// (everything else allowed), then the allow-list (everything else EPERM). The kernel runs both and takes the stricter answer.
 /// Built before the fork: the child only installs them.
 pub fn programs() -> Result<Vec<BpfProgram>, String> {
     let arch = target()?;
     let to_prog = |f: SeccompFilter| -> Result<BpfProgram, String> {
         f.try_into().map_err(|e: seccompiler::BackendError| format!("seccomp: {e}"))
     };
-    let clone3: BTreeMap<i64, Vec<SeccompRule>> = [(libc::SYS_clone3, vec![])].into();
-    let first = SeccompFilter::new(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+    let enosys: BTreeMap<i64, Vec<SeccompRule>> = NOT_IMPLEMENTED.iter().map(|&nr| (nr, vec![])).collect();
+    let first = SeccompFilter::new(enosys, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
         .map_err(|e| format!("seccomp: {e}"))?;
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().map(|&nr| (nr, vec![])).collect();
+    // The kernel runs every filter and keeps the strictest action, and among equal ones the data of the filter
+    // installed last: so what the first answers ENOSYS, the allow-list must allow, or its EPERM would win.
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        ALLOWED.iter().chain(NOT_IMPLEMENTED).map(|&nr| (nr, vec![])).collect();
     let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| format!("seccomp rule: {e}"));
     rules.insert(libc::SYS_clone, vec![rule(vec![cond(0, SeccompCmpOp::MaskedEq(CLONE_NS_FLAGS), 0)?])?]);
     let personality =
@@ -344,6 +370,17 @@ mod tests {
     fn this_host_can_jail() {
         // The project's own machines can (./x setup needs nothing more); a failure names what is missing.
         check_host().expect("jail support");
+    }
+
+    #[test]
+    fn newer_calls_are_allowed_or_not_implemented_never_eperm_by_default() {
+        // A newer glibc's fchmodat uses fchmodat2: EPERM there would fail chmod instead of falling back.
+        assert!(ALLOWED.contains(&libc::SYS_fchmodat2));
+        for nr in NOT_IMPLEMENTED {
+            assert!(!ALLOWED.contains(nr), "{nr} is on both lists");
+        }
+        // open_tree_attr belongs to the mount API: refused either way, never allowed.
+        assert!(!ALLOWED.contains(&467));
     }
 
     #[test]

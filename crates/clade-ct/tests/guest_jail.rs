@@ -147,6 +147,14 @@ fn assert_jailed(what: &str, r: &BTreeMap<String, Value>) {
     if int(r, "forked") >= PIDS_MAX as i64 {
         escapes.push(format!("forked {} children past pids.max {PIDS_MAX}", int(r, "forked")));
     }
+    // Compatibility: a newer C library's calls work or fall back (ENOSYS), they are not refused (EPERM).
+    if int(r, "fchmodat2") != 0 || int(r, "statmount") != libc::ENOSYS as i64 {
+        escapes.push(format!(
+            "fchmodat2 {} (want 0), statmount {} (want ENOSYS)",
+            int(r, "fchmodat2"),
+            int(r, "statmount")
+        ));
+    }
     // The probe's own control: it can ptrace what it can see.
     if int(r, "ptrace_own_child") != 0 {
         escapes.push(format!(
