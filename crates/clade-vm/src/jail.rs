@@ -117,9 +117,9 @@ impl Jailed {
     /// Move the just exec'd QEMU `pid` (all its threads) into its cgroup. Done from the parent while QEMU
     /// initializes rather than in the child before exec: on cgroup v1 a move waits for an RCU grace period
     /// (~3 ms per controller here), which in the child added ~10 ms to every start; from here it overlaps
-    /// QEMU's own start-up. A restore's guest runs only after QMP's `cont`, and a cold guest's first
-    /// instructions are firmware: what QEMU allocated before the move (its first milliseconds) stays charged
-    /// to the parent's cgroup.
+    /// QEMU's own start-up. Every jailed guest runs only after QMP's `cont` (a boot starts with `-S`,
+    /// crate::machine): what QEMU allocated before the move (its first milliseconds) stays charged to the
+    /// parent's cgroup.
     pub fn enter_cgroup(&self, pid: u32) -> Result<(), String> {
         for procs in self.cgroup.iter().flat_map(|c| c.procs_files()) {
             std::fs::write(&procs, pid.to_string())

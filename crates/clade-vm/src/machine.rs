@@ -183,6 +183,13 @@ impl Vm {
         let stderr = std::fs::File::create(&stderr_path).map_err(dir_err)?;
         let mut cmd = Command::new(qemu);
         cmd.args(spec.args(run_dir)).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+        // Jailed, a booting guest waits (`-S`) for QMP's `cont`: QEMU 7.2 starts the vCPUs before it chroots and
+        // drops to the sandbox's uid, and answers QMP only from its main loop, after both. So no guest
+        // instruction runs while QEMU is still uid 0. (A restore waits on `-incoming defer` anyway.)
+        let hold = jail.is_some() && !spec.incoming;
+        if hold {
+            cmd.arg("-S");
+        }
         let jailed = match jail {
             Some(j) => {
                 let mut needs: Vec<&Path> = vec![&spec.ram.path, &spec.kernel, run_dir];
@@ -203,7 +210,13 @@ impl Vm {
                 return Err(VmError::Jail(e));
             }
         }
-        match Qmp::connect(&run_dir.join("qmp.sock"), Duration::from_secs(10)) {
+        let connected = Qmp::connect(&run_dir.join("qmp.sock"), Duration::from_secs(10)).and_then(|mut qmp| {
+            if hold {
+                qmp.execute("cont", serde_json::json!({}))?;
+            }
+            Ok(qmp)
+        });
+        match connected {
             Ok(qmp) => Ok(Vm { child, qmp, run_dir: run_dir.to_path_buf(), spec, keep_run_dir: false, jailed }),
             Err(source) => {
                 let mut child = child;
