@@ -37,6 +37,16 @@ fn guest_cli_fork_exec_mark_retake_suspend_resume_kill() {
     let (code, _, _) = clade(h, &["exec", &ids[0], "--", "sh", "-c", "exit 7"]);
     assert_eq!(code, 7, "exec passes the exit status through");
 
+    // The security audit reads each sandbox's QEMU from the host: its own uid, no capabilities, seccomp, the
+    // -sandbox flags, a chroot and a mount namespace of its own (docs/security.md).
+    let sec: serde_json::Value = serde_json::from_str(&ok(h, &["audit", "--security", "--json"])).unwrap();
+    assert_eq!(sec["ok"], true, "{sec}");
+    let rows = sec["sandboxes"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{sec}");
+    let uids: std::collections::BTreeSet<&str> = rows.iter().map(|r| r["uid"].as_str().unwrap()).collect();
+    assert_eq!(uids.len(), 3, "one uid per QEMU: {sec}");
+    assert!(rows.iter().all(|r| r["seccomp"] == "2" && r["own_mount_namespace"] == true), "{sec}");
+
     // mark, change, retake: the change is gone.
     ok(h, &["exec", &ids[0], "--", "sh", "-c", "echo x > /root/f"]);
     let m: serde_json::Value = serde_json::from_str(&ok(h, &["mark", &ids[0], "--label", "first", "--json"])).unwrap();
