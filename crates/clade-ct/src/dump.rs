@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Where CRIU looks for the inodes of inotify/fanotify watches (DESIGN.md, measured with Chromium here).
+/// Where CRIU looks for the inodes of inotify/fanotify watches (measured with Chromium here: docs/ct.md, the browser workload).
 pub const IRMAP_SCAN_PATHS: [&str; 1] = ["/usr/share/zoneinfo"];
 
 /// One dump's inputs.

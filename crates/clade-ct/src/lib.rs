@@ -76,8 +76,8 @@ impl CtConfig {
             // Measured here (docs/ct.md): 41 MiB of pages restore faster eagerly (141 vs 160 ms), 137 MiB
             // slightly faster lazily (202 vs 215 ms) to a bare ready, but the browser's 160 MiB to ready
             // *with hygiene* (which touches much of that memory, each first touch a fault the lazy-pages daemon
-            // serves) is faster eagerly, 574 vs 615 ms (6 interleaved pairs, 5 won by eager); DESIGN.md's
-            // 1 GiB: lazy 0.14-0.24 s vs eager 0.64 s. So lazy from 512 MiB.
+            // serves) is faster eagerly, 574 vs 615 ms (6 interleaved pairs, 5 won by eager); a 1 GiB
+            // Python heap measured before the backend existed: lazy 0.14-0.24 s vs eager 0.64 s. So lazy from 512 MiB.
             lazy_min_bytes: Some(512 << 20),
             jail: std::env::var(jail::UNJAILED_ENV).map(|v| v != "1").unwrap_or(true),
             pids_max: DEFAULT_PIDS_MAX,

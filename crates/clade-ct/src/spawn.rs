@@ -3,7 +3,7 @@
 //! tmpfs), proc, /dev with the host's null, zero, full, random, urandom and tty bound in, /dev/shm and /run,
 //! sets the hostname, `pivot_root`s, detaches the old root, reopens stdio inside the new root, closes every
 //! inherited fd and **execs** the agent with a clean environment. Each step is there because CRIU needs it
-//! (DESIGN.md): without the exec it cannot look up the mount of the old binary; without `setsid` the session
+//! (each found with CRIU 4.2 on this project's hosts): without the exec it cannot look up the mount of the old binary; without `setsid` the session
 //! leader is outside the PID namespace; with stdio pointing outside it cannot look up fd 1's mount.
 //!
 //! /dev, /dev/shm and /run are not tmpfs mounts but directories of the overlay's upper (itself on the
