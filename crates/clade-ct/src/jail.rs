@@ -69,8 +69,11 @@ pub const READ_ONLY: [&str; 5] = ["/proc/sys", "/proc/sysrq-trigger", "/proc/irq
 /// Namespace flags `clone` may not carry (CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET).
 const CLONE_NS_FLAGS: u64 = 0x7E02_0000;
 
-/// The system calls a sandbox may make (x86_64 names). Docker's default profile allows these without extra
-/// capabilities; the ones it allows only with capabilities the sandbox does not have are left out.
+/// The system calls a sandbox may make (x86_64 names): Docker's default profile's unconditional list (moby's
+/// `profiles/seccomp/default.json`, compared 2026-12-04) less adjtimex and clock_adjtime (the sandbox's clock is
+/// the host's), io_uring (which CRIU cannot dump), memfd_secret (likewise) and modify_ldt; the calls Docker
+/// allows only with a capability the sandbox lacks are left out. `socket`, `clone` and `personality` are allowed
+/// with argument checks in [`programs`].
 #[rustfmt::skip]
 pub const ALLOWED: &[i64] = &[
     libc::SYS_accept, libc::SYS_accept4, libc::SYS_access, libc::SYS_alarm, libc::SYS_arch_prctl,
@@ -104,7 +107,7 @@ pub const ALLOWED: &[i64] = &[
     libc::SYS_mlockall, libc::SYS_mmap, libc::SYS_mprotect, libc::SYS_mq_getsetattr, libc::SYS_mq_notify,
     libc::SYS_mq_open, libc::SYS_mq_timedreceive, libc::SYS_mq_timedsend, libc::SYS_mq_unlink,
     libc::SYS_mremap, libc::SYS_msgctl, libc::SYS_msgget, libc::SYS_msgrcv, libc::SYS_msgsnd, libc::SYS_msync,
-    libc::SYS_munlock, libc::SYS_munlockall, libc::SYS_munmap, libc::SYS_nanosleep, libc::SYS_newfstatat,
+    libc::SYS_munlock, libc::SYS_munlockall, libc::SYS_munmap, libc::SYS_name_to_handle_at, libc::SYS_nanosleep, libc::SYS_newfstatat,
     libc::SYS_open, libc::SYS_openat, libc::SYS_openat2, libc::SYS_pause, libc::SYS_pidfd_open,
     libc::SYS_pidfd_send_signal, libc::SYS_pipe, libc::SYS_pipe2, libc::SYS_pkey_alloc, libc::SYS_pkey_free,
     libc::SYS_pkey_mprotect, libc::SYS_poll, libc::SYS_ppoll, libc::SYS_prctl, libc::SYS_pread64,
@@ -122,12 +125,12 @@ pub const ALLOWED: &[i64] = &[
     libc::SYS_sched_setparam, libc::SYS_sched_setscheduler, libc::SYS_sched_yield, libc::SYS_seccomp,
     libc::SYS_select, libc::SYS_semctl, libc::SYS_semget, libc::SYS_semop, libc::SYS_semtimedop,
     libc::SYS_sendfile, libc::SYS_sendmmsg, libc::SYS_sendmsg, libc::SYS_sendto, libc::SYS_set_robust_list,
-    libc::SYS_set_thread_area, libc::SYS_set_tid_address, libc::SYS_setdomainname, libc::SYS_setfsgid,
-    libc::SYS_setfsuid, libc::SYS_setgid, libc::SYS_setgroups, libc::SYS_sethostname, libc::SYS_setitimer,
+    libc::SYS_set_thread_area, libc::SYS_set_tid_address, libc::SYS_setfsgid,
+    libc::SYS_setfsuid, libc::SYS_setgid, libc::SYS_setgroups, libc::SYS_setitimer,
     libc::SYS_setpgid, libc::SYS_setpriority, libc::SYS_setregid, libc::SYS_setresgid, libc::SYS_setresuid,
     libc::SYS_setreuid, libc::SYS_setrlimit, libc::SYS_setsid, libc::SYS_setsockopt, libc::SYS_setuid,
     libc::SYS_setxattr, libc::SYS_shmat, libc::SYS_shmctl, libc::SYS_shmdt, libc::SYS_shmget,
-    libc::SYS_shutdown, libc::SYS_sigaltstack, libc::SYS_signalfd, libc::SYS_signalfd4, libc::SYS_socket,
+    libc::SYS_shutdown, libc::SYS_sigaltstack, libc::SYS_signalfd, libc::SYS_signalfd4, 
     libc::SYS_socketpair, libc::SYS_splice, libc::SYS_stat, libc::SYS_statfs, libc::SYS_statx,
     libc::SYS_symlink, libc::SYS_symlinkat, libc::SYS_sync, libc::SYS_sync_file_range, libc::SYS_syncfs,
     libc::SYS_sysinfo, libc::SYS_tee, libc::SYS_tgkill, libc::SYS_time, libc::SYS_timer_create,
@@ -194,6 +197,8 @@ pub fn programs() -> Result<Vec<BpfProgram>, String> {
     let personality =
         PERSONALITIES.iter().map(|&p| rule(vec![cond(0, SeccompCmpOp::Eq, p)?])).collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_personality, personality);
+    // Every address family but AF_VSOCK (the host's vsock services), as Docker's profile.
+    rules.insert(libc::SYS_socket, vec![rule(vec![cond(0, SeccompCmpOp::Ne, libc::AF_VSOCK as u64)?])?]);
     let second = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, arch)
         .map_err(|e| format!("seccomp: {e}"))?;
     Ok(vec![to_prog(first)?, to_prog(second)?])
@@ -349,6 +354,10 @@ mod tests {
             libc::SYS_fsopen,
             libc::SYS_move_mount,
             libc::SYS_open_tree,
+            libc::SYS_sethostname,
+            libc::SYS_setdomainname,
+            libc::SYS_memfd_secret,
+            libc::SYS_modify_ldt,
         ] {
             assert!(!ALLOWED.contains(&nr), "syscall {nr} must not be on the allow-list");
         }

@@ -59,8 +59,20 @@ fn moot_here(probe: &str) -> Option<&'static str> {
         "init_module" | "finit_module" if modules_off => Some("no loadable modules in this kernel"),
         // The v1 release_agent escape needs the v1 hierarchies; on a cgroup v2 host the kernel refuses it.
         "release_agent" if clade_core::host::cgroup_version() != Some("v1") => Some("a cgroup v2 host"),
+        "vsock" if !host_has_vsock() => Some("no AF_VSOCK in this kernel"),
         _ => None,
     }
+}
+
+/// Whether this host's kernel makes AF_VSOCK sockets at all.
+fn host_has_vsock() -> bool {
+    // SAFETY: socket(2) with integer arguments; the descriptor, if any, is closed at once.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) };
+    if fd >= 0 {
+        // SAFETY: `fd` is ours and open.
+        unsafe { libc::close(fd) };
+    }
+    fd >= 0
 }
 
 /// Masked or read-only paths this kernel has at all (a probe of a missing one answers ENOENT everywhere).
@@ -108,6 +120,7 @@ fn refusals() -> Vec<(&'static str, Vec<i64>)> {
         ("io_uring_setup", vec![EPERM]),
         ("userfaultfd", vec![EPERM]),
         ("unshare", vec![EPERM]),
+        ("vsock", vec![EPERM]),
         ("ptrace_other_sandbox", vec![ESRCH]),
     ]
 }

@@ -114,6 +114,12 @@ if pid == 0:
     os._exit(0 if libc.unshare(0x10000000 | 0x20000) == 0 else ctypes.get_errno())
 out["unshare"] = os.waitpid(pid, 0)[1] >> 8
 
+# AF_VSOCK: the host's vsock services (a VM host's agents)
+r = libc.socket(40, 1, 0)
+out["vsock"] = err_of(r)
+if r >= 0:
+    os.close(r)
+
 # ptrace: another sandbox's process is out of sight; our own child is not (the probe's control)
 out["ptrace_other_sandbox"] = sc(101, 16, int(sys.argv[3]), 0, 0)
 child = os.fork()
