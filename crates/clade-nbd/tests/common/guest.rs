@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const KDIR: &str = "/var/lib/clade/kernel/current";
-/// Load order for q35 + virtio-blk-pci (DESIGN.md, VM addendum).
+/// Load order for q35 + virtio-blk-pci (docs/vm.md: q35's module order).
 const MODULES: &[&str] = &[
     "drivers/virtio/virtio_ring.ko",
     "drivers/virtio/virtio.ko",
