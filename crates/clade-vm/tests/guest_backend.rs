@@ -10,8 +10,6 @@ use std::time::{Duration, Instant};
 use clade_agent::proto::ExecSpec;
 use clade_core::backend::{Backend, MarkOptions, Shape, TemplateImage};
 use clade_core::hygiene;
-use clade_store::{ImageKind, Store, StoreConfig};
-use common::*;
 
 fn sh(sbx: &dyn clade_core::backend::Sandbox, script: &str) -> String {
     let out = sbx
@@ -24,22 +22,10 @@ fn sh(sbx: &dyn clade_core::backend::Sandbox, script: &str) -> String {
 
 #[test]
 fn guest_vm_backend_cold_mark_fork_and_mark_a_clone() {
-    let Some(agent) = agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+    let Some(common::VmEnv { work, store: _, home, shm: _, backend, disk }) = common::vm_env("clade-vmbackend") else {
         return;
     };
-    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return;
-    }
-    let work = tempfile::Builder::new().prefix("clade-vmbackend").tempdir_in("/dev/shm").unwrap();
     let w = work.path();
-    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
-    let img = w.join("root.img");
-    busybox_root_image(w, &agent, &img, 64);
-    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-    let home = clade_core::CladeHome::at(home());
-    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
     let image = TemplateImage {
         name: "busybox-test".into(),
         hash: "test".into(),

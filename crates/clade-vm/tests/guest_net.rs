@@ -14,8 +14,6 @@ use std::time::{Duration, Instant};
 use clade_agent::proto::ExecSpec;
 use clade_core::backend::{Backend, MarkOptions, Sandbox, Shape, TemplateImage};
 use clade_core::hygiene;
-use clade_store::{ImageKind, Store, StoreConfig};
-use common::*;
 
 /// Exit code, stdout and stderr of a shell line in the guest.
 fn sh(sbx: &dyn Sandbox, script: &str) -> (i32, String, String) {
@@ -64,22 +62,10 @@ fn alive(pid: u32) -> bool {
 
 #[test]
 fn guest_vm_net_egress_siblings_and_none() {
-    let Some(agent) = agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+    let Some(common::VmEnv { work, store: _, home, shm: _, backend, disk }) = common::vm_env("clade-vmnet") else {
         return;
     };
-    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return;
-    }
-    let work = tempfile::Builder::new().prefix("clade-vmnet").tempdir_in("/dev/shm").unwrap();
     let w = work.path();
-    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
-    let img = w.join("root.img");
-    busybox_root_image(w, &agent, &img, 64);
-    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-    let home = clade_core::CladeHome::at(home());
-    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
     let image = |egress| TemplateImage {
         name: "busybox-net".into(),
         hash: "test".into(),

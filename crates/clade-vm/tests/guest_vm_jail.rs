@@ -16,7 +16,6 @@ use std::time::Duration;
 use clade_agent::proto::ExecSpec;
 use clade_core::backend::{Backend, MarkOptions, Sandbox, Shape, TemplateImage};
 use clade_core::hygiene;
-use clade_store::{ImageKind, Store, StoreConfig};
 use clade_vm::jail::{SANDBOX_OPTS, UID_BASE, UID_SLOTS};
 use common::*;
 
@@ -129,23 +128,10 @@ fn assert_jailed(pid: u32, run_dir: &Path, id: &str, memory_mib: u32) -> u32 {
 
 #[test]
 fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
-    let Some(agent) = agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+    let Some(common::VmEnv { work, store: _, home, shm, backend, disk }) = common::vm_env("clade-vmjail") else {
         return;
     };
-    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return;
-    }
-    let work = tempfile::Builder::new().prefix("clade-vmjail").tempdir_in("/dev/shm").unwrap();
     let w = work.path();
-    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
-    let img = w.join("root.img");
-    busybox_root_image(w, &agent, &img, 64);
-    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-    let home = clade_core::CladeHome::at(home());
-    let shm = w.join("shm");
-    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(shm.clone())).unwrap();
     // Directories any uid may pass through, so that the probes below meet the RAM files' own modes (clade's
     // real RAM directories are 0700 on top of that).
     use std::os::unix::fs::PermissionsExt;
@@ -291,22 +277,11 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
 #[test]
 #[ignore]
 fn guest_vm_jail_cost_cold_and_restore() {
-    let Some(agent) = agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+    let Some(common::VmEnv { work, store: _, home: _, shm: _, backend, disk }) = common::vm_env("clade-vmjailcost")
+    else {
         return;
     };
-    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return;
-    }
-    let work = tempfile::Builder::new().prefix("clade-vmjailcost").tempdir_in("/dev/shm").unwrap();
     let w = work.path();
-    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
-    let img = w.join("root.img");
-    busybox_root_image(w, &agent, &img, 64);
-    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-    let home = clade_core::CladeHome::at(home());
-    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
     let image = TemplateImage {
         name: "busybox-test".into(),
         hash: "test".into(),

@@ -34,3 +34,37 @@ impl Drop for Child {
         let _ = self.0.wait();
     }
 }
+
+/// What the backend tests start from: a work dir on /dev/shm, a store holding the busybox root image as a disk,
+/// and a `VmBackend` over the real home with its own RAM dir (`shm`). `None` (and a printed reason) where
+/// setup has not put QEMU, the guest kernel or the agent in place.
+pub struct VmEnv {
+    pub work: tempfile::TempDir,
+    pub store: clade_store::Store,
+    pub home: clade_core::CladeHome,
+    pub shm: PathBuf,
+    pub backend: clade_vm::backend::VmBackend,
+    /// The root image's manifest id in `store`.
+    pub disk: String,
+}
+
+pub fn vm_env(prefix: &str) -> Option<VmEnv> {
+    let Some(agent) = agent_binary() else {
+        eprintln!("skip: no built clade-agent (cargo build --workspace)");
+        return None;
+    };
+    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
+        return None;
+    }
+    let work = tempfile::Builder::new().prefix(prefix).tempdir_in("/dev/shm").unwrap();
+    let w = work.path();
+    let store = clade_store::Store::open(&w.join("store"), clade_store::StoreConfig::default()).unwrap();
+    let img = w.join("root.img");
+    busybox_root_image(w, &agent, &img, 64);
+    let disk = store.put_file(&img, clade_store::ImageKind::Disk).unwrap().id.unwrap().to_string();
+    let home = clade_core::CladeHome::at(home());
+    let shm = w.join("shm");
+    let backend = clade_vm::backend::VmBackend::open(&home, store.clone(), Some(shm.clone())).unwrap();
+    Some(VmEnv { work, store, home, shm, backend, disk })
+}
