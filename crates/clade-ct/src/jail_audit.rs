@@ -25,16 +25,19 @@ pub struct JailAudit {
     pub deviations: Vec<String>,
 }
 
-fn status_fields(pid: u32) -> Option<BTreeMap<String, String>> {
+/// The fields of `/proc/PID/status` (`Uid`, `CapEff`, `Seccomp`, ...), each value's first word; `None` once the
+/// process is gone.
+pub fn proc_status(pid: u32) -> Option<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     Some(
         text.lines()
             .filter_map(|l| l.split_once(':'))
-            .filter(|(k, _)| ["CapBnd", "CapEff", "CapPrm", "CapInh", "Seccomp", "NoNewPrivs"].contains(k))
-            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .map(|(k, v)| (k.to_string(), v.split_whitespace().next().unwrap_or("").to_string()))
             .collect(),
     )
 }
+
+const JAIL_FIELDS: [&str; 6] = ["CapBnd", "CapEff", "CapPrm", "CapInh", "Seccomp", "NoNewPrivs"];
 
 /// Mount points of `pid` as it sees them (mountinfo's 5th field) with their per-mount options (6th).
 fn mounts(pid: u32) -> BTreeMap<String, String> {
@@ -59,9 +62,9 @@ pub fn audit(sandbox_id: &str, pids: &[u32]) -> JailAudit {
     let mut status: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut seen = 0;
     for &pid in pids {
-        let Some(fields) = status_fields(pid) else { continue }; // exited meanwhile
+        let Some(fields) = proc_status(pid) else { continue }; // exited meanwhile
         seen += 1;
-        for (k, v) in fields {
+        for (k, v) in fields.into_iter().filter(|(k, _)| JAIL_FIELDS.contains(&k.as_str())) {
             let want = match k.as_str() {
                 "CapBnd" | "CapEff" | "CapPrm" => Some(want_caps.as_str()),
                 "Seccomp" => Some("2"),

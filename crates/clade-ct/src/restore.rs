@@ -90,9 +90,10 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
             hint: "restore it with the backend that took it".into(),
         });
     }
-    check_compat(&mark.compat, &b.host_compat())?;
-    // A mark from before the jail has no `jail` key, and CRIU would bring its tasks back as they were: unjailed.
     let host = b.host_compat();
+    check_compat(&mark.compat, &host)?;
+    // check_compat judges the keys a mark has; a mark from before the jail has no `jail` key, and CRIU would
+    // bring its tasks back as they were: unjailed.
     let want = host.get("jail").map(String::as_str).unwrap_or("none");
     if mark.compat.get("jail").map(String::as_str).unwrap_or("none") != want {
         return Err(BackendError::Incompatible {

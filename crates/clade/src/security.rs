@@ -40,18 +40,9 @@ pub fn audit(ops: &Ops, ids: &[String]) -> anyhow::Result<Value> {
     Ok(json!({"ok": ok, "sandboxes": rows}))
 }
 
-fn status(pid: u32) -> std::collections::BTreeMap<String, String> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.to_string(), v.split_whitespace().next().unwrap_or("").to_string()))
-        .collect()
-}
-
 /// The vm backend's jail as seen on its QEMU process.
 fn vm_audit(qemu: u32) -> Value {
-    let st = status(qemu);
+    let st = clade_ct::jail_audit::proc_status(qemu).unwrap_or_default();
     let get = |k: &str| st.get(k).cloned().unwrap_or_default();
     let cmdline: Vec<String> = std::fs::read(format!("/proc/{qemu}/cmdline"))
         .unwrap_or_default()
