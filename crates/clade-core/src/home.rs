@@ -61,6 +61,16 @@ pub fn private_file(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Write `data` to a new file `tmp` (refused if it exists), 0600 from its creation, and fsync it: the first
+/// half of publishing a secret by rename or link.
+pub fn write_new_private(tmp: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(PRIVATE_FILE_MODE).open(tmp)?;
+    f.write_all(data)?;
+    f.sync_all()
+}
+
 /// The root of clade's state on this host.
 #[derive(Debug, Clone)]
 pub struct CladeHome {

@@ -79,8 +79,7 @@ pub async fn check(State(doors): State<Arc<Doors>>, req: Request, next: Next) ->
 /// The API key: read `$CLADE_HOME/api.key`, or write a new random one (mode 0600, temp name then rename).
 pub fn load_or_create_key(home: &clade_core::CladeHome) -> anyhow::Result<String> {
     use anyhow::Context;
-    use std::io::{Read, Write};
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::io::Read;
     let path = home.root().join("api.key");
     if let Ok(k) = std::fs::read_to_string(&path) {
         let k = k.trim().to_string();
@@ -93,14 +92,7 @@ pub fn load_or_create_key(home: &clade_core::CladeHome) -> anyhow::Result<String
     std::fs::File::open("/dev/urandom")?.read_exact(&mut raw)?;
     let key: String = raw.iter().map(|b| format!("{b:02x}")).collect();
     let tmp = home.root().join(format!(".api.key.{}", std::process::id()));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| format!("write {}", tmp.display()))?;
-    f.write_all(key.as_bytes())?;
-    f.sync_all()?;
+    clade_core::home::write_new_private(&tmp, key.as_bytes()).with_context(|| format!("write {}", tmp.display()))?;
     // Another process may have won the race: keep whichever key landed first.
     match std::fs::hard_link(&tmp, &path) {
         Ok(()) => {}

@@ -72,14 +72,7 @@ pub fn hash_plaintext_keys(home: &CladeHome) -> anyhow::Result<()> {
         .map(|l| if l.starts_with(HASHED) { format!("{l}\n") } else { format!("{}\n", hash_line(l)) })
         .collect();
     let tmp = clade_core::home::temp_beside(&path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| format!("write {}", tmp.display()))?;
-    f.write_all(out.as_bytes())?;
-    f.sync_all()?;
+    clade_core::home::write_new_private(&tmp, out.as_bytes()).with_context(|| format!("write {}", tmp.display()))?;
     std::fs::rename(&tmp, &path).with_context(|| format!("replace {}", path.display()))?;
     eprintln!("clade serve: {} now holds hashes of its E2B keys (the keys themselves still work)", path.display());
     Ok(())
