@@ -29,7 +29,7 @@ use seccompiler::{
 };
 
 /// The jail policy's name, recorded in every ct mark (`compat["jail"]`) and checked on restore.
-pub const POLICY: &str = "docker-default-1";
+pub const POLICY: &str = "docker-default-2-userns";
 
 /// The capabilities a sandbox keeps: Docker's default set.
 pub const KEEP_CAPS: [Capability; 14] = [
@@ -289,6 +289,17 @@ pub fn host_support() -> Vec<Support> {
         match openat2 {
             Ok(_) => Ok("openat2 with RESOLVE_IN_ROOT".into()),
             Err(e) => Err((format!("openat2: {e}"), "a kernel of 5.6 or newer".into())),
+        },
+    ));
+    out.push((
+        "user namespace",
+        match crate::userns::mapping_namespace() {
+            Ok(_) => Ok(format!("sandbox root is host uid {} (crate::userns)", crate::userns::BASE)),
+            Err(e) => Err((
+                e,
+                "a kernel with CONFIG_USER_NS and user.max_user_namespaces above 0 (and no LSM policy denying them)"
+                    .into(),
+            )),
         },
     ));
     out

@@ -15,7 +15,8 @@ pub struct JailAudit {
     /// Per field of /proc/PID/status (CapBnd, CapEff, CapPrm, Seccomp, NoNewPrivs): the values seen (all
     /// processes agree when there is one value).
     pub status: BTreeMap<String, Vec<String>>,
-    /// The init's `uid_map` (`0 0 4294967295`: no user namespace, which this policy does not yet use).
+    /// The init's `uid_map` (the policy: `0 2080374784 65536`, crate::userns; `0 0 4294967295`: no user
+    /// namespace, the sandbox's root is host root).
     pub uid_map: String,
     pub own_cgroup_namespace: bool,
     /// Masked and read-only paths: (path, how it is mounted: `ro`, `rw` or `absent`).
@@ -97,6 +98,12 @@ pub fn audit(sandbox_id: &str, pids: &[u32]) -> JailAudit {
     let uid_map = std::fs::read_to_string(format!("/proc/{init}/uid_map"))
         .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
         .unwrap_or_default();
+    let want_map = crate::userns::map_line().split_whitespace().collect::<Vec<_>>().join(" ");
+    if !uid_map.is_empty() && uid_map != want_map {
+        dev.push(format!(
+            "uid_map {uid_map}, policy {want_map} (the sandbox's root is not mapped to the jail's block)"
+        ));
+    }
     let own_cgroup_namespace = ns_inode(&init.to_string(), "cgroup") != ns_inode("self", "cgroup");
     if !own_cgroup_namespace {
         dev.push("the sandbox shares the host's cgroup namespace".into());

@@ -24,6 +24,7 @@ pub mod restore;
 pub mod sandbox;
 pub mod spawn;
 pub mod testroot;
+pub mod userns;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -20,20 +20,22 @@ pub fn tree_of(entry: &str) -> Option<TreeId> {
 }
 
 /// The `lowerdir=` value for `lowers`: directories as they are, trees mounted under `run_dir/lower/<n>` (the
-/// mounts are pushed onto `mounts`, which the sandbox's resources own).
+/// mounts are pushed onto `mounts`, which the sandbox's resources own), their owners shown shifted by
+/// `id_shift` (a jailed sandbox's user namespace, crate::userns).
 pub fn resolve(
     store: &Store,
     lowers: &str,
     run_dir: &Path,
     mounts: &mut Vec<clade_lazyfs::LazyTree>,
+    id_shift: u32,
 ) -> Result<String, String> {
     let mut out = Vec::new();
     for (n, entry) in lowers.split(':').filter(|e| !e.is_empty()).enumerate() {
         match tree_of(entry) {
             Some(t) => {
                 let dir = run_dir.join("lower").join(n.to_string());
-                let m =
-                    clade_lazyfs::LazyTree::mount(store, &t, &dir).map_err(|e| format!("lower layer {entry}: {e}"))?;
+                let m = clade_lazyfs::LazyTree::mount_shifted(store, &t, &dir, id_shift)
+                    .map_err(|e| format!("lower layer {entry}: {e}"))?;
                 out.push(m.dir().display().to_string());
                 mounts.push(m);
             }

@@ -62,6 +62,12 @@ pub struct CtPrepared {
     fail_at: Option<FailPoint>,
     /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
     loopback: Option<std::fs::File>,
+    /// Jailed (crate::userns): CRIU makes the user namespace from the images and an empty network namespace
+    /// in it, whose `lo` the host's agent binary brings up from CRIU's `setup-namespaces` action; the lower
+    /// layers are mounted idmapped at these pairs; an egress link is added once the restore is done.
+    userns: Option<Vec<(PathBuf, PathBuf)>>,
+    egress_after: bool,
+    agent_bin: PathBuf,
     prepare_took: std::time::Duration,
     phases: Vec<(&'static str, std::time::Duration)>,
 }
@@ -144,16 +150,31 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
     let mut loopback = None;
+    let userns = b.cfg.jail;
+    let mut egress_after = false;
     match net {
+        crate::net::MarkNet::Egress if userns => egress_after = true,
         crate::net::MarkNet::Egress => {
             res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
         }
+        crate::net::MarkNet::Loopback if userns => {}
         crate::net::MarkNet::Loopback => loopback = Some(crate::net::loopback_netns().map_err(failed)?),
         crate::net::MarkNet::Saved => {}
     }
     b.check_fail(FailPoint::Network)?;
     // Lower layers named as store trees (a sandbox from another host) are mounted lazily (crate::lower).
-    let lowerdir = crate::lower::resolve(&b.store, &lower, &run_dir, &mut res.lowers).map_err(failed)?;
+    let shift = if userns { crate::userns::BASE } else { 0 };
+    let mut lowerdir = crate::lower::resolve(&b.store, &lower, &run_dir, &mut res.lowers, shift).map_err(failed)?;
+    let mut idmapped = None;
+    if userns {
+        // Store trees are shown shifted by their FUSE mount already; host directories are idmapped.
+        let lazy = run_dir.join("lower");
+        let (dirs, pairs) =
+            crate::userns::plan_lowers(&lowerdir, &run_dir.join("idmap"), |l| Path::new(l).starts_with(&lazy))
+                .map_err(failed)?;
+        lowerdir = dirs;
+        idmapped = Some(pairs);
+    }
     let overlay = format!("lowerdir={lowerdir},upperdir={},workdir={}", upper.display(), work.display());
     let pages: u64 = std::fs::read_dir(&img)
         .map(|rd| {
@@ -163,7 +184,10 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
                 .sum()
         })
         .unwrap_or(0);
-    let lazy = pages >= b.lazy_threshold();
+    // A jailed restore's tasks open their userfaultfd inside the user namespace, which the kernel allows only
+    // with vm.unprivileged_userfaultfd=1 (a host-wide switch clade leaves alone): otherwise pages are copied
+    // up front.
+    let lazy = pages >= b.lazy_threshold() && (!userns || crate::userns::userfaultfd_allowed());
     let kdat = crate::criu::kdat_dir().map_err(failed)?;
     if lazy {
         start_lazy_pages(b, &img, &run_dir, &mut res, &kdat)?;
@@ -190,6 +214,9 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         kdat,
         fail_at: b.fail_at(),
         loopback,
+        userns: idmapped,
+        egress_after,
+        agent_bin: b.cfg.agent_bin.clone(),
         prepare_took: t0.elapsed(),
         phases,
     })
@@ -248,6 +275,14 @@ impl CtPrepared {
             cmd.arg("--inherit-fd").arg(format!("fd[{}]:{}", crate::net::INHERIT_FD, crate::net::EXT_KEY));
         }
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        let idmap = self.userns.clone();
+        let mapping = match &idmap {
+            Some(_) => {
+                cmd.args(["--empty-ns", "net", "--action-script"]).arg(setup_ns_script(&run_dir, &self.agent_bin)?);
+                Some(std::os::fd::AsRawFd::as_raw_fd(&crate::userns::mapping_namespace().map_err(failed)?))
+            }
+            None => None,
+        };
         // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
         // an open+write of the cgroup file, prctl, dup2) on data prepared before the fork.
         unsafe {
@@ -258,7 +293,7 @@ impl CtPrepared {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                child_setup(&root2, &overlay, &procs, ksm, jail, &kdat2)
+                child_setup(&root2, &overlay, &procs, ksm, jail, &kdat2, idmap.as_deref().zip(mapping))
             });
         }
         let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
@@ -275,6 +310,9 @@ impl CtPrepared {
             return Err(failed(format!("criu restore failed ({out}): {tail}{hint}")));
         }
         lap("criu", &mut phases);
+        if let (true, Some(pid)) = (self.egress_after, pid) {
+            res.net = Some(crate::net::SandboxNet::create_in(&self.id, pid).map_err(failed)?);
+        }
         if let (Some(name), Some(pid)) = (&self.hostname, pid) {
             // The jail leaves the sandbox no right to set its hostname: the host sets it in its namespace.
             set_hostname(pid, name).map_err(failed)?;
@@ -308,6 +346,24 @@ impl CtPrepared {
     }
 }
 
+/// CRIU's action script of a jailed restore: at `setup-namespaces` (the namespaces exist, no socket is restored
+/// yet) the host's agent binary brings `lo` up in the restored init's network namespace.
+fn setup_ns_script(run_dir: &Path, agent: &Path) -> Result<PathBuf, BackendError> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = run_dir.join("setup-ns.sh");
+    let agent = agent.display().to_string();
+    if agent.contains('\'') {
+        return Err(failed(format!("the agent's path {agent:?} contains a quote")));
+    }
+    let text = format!(
+        "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = setup-namespaces ] || exit 0\nexec '{agent}' lo-up \"/proc/$CRTOOLS_INIT_PID/ns/net\"\n"
+    );
+    std::fs::write(&path, text).map_err(|e| failed(format!("write {}: {e}", path.display())))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| failed(format!("chmod {}: {e}", path.display())))?;
+    Ok(path)
+}
+
 /// Sets the hostname of a sandbox whose init is `pid` from a short-lived thread that joins its UTS namespace
 /// (a thread's namespaces are its own; the supervisor's other threads keep the host's).
 pub(crate) fn set_hostname(pid: u32, name: &str) -> Result<(), String> {
@@ -329,12 +385,18 @@ fn child_setup(
     ksm: bool,
     jail: bool,
     kdat: &Path,
+    idmap: Option<(&[(PathBuf, PathBuf)], i32)>,
 ) -> std::io::Result<()> {
     let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
     for p in procs {
         std::fs::write(p, std::process::id().to_string())?;
     }
     crate::criu::private_run(kdat)?;
+    if let Some((pairs, ns)) = idmap {
+        // SAFETY: `ns` is the mapping namespace's descriptor, open for the process's life (crate::userns).
+        let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(ns) };
+        crate::userns::mount_lowers(pairs, ns)?;
+    }
     if jail {
         // After joining the cgroups: CRIU (told to leave cgroups alone) restores the tasks into its own cgroup
         // namespace, which is then rooted at the sandbox's cgroup, as a cold start's is.

@@ -76,23 +76,37 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     let cpu_ms = limits.cpu_ms_per_100ms;
     res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
-    if image.egress {
+    let programs = b.jail_programs()?;
+    // Jailed, the sandbox's namespaces are made inside its user namespace, the network one included: an
+    // egress link is added to it once the init runs.
+    let userns = programs.is_some();
+    if image.egress && !userns {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
     }
     b.check_fail(FailPoint::Network)?;
+    let (overlay_lower, idmapped) = if userns {
+        let (dirs, pairs) = crate::userns::plan_lowers(&lower, &run_dir.join("idmap"), |_| false).map_err(failed)?;
+        (dirs, Some(pairs))
+    } else {
+        (lower.clone(), None)
+    };
     let spec = crate::spawn::InitSpec {
-        lower: lower.clone(),
+        lower: overlay_lower,
         upper,
         work,
         root,
         hostname: id.hostname.clone(),
         cgroup_procs: res.cgroup.as_ref().map(Cgroup::procs_files).unwrap_or_default(),
         netns: res.net.as_ref().map(crate::net::SandboxNet::netns_path),
-        jail: b.jail_programs()?,
+        jail: programs,
+        userns: idmapped,
     };
     res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
-    b.check_fail(FailPoint::Processes)?;
     let pid = res.init.unwrap_or_default();
+    if image.egress && userns {
+        res.net = Some(crate::net::SandboxNet::create_in(&id.sandbox_id, pid).map_err(failed)?);
+    }
+    b.check_fail(FailPoint::Processes)?;
     let agent = connect_agent(pid, b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
     b.check_fail(FailPoint::Agent)?;
     Ok(CtSandbox {
@@ -265,6 +279,11 @@ impl CtSandbox {
         n
     }
 
+    /// Whether the sandbox runs in a user namespace (its jail policy, crate::userns).
+    pub(crate) fn userns(&self) -> bool {
+        self.compat.get("jail").map(String::as_str) == Some(crate::jail::POLICY)
+    }
+
     fn reconnect(&mut self) -> Result<(), BackendError> {
         self.agent = connect_agent(self.init_pid(), self.ready_timeout)?;
         Ok(())
@@ -284,8 +303,11 @@ impl CtSandbox {
             return Err(e);
         }
         let criu = self.criu.clone();
-        // The namespace is always external (crate::net): egress or loopback, a restore brings a fresh one.
-        let external_net = Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?);
+        // Unjailed, the namespace is external (crate::net): egress or loopback, a restore brings a fresh one.
+        // Jailed, it belongs to the sandbox's user namespace, which CRIU makes anew on restore: CRIU then makes
+        // an empty network namespace inside it, which the restore sets up (crate::restore).
+        let external_net =
+            if self.userns() { None } else { Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?) };
         let spec = dump::DumpSpec {
             criu: &criu,
             pid: self.init_pid(),

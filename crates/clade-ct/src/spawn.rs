@@ -44,8 +44,12 @@ pub struct InitSpec {
     /// The jail's seccomp filters (crate::jail); `None` starts the sandbox unjailed (tests' controls, and
     /// `--unjailed-insecure`).
     pub jail: Option<Vec<seccompiler::BpfProgram>>,
-    /// Join this network namespace (made by crate::net) instead of unsharing a new one.
+    /// Join this network namespace (made by crate::net) instead of unsharing a new one (unjailed only: a
+    /// jailed sandbox's namespaces are all made inside its user namespace).
     pub netns: Option<PathBuf>,
+    /// Jailed: the sandbox runs in its own user namespace (crate::userns); the lower layers are mounted
+    /// idmapped at these `(layer, mount point)` pairs, whose mount points `lower` then names.
+    pub userns: Option<Vec<(PathBuf, PathBuf)>>,
 }
 
 /// Start the sandbox's init; returns its host pid once it has exec'd the agent.
@@ -53,7 +57,15 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
     nix::sys::prctl::set_child_subreaper(true).map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
     let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let (pid_r, pid_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    seed_upper(&spec.upper)?;
+    seed_upper(&spec.upper, spec.userns.is_some())?;
+    let (map_req_r, map_req_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let (map_done_r, map_done_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    // The mapping user namespace is made before the fork (it forks a child of its own).
+    let mapping = match spec.userns {
+        Some(_) => Some(crate::userns::mapping_namespace()?.as_raw_fd()),
+        None => None,
+    };
     let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
     let argv: Vec<CString> =
         [AGENT_PATH, "init", "--listen", &format!("unix:{}", clade_agent::CT_SOCKET), "--shared-kernel"]
@@ -71,13 +83,31 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
         ForkResult::Child => {
             drop(err_r);
             drop(pid_r);
-            let code = middle(spec, &overlay, &argv, &env, err_w, pid_w);
+            drop(map_req_r);
+            drop(map_done_w);
+            let maps = MapPipes { req: map_req_w, done: map_done_r, mapping };
+            let code = middle(spec, &overlay, &argv, &env, err_w, pid_w, maps);
             // SAFETY: `_exit` ends the forked child without running the parent's atexit handlers or destructors.
             unsafe { libc::_exit(code) }
         }
         ForkResult::Parent { child } => {
             drop(err_w);
             drop(pid_w);
+            drop(map_req_w);
+            drop(map_done_r);
+            if spec.userns.is_some() {
+                // The middle child asks for its maps once it has unshared its user namespace (EOF: it failed
+                // before, and says why on err_r).
+                let mut b = [0u8; 1];
+                if read_all(&map_req_r, &mut b) == 1 {
+                    let reply: &[u8] = match crate::userns::write_maps(child.as_raw()) {
+                        Ok(()) => b"1",
+                        Err(_) => b"0",
+                    };
+                    let _ = nix::unistd::write(&map_done_w, reply);
+                }
+                drop(map_done_w);
+            }
             let _ = nix::sys::wait::waitpid(child, None);
             let mut pid_buf = [0u8; 4];
             let got = read_all(&pid_r, &mut pid_buf);
@@ -113,8 +143,55 @@ fn read_all(fd: &OwnedFd, buf: &mut [u8]) -> usize {
     n
 }
 
+/// The middle child's side of the map handshake with the supervisor.
+struct MapPipes {
+    req: OwnedFd,
+    done: OwnedFd,
+    /// The mapping user namespace (crate::userns) for idmapped lower layers.
+    mapping: Option<i32>,
+}
+
+/// Stage 1 of a jailed start, as host root: a private mount namespace with the idmapped lower layers, the
+/// overlay and everything under /dev, /run and /tmp mounted (host paths need host root: `$CLADE_HOME` is
+/// 0700), the working directory in the new root; then the user namespace, mapped by the supervisor, and root
+/// in it. Everything unshared after this belongs to the user namespace.
+fn enter_userns(spec: &InitSpec, overlay: &str, maps: &MapPipes, lowers: &[(PathBuf, PathBuf)]) -> Result<(), String> {
+    unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare(CLONE_NEWNS): {e}"))?;
+    m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    let ns = maps.mapping.ok_or("no mapping user namespace")?;
+    // SAFETY: `ns` is the mapping namespace's descriptor, open for the process's life (crate::userns).
+    let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(ns) };
+    for (src, target) in lowers {
+        crate::userns::idmap_mount(src, target, ns).map_err(|e| {
+            format!("idmapped mount of {} at {}: {e} (needs a kernel of 5.19 or newer and a file system that supports idmapped mounts: ext4, xfs, btrfs, tmpfs)", src.display(), target.display())
+        })?;
+    }
+    host_mounts(spec, overlay, true)?;
+    nix::unistd::chdir(&spec.root).map_err(|e| format!("chdir {}: {e}", spec.root.display()))?;
+    unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| format!("unshare(CLONE_NEWUSER): {e}"))?;
+    nix::unistd::write(&maps.req, b"m").map_err(|e| format!("ask for the user namespace's maps: {e}"))?;
+    let mut b = [0u8; 1];
+    if read_all(&maps.done, &mut b) != 1 || b[0] != b'1' {
+        return Err("the supervisor could not write the user namespace's maps".into());
+    }
+    nix::unistd::setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
+    let root_g = nix::unistd::Gid::from_raw(0);
+    let root_u = nix::unistd::Uid::from_raw(0);
+    nix::unistd::setresgid(root_g, root_g, root_g).map_err(|e| format!("setresgid(0): {e}"))?;
+    nix::unistd::setresuid(root_u, root_u, root_u).map_err(|e| format!("setresuid(0): {e}"))?;
+    Ok(())
+}
+
 /// The middle child: join the cgroup, unshare, fork the init, report its pid, exit.
-fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err_w: OwnedFd, pid_w: OwnedFd) -> i32 {
+fn middle(
+    spec: &InitSpec,
+    overlay: &str,
+    argv: &[CString],
+    env: &[CString],
+    err_w: OwnedFd,
+    pid_w: OwnedFd,
+    maps: MapPipes,
+) -> i32 {
     let fail = |msg: String| {
         let _ = nix::unistd::write(&err_w, msg.as_bytes());
         1
@@ -130,7 +207,14 @@ fn middle(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err
         // After joining the cgroups: the sandbox sees its own cgroup as the root of the hierarchy.
         flags |= CloneFlags::CLONE_NEWCGROUP;
     }
+    if let Some(lowers) = &spec.userns {
+        if let Err(e) = enter_userns(spec, overlay, &maps, lowers) {
+            return fail(e);
+        }
+    }
+    drop(maps);
     match &spec.netns {
+        _ if spec.userns.is_some() => flags |= CloneFlags::CLONE_NEWNET,
         None => flags |= CloneFlags::CLONE_NEWNET,
         Some(path) => {
             let joined = std::fs::File::open(path)
@@ -191,8 +275,12 @@ fn bind_self(dir: &Path, flags: MsFlags) -> Result<(), String> {
 
 /// The sandbox's own directories in the still unmounted upper: /dev and /run opaque (empty whatever the
 /// template's rootfs has there), /dev/shm world-writable with the sticky bit, as a tmpfs there would be.
-fn seed_upper(upper: &Path) -> Result<(), String> {
+fn seed_upper(upper: &Path, userns: bool) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
+    if userns {
+        // The upper's root is the sandbox's `/`: root's inside.
+        crate::userns::own(upper)?;
+    }
     for (d, mode, opaque) in [("dev", 0o755, true), ("dev/shm", 0o1777, false), ("run", 0o755, true)] {
         let p = upper.join(d);
         std::fs::create_dir(&p).map_err(|e| format!("create {}: {e}", p.display()))?;
@@ -206,6 +294,9 @@ fn seed_upper(upper: &Path) -> Result<(), String> {
                 )
             })?;
         }
+        if userns {
+            crate::userns::own(&p)?;
+        }
     }
     Ok(())
 }
@@ -213,10 +304,51 @@ fn seed_upper(upper: &Path) -> Result<(), String> {
 /// overlayfs' mark of a directory that hides what the lower layers hold at its path.
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
+/// PID 1's mounts and the switch into the new root. In a user namespace the host-path mounts were made in
+/// stage 1 ([`enter_userns`]) and the working directory is the new root, so only what needs the new PID and
+/// network namespaces (proc, sysfs) and the jail's paths over them are mounted here, by relative paths.
 fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), String> {
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
-    m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    let root = if spec.userns.is_some() {
+        crate::userns::rebind_cwd().map_err(|e| format!("bind the new root onto itself: {e}"))?;
+        PathBuf::from(".")
+    } else {
+        m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+        host_mounts(spec, overlay, false)?;
+        spec.root.clone()
+    };
+    let proc = root.join("proc");
+    std::fs::create_dir_all(&proc).map_err(|e| format!("create {}: {e}", proc.display()))?;
+    m(Some("proc"), &proc, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    if spec.jail.is_some() {
+        jail_paths(&root)?;
+    }
+    // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it up).
+    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
+    nix::unistd::chdir(&root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
+    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
+    nix::unistd::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
+    reopen_stdio()?;
+    close_inherited(err_w.as_raw_fd());
+    Ok(())
+}
+
+/// A directory in the new root made by the host; in a user namespace it is chowned to the sandbox's root.
+fn host_dir(d: &Path, userns: bool) -> Result<(), String> {
+    if !d.exists() {
+        std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        if userns {
+            crate::userns::own(d)?;
+        }
+    }
+    Ok(())
+}
+
+/// The mounts on host paths: the overlay root, /dev with the host's devices bound in, devpts, /dev/shm, /tmp
+/// and /run bound onto themselves.
+fn host_mounts(spec: &InitSpec, overlay: &str, userns: bool) -> Result<(), String> {
     let root = &spec.root;
     let jail = spec.jail.is_some();
     // Jailed, every mount the sandbox can write is nodev: a device node it makes cannot be opened.
@@ -225,10 +357,9 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     let dir = |p: &str| {
         let d = root.join(p);
-        std::fs::create_dir_all(&d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        host_dir(&d, userns)?;
         Ok::<PathBuf, String>(d)
     };
-    m(Some("proc"), &dir("proc")?, Some("proc"), nosuid | MsFlags::MS_NOEXEC, None)?;
     let dev = root.join("dev");
     bind_self(&dev, MsFlags::MS_NOSUID | nodev)?;
     for d in DEVICES {
@@ -245,7 +376,7 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     ] {
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
-    std::fs::create_dir(dev.join("pts")).map_err(|e| format!("create /dev/pts: {e}"))?;
+    dir("dev/pts")?;
     m(
         Some("devpts"),
         &dev.join("pts"),
@@ -258,17 +389,6 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     bind_self(&dir("tmp")?, nodev)?;
     bind_self(&root.join("run"), nosuid)?;
     dir("run/clade")?;
-    if jail {
-        jail_paths(root)?;
-    }
-    // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it up).
-    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
-    nix::unistd::chdir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
-    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
-    nix::unistd::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
-    reopen_stdio()?;
-    close_inherited(err_w.as_raw_fd());
     Ok(())
 }
 

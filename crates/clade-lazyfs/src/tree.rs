@@ -31,10 +31,17 @@ pub struct LazyTree {
 impl LazyTree {
     /// Mount the tree `id` of `store` at the directory `dir` (made if missing), read-only.
     pub fn mount(store: &Store, id: &TreeId, dir: &Path) -> Result<LazyTree, LazyError> {
+        Self::mount_shifted(store, id, dir, 0)
+    }
+
+    /// The same, with every owner shown as `id_shift` + the stored uid (gid): the tree seen by a user
+    /// namespace whose root is host uid `id_shift` (FUSE mounts cannot be idmapped here).
+    pub fn mount_shifted(store: &Store, id: &TreeId, dir: &Path, id_shift: u32) -> Result<LazyTree, LazyError> {
         let tree = store.tree(id).map_err(|source| LazyError::Store { what: format!("tree {id}"), source })?;
         std::fs::create_dir_all(dir).map_err(|source| LazyError::Dir { dir: dir.to_path_buf(), source })?;
         let counters = Arc::new(Counters::default());
-        let fs = TreeFs::new(store.clone(), tree, counters.clone());
+        let mut fs = TreeFs::new(store.clone(), tree, counters.clone());
+        fs.id_shift = id_shift;
         let opts = [
             MountOption::FSName(format!("clade-lazy:{id}")),
             MountOption::Subtype("clade-lazy".into()),
@@ -90,6 +97,8 @@ struct TreeFs {
     readers: HashMap<u64, ImageReader>,
     counters: Arc<Counters>,
     mounted: SystemTime,
+    /// Added to every uid and gid shown (LazyTree::mount_shifted).
+    id_shift: u32,
 }
 
 impl TreeFs {
@@ -113,7 +122,7 @@ impl TreeFs {
                 by_path.insert(e.path.clone(), ino);
             }
         }
-        TreeFs { store, tree, nodes, readers: HashMap::new(), counters, mounted: SystemTime::now() }
+        TreeFs { store, tree, nodes, readers: HashMap::new(), counters, mounted: SystemTime::now(), id_shift: 0 }
     }
 
     fn node(&self, ino: u64) -> Option<&Node> {
@@ -134,8 +143,8 @@ impl TreeFs {
                 kind: FileType::Directory,
                 perm: 0o755,
                 nlink: 2,
-                uid: 0,
-                gid: 0,
+                uid: self.id_shift,
+                gid: self.id_shift,
                 rdev: 0,
                 blksize: 4096,
                 flags: 0,
@@ -168,8 +177,8 @@ impl TreeFs {
             kind,
             perm: (e.mode & 0o7777) as u16,
             nlink: if kind == FileType::Directory { 2 } else { 1 },
-            uid: e.uid,
-            gid: e.gid,
+            uid: e.uid.saturating_add(self.id_shift),
+            gid: e.gid.saturating_add(self.id_shift),
             rdev,
             blksize: 4096,
             flags: 0,
