@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 /// Where CRIU looks for the inodes of inotify/fanotify watches (measured with Chromium here: docs/ct.md, the browser workload).
 pub const IRMAP_SCAN_PATHS: [&str; 1] = ["/usr/share/zoneinfo"];
 
+/// CRIU's key of a jailed sandbox's /sys (an external mount).
+pub const SYSFS_KEY: &str = "clade-sys";
+
 /// One dump's inputs.
 pub struct DumpSpec<'a> {
     pub criu: &'a Path,
@@ -23,6 +26,9 @@ pub struct DumpSpec<'a> {
     /// The inode of the sandbox's network namespace when clade made it (egress, crate::net): CRIU leaves it
     /// out of the images and a restore is handed a fresh one.
     pub external_net: Option<u64>,
+    /// Run CRIU in this process's network namespace, which it then leaves out of the images (a jailed
+    /// sandbox's: crate::userns).
+    pub join_netns: Option<u32>,
 }
 
 /// What a dump took.
@@ -67,19 +73,45 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
         // Timestamped debug log (where a pause goes); off by default, the log is then a few lines.
         cmd.arg("-v4");
     }
+    if spec.join_netns.is_some() {
+        // A restored user namespace may not mount sysfs for a network namespace it does not own: /sys is
+        // dumped as external and a restore binds a sysfs the host mounted (crate::restore).
+        cmd.arg("--external").arg(format!("mnt[/sys]:{SYSFS_KEY}"));
+    }
     if let Some(ino) = spec.external_net {
         cmd.arg("--external").arg(format!("net[{ino}]:{}", crate::net::EXT_KEY));
     }
-    if let Ok(kdat) = crate::criu::kdat_dir() {
+    let netns = match spec.join_netns {
+        Some(pid) => Some(
+            std::fs::File::open(format!("/proc/{pid}/ns/net"))
+                .map_err(|e| format!("open the network namespace of {pid}: {e}"))?,
+        ),
+        None => None,
+    };
+    let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+    let kdat = crate::criu::kdat_dir().ok();
+    {
         use std::os::unix::process::CommandExt;
-        // SAFETY: the closure only makes system calls (unshare, mount) on data prepared before the fork.
+        // SAFETY: the closure only makes system calls (setns, unshare, mount) on data prepared before the fork;
+        // `netns_fd` stays open (held by `netns`) until the command has run.
         unsafe {
-            cmd.pre_exec(move || crate::criu::private_run(&kdat));
+            cmd.pre_exec(move || {
+                if let Some(fd) = netns_fd {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                match &kdat {
+                    Some(k) => crate::criu::private_run(k),
+                    None => Ok(()),
+                }
+            });
         }
     }
     let t0 = Instant::now();
     let out = cmd.output().map_err(|e| format!("run {}: {e}", spec.criu.display()))?;
     let wall = t0.elapsed();
+    drop(netns);
     let _ = std::fs::remove_file(&script);
     if !out.status.success() {
         return Err(format!("criu dump failed ({}): {}", out.status, log_tail(&spec.log)));

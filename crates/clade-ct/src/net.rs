@@ -121,28 +121,11 @@ impl SandboxNet {
     /// Make the namespace, the veth pair with addresses and routes, and the NAT entry of sandbox `id`. On error
     /// everything made so far is removed again.
     pub fn create(id: &str) -> Result<SandboxNet, String> {
-        Self::make(id, None)
-    }
-
-    /// The same for a sandbox whose init (`pid`) already has its own network namespace (a jailed sandbox's,
-    /// made inside its user namespace): the namespace gets its name by `ip netns attach`, then as [`create`].
-    ///
-    /// [`create`]: SandboxNet::create
-    pub fn create_in(id: &str, pid: u32) -> Result<SandboxNet, String> {
-        Self::make(id, Some(pid))
-    }
-
-    fn make(id: &str, pid: Option<u32>) -> Result<SandboxNet, String> {
         let netns = format!("{NETNS_PREFIX}{id}");
         if netns.len() > 200 {
             return Err(format!("sandbox id {id:?} is too long for a network namespace name"));
         }
-        let pid = pid.map(|p| p.to_string());
-        let args: Vec<&str> = match &pid {
-            None => vec!["netns", "add", &netns],
-            Some(p) => vec!["netns", "attach", &netns, p],
-        };
-        run("ip", &args, None)
+        run("ip", &["netns", "add", &netns], None)
             .map_err(|e| format!("{e} (a namespace {netns} left by a crashed run? `ip netns del {netns}`)"))?;
         let mut net =
             SandboxNet { netns, link: String::new(), host_addr: ip4(0), addr: ip4(0), nat: false, released: false };

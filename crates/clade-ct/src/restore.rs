@@ -62,12 +62,8 @@ pub struct CtPrepared {
     fail_at: Option<FailPoint>,
     /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
     loopback: Option<std::fs::File>,
-    /// Jailed (crate::userns): CRIU makes the user namespace from the images and an empty network namespace
-    /// in it, whose `lo` the host's agent binary brings up from CRIU's `setup-namespaces` action; the lower
-    /// layers are mounted idmapped at these pairs; an egress link is added once the restore is done.
+    /// Jailed (crate::userns): the lower layers are mounted idmapped at these pairs.
     userns: Option<Vec<(PathBuf, PathBuf)>>,
-    egress_after: bool,
-    agent_bin: PathBuf,
     prepare_took: std::time::Duration,
     phases: Vec<(&'static str, std::time::Duration)>,
 }
@@ -150,23 +146,19 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
     let mut loopback = None;
-    let userns = b.cfg.jail;
-    let mut egress_after = false;
     match net {
-        crate::net::MarkNet::Egress if userns => egress_after = true,
         crate::net::MarkNet::Egress => {
             res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
         }
-        crate::net::MarkNet::Loopback if userns => {}
         crate::net::MarkNet::Loopback => loopback = Some(crate::net::loopback_netns().map_err(failed)?),
         crate::net::MarkNet::Saved => {}
     }
     b.check_fail(FailPoint::Network)?;
     // Lower layers named as store trees (a sandbox from another host) are mounted lazily (crate::lower).
-    let shift = if userns { crate::userns::BASE } else { 0 };
+    let shift = if b.cfg.jail { crate::userns::BASE } else { 0 };
     let mut lowerdir = crate::lower::resolve(&b.store, &lower, &run_dir, &mut res.lowers, shift).map_err(failed)?;
     let mut idmapped = None;
-    if userns {
+    if b.cfg.jail {
         // Store trees are shown shifted by their FUSE mount already; host directories are idmapped.
         let lazy = run_dir.join("lower");
         let (dirs, pairs) =
@@ -187,7 +179,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     // A jailed restore's tasks open their userfaultfd inside the user namespace, which the kernel allows only
     // with vm.unprivileged_userfaultfd=1 (a host-wide switch clade leaves alone): otherwise pages are copied
     // up front.
-    let lazy = pages >= b.lazy_threshold() && (!userns || crate::userns::userfaultfd_allowed());
+    let lazy = pages >= b.lazy_threshold() && (!b.cfg.jail || crate::userns::userfaultfd_allowed());
     let kdat = crate::criu::kdat_dir().map_err(failed)?;
     if lazy {
         start_lazy_pages(b, &img, &run_dir, &mut res, &kdat)?;
@@ -215,8 +207,6 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         fail_at: b.fail_at(),
         loopback,
         userns: idmapped,
-        egress_after,
-        agent_bin: b.cfg.agent_bin.clone(),
         prepare_took: t0.elapsed(),
         phases,
     })
@@ -271,29 +261,43 @@ impl CtPrepared {
             ),
             None => self.loopback.take(),
         };
-        if netns.is_some() {
+        // Jailed (crate::userns), the namespace is not in the images: CRIU runs in it and the restored tasks
+        // inherit it.
+        let join_netns = self.jail;
+        if netns.is_some() && !join_netns {
             cmd.arg("--inherit-fd").arg(format!("fd[{}]:{}", crate::net::INHERIT_FD, crate::net::EXT_KEY));
         }
         let netns_fd = netns.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let idmap = self.userns.clone();
+        if join_netns {
+            cmd.arg("--external").arg(format!("mnt[{}]:{SYSFS_DIR}", crate::dump::SYSFS_KEY));
+        }
         let mapping = match &idmap {
-            Some(_) => {
-                cmd.args(["--empty-ns", "net", "--action-script"]).arg(setup_ns_script(&run_dir, &self.agent_bin)?);
-                Some(std::os::fd::AsRawFd::as_raw_fd(&crate::userns::mapping_namespace().map_err(failed)?))
-            }
+            Some(_) => Some(std::os::fd::AsRawFd::as_raw_fd(&crate::userns::mapping_namespace().map_err(failed)?)),
             None => None,
         };
-        // SAFETY: the closure runs in the forked child before exec and only makes system calls (unshare, mount,
-        // an open+write of the cgroup file, prctl, dup2) on data prepared before the fork.
+        // SAFETY: the closure runs in the forked child before exec and only makes system calls (setns, dup2,
+        // unshare, mount, an open+write of the cgroup file, prctl) on data prepared before the fork; the
+        // namespace's descriptor is held open by `netns` until the command has run.
         unsafe {
             cmd.pre_exec(move || {
                 if let Some(fd) = netns_fd {
-                    // dup2 clears close-on-exec on the new descriptor: CRIU inherits it.
-                    if libc::dup2(fd, crate::net::INHERIT_FD) < 0 {
+                    // Jailed, CRIU joins the namespace; otherwise it inherits it (dup2 clears close-on-exec on
+                    // the new descriptor).
+                    let r = if join_netns {
+                        libc::setns(fd, libc::CLONE_NEWNET)
+                    } else {
+                        libc::dup2(fd, crate::net::INHERIT_FD).min(0)
+                    };
+                    if r < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                child_setup(&root2, &overlay, &procs, ksm, jail, &kdat2, idmap.as_deref().zip(mapping))
+                child_setup(&root2, &overlay, &procs, ksm, jail, &kdat2, idmap.as_deref().zip(mapping))?;
+                if join_netns {
+                    sysfs_for_criu()?;
+                }
+                Ok(())
             });
         }
         let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
@@ -310,9 +314,6 @@ impl CtPrepared {
             return Err(failed(format!("criu restore failed ({out}): {tail}{hint}")));
         }
         lap("criu", &mut phases);
-        if let (true, Some(pid)) = (self.egress_after, pid) {
-            res.net = Some(crate::net::SandboxNet::create_in(&self.id, pid).map_err(failed)?);
-        }
         if let (Some(name), Some(pid)) = (&self.hostname, pid) {
             // The jail leaves the sandbox no right to set its hostname: the host sets it in its namespace.
             set_hostname(pid, name).map_err(failed)?;
@@ -346,22 +347,20 @@ impl CtPrepared {
     }
 }
 
-/// CRIU's action script of a jailed restore: at `setup-namespaces` (the namespaces exist, no socket is restored
-/// yet) the host's agent binary brings `lo` up in the restored init's network namespace.
-fn setup_ns_script(run_dir: &Path, agent: &Path) -> Result<PathBuf, BackendError> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = run_dir.join("setup-ns.sh");
-    let agent = agent.display().to_string();
-    if agent.contains('\'') {
-        return Err(failed(format!("the agent's path {agent:?} contains a quote")));
-    }
-    let text = format!(
-        "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = setup-namespaces ] || exit 0\nexec '{agent}' lo-up \"/proc/$CRTOOLS_INIT_PID/ns/net\"\n"
-    );
-    std::fs::write(&path, text).map_err(|e| failed(format!("write {}: {e}", path.display())))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| failed(format!("chmod {}: {e}", path.display())))?;
-    Ok(path)
+/// Where a jailed restore's CRIU finds the sysfs it binds at the sandbox's /sys (crate::dump::SYSFS_KEY): on
+/// a tmpfs over /tmp in CRIU's private mount namespace, as the restored tasks (already in their user
+/// namespace when CRIU binds it) cannot traverse `$CLADE_HOME`.
+const SYSFS_DIR: &str = "/tmp/clade-sys";
+
+/// In the CRIU child, after it joined the sandbox's network namespace and made its mount namespace private:
+/// a fresh tmpfs on /tmp (CRIU also keeps its mount staging there) holding sysfs of that network namespace.
+fn sysfs_for_criu() -> std::io::Result<()> {
+    let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
+    mount(Some("tmpfs"), "/tmp", Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=1m"))
+        .map_err(io)?;
+    std::fs::create_dir(SYSFS_DIR)?;
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("sysfs"), SYSFS_DIR, Some("sysfs"), ro, None::<&str>).map_err(io)
 }
 
 /// Sets the hostname of a sandbox whose init is `pid` from a short-lived thread that joins its UTS namespace

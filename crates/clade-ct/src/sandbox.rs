@@ -80,7 +80,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     // Jailed, the sandbox's namespaces are made inside its user namespace, the network one included: an
     // egress link is added to it once the init runs.
     let userns = programs.is_some();
-    if image.egress && !userns {
+    if image.egress {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
     }
     b.check_fail(FailPoint::Network)?;
@@ -103,9 +103,6 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     };
     res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
     let pid = res.init.unwrap_or_default();
-    if image.egress && userns {
-        res.net = Some(crate::net::SandboxNet::create_in(&id.sandbox_id, pid).map_err(failed)?);
-    }
     b.check_fail(FailPoint::Processes)?;
     let agent = connect_agent(pid, b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
     b.check_fail(FailPoint::Agent)?;
@@ -303,11 +300,11 @@ impl CtSandbox {
             return Err(e);
         }
         let criu = self.criu.clone();
-        // Unjailed, the namespace is external (crate::net): egress or loopback, a restore brings a fresh one.
-        // Jailed, it belongs to the sandbox's user namespace, which CRIU makes anew on restore: CRIU then makes
-        // an empty network namespace inside it, which the restore sets up (crate::restore).
-        let external_net =
-            if self.userns() { None } else { Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?) };
+        // The namespace is never in the images (crate::net): egress or loopback, a restore brings a fresh one.
+        // Unjailed, CRIU is told it is external. Jailed, it is the host's, not the user namespace's, which
+        // CRIU refuses to dump, even as external: CRIU runs inside it instead and leaves out what it shares.
+        let userns = self.userns();
+        let external_net = if userns { None } else { Some(crate::net::netns_inode(self.init_pid()).map_err(failed)?) };
         let spec = dump::DumpSpec {
             criu: &criu,
             pid: self.init_pid(),
@@ -317,6 +314,7 @@ impl CtSandbox {
             leave_running,
             log: self.res.run_dir.join(format!("dump-{}.log", self.dumps)),
             external_net,
+            join_netns: userns.then(|| self.init_pid()),
         };
         // CRIU's parasite runs in the frozen tasks' cgroup: no quota while it works (Cgroup::set_cpu).
         let cg = self.res.cgroup.as_ref();

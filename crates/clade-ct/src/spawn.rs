@@ -44,8 +44,7 @@ pub struct InitSpec {
     /// The jail's seccomp filters (crate::jail); `None` starts the sandbox unjailed (tests' controls, and
     /// `--unjailed-insecure`).
     pub jail: Option<Vec<seccompiler::BpfProgram>>,
-    /// Join this network namespace (made by crate::net) instead of unsharing a new one (unjailed only: a
-    /// jailed sandbox's namespaces are all made inside its user namespace).
+    /// Join this network namespace (made by crate::net) instead of unsharing a new one.
     pub netns: Option<PathBuf>,
     /// Jailed: the sandbox runs in its own user namespace (crate::userns); the lower layers are mounted
     /// idmapped at these `(layer, mount point)` pairs, whose mount points `lower` then names.
@@ -151,11 +150,14 @@ struct MapPipes {
     mapping: Option<i32>,
 }
 
-/// Stage 1 of a jailed start, as host root: a private mount namespace with the idmapped lower layers, the
-/// overlay and everything under /dev, /run and /tmp mounted (host paths need host root: `$CLADE_HOME` is
-/// 0700), the working directory in the new root; then the user namespace, mapped by the supervisor, and root
-/// in it. Everything unshared after this belongs to the user namespace.
+/// Stage 1 of a jailed start, as host root: the network namespace (joined or made here, so it stays the
+/// host's, crate::userns) with `lo` up; a private mount namespace with the idmapped lower layers, the overlay,
+/// everything under /dev, /run and /tmp, and sysfs (which only a network namespace's owner may mount) mounted
+/// (host paths need host root: `$CLADE_HOME` is 0700); the working directory in the new root; then the user
+/// namespace, mapped by the supervisor, and root in it. The namespaces unshared after this belong to it.
 fn enter_userns(spec: &InitSpec, overlay: &str, maps: &MapPipes, lowers: &[(PathBuf, PathBuf)]) -> Result<(), String> {
+    join_or_make_netns(spec)?;
+    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare(CLONE_NEWNS): {e}"))?;
     m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
     let ns = maps.mapping.ok_or("no mapping user namespace")?;
@@ -167,6 +169,7 @@ fn enter_userns(spec: &InitSpec, overlay: &str, maps: &MapPipes, lowers: &[(Path
         })?;
     }
     host_mounts(spec, overlay, true)?;
+    mount_sys(&spec.root)?;
     nix::unistd::chdir(&spec.root).map_err(|e| format!("chdir {}: {e}", spec.root.display()))?;
     unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| format!("unshare(CLONE_NEWUSER): {e}"))?;
     nix::unistd::write(&maps.req, b"m").map_err(|e| format!("ask for the user namespace's maps: {e}"))?;
@@ -180,6 +183,17 @@ fn enter_userns(spec: &InitSpec, overlay: &str, maps: &MapPipes, lowers: &[(Path
     nix::unistd::setresgid(root_g, root_g, root_g).map_err(|e| format!("setresgid(0): {e}"))?;
     nix::unistd::setresuid(root_u, root_u, root_u).map_err(|e| format!("setresuid(0): {e}"))?;
     Ok(())
+}
+
+/// Joins `spec.netns`, or unshares a new network namespace.
+fn join_or_make_netns(spec: &InitSpec) -> Result<(), String> {
+    match &spec.netns {
+        None => unshare(CloneFlags::CLONE_NEWNET).map_err(|e| format!("unshare(CLONE_NEWNET): {e}")),
+        Some(path) => std::fs::File::open(path)
+            .map_err(|e| e.to_string())
+            .and_then(|f| nix::sched::setns(f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string()))
+            .map_err(|e| format!("join network namespace {}: {e}", path.display())),
+    }
 }
 
 /// The middle child: join the cgroup, unshare, fork the init, report its pid, exit.
@@ -213,15 +227,13 @@ fn middle(
         }
     }
     drop(maps);
-    match &spec.netns {
-        _ if spec.userns.is_some() => flags |= CloneFlags::CLONE_NEWNET,
-        None => flags |= CloneFlags::CLONE_NEWNET,
-        Some(path) => {
-            let joined = std::fs::File::open(path)
-                .map_err(|e| e.to_string())
-                .and_then(|f| nix::sched::setns(f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string()));
-            if let Err(e) = joined {
-                return fail(format!("join network namespace {}: {e}", path.display()));
+    if spec.userns.is_none() {
+        match &spec.netns {
+            None => flags |= CloneFlags::CLONE_NEWNET,
+            Some(_) => {
+                if let Err(e) = join_or_make_netns(spec) {
+                    return fail(e);
+                }
             }
         }
     }
@@ -304,9 +316,9 @@ fn seed_upper(upper: &Path, userns: bool) -> Result<(), String> {
 /// overlayfs' mark of a directory that hides what the lower layers hold at its path.
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
-/// PID 1's mounts and the switch into the new root. In a user namespace the host-path mounts were made in
-/// stage 1 ([`enter_userns`]) and the working directory is the new root, so only what needs the new PID and
-/// network namespaces (proc, sysfs) and the jail's paths over them are mounted here, by relative paths.
+/// PID 1's mounts and the switch into the new root. In a user namespace the host-path mounts and sysfs were
+/// made in stage 1 ([`enter_userns`]) and the working directory is the new root, so only proc (it needs the new
+/// PID namespace) and the jail's paths are mounted here, by relative paths.
 fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), String> {
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
@@ -322,10 +334,16 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
     std::fs::create_dir_all(&proc).map_err(|e| format!("create {}: {e}", proc.display()))?;
     m(Some("proc"), &proc, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
     if spec.jail.is_some() {
+        if spec.userns.is_none() {
+            mount_sys(&root)?;
+        }
         jail_paths(&root)?;
     }
-    // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it up).
-    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
+    if spec.userns.is_none() {
+        // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it
+        // up). In a user namespace stage 1 did it: the network namespace is the host's.
+        clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
+    }
     nix::unistd::chdir(&root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
@@ -392,14 +410,11 @@ fn host_mounts(spec: &InitSpec, overlay: &str, userns: bool) -> Result<(), Strin
     Ok(())
 }
 
-/// The jail's paths (crate::jail): /sys read-only, the masked paths behind the agent layer's empty file and
+/// The jail's paths (crate::jail): the masked paths behind the agent layer's empty file and
 /// directory (read-only binds), the read-only paths bound read-only onto themselves. A path this kernel does
 /// not have is skipped.
 fn jail_paths(root: &Path) -> Result<(), String> {
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    let sys = root.join("sys");
-    std::fs::create_dir_all(&sys).map_err(|e| format!("create {}: {e}", sys.display()))?;
-    m(Some("sysfs"), &sys, Some("sysfs"), ro, None)?;
     let inside = |p: &str| root.join(p.trim_start_matches('/'));
     let masks = crate::jail::MASKED_FILES
         .iter()
@@ -419,6 +434,14 @@ fn jail_paths(root: &Path) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// sysfs, read-only, of the caller's network namespace.
+fn mount_sys(root: &Path) -> Result<(), String> {
+    let sys = root.join("sys");
+    std::fs::create_dir_all(&sys).map_err(|e| format!("create {}: {e}", sys.display()))?;
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    m(Some("sysfs"), &sys, Some("sysfs"), ro, None)
 }
 
 /// An empty file and an empty directory in the agent's read-only layer: what masked paths are covered with.

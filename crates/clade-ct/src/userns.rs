@@ -7,9 +7,11 @@
 //! directories of host root), not by their ids.
 //!
 //! The rules this module keeps:
-//! * Every namespace of the sandbox is made *inside* its user namespace (CRIU refuses to dump a task whose
-//!   namespaces belong to another user namespace), so host-path work (overlay, /dev, the upper) is done first,
-//!   as host root, in a private mount namespace, and the user namespace comes after (crate::spawn).
+//! * The namespaces CRIU dumps (PID, mount, IPC, UTS) are made *inside* the user namespace (CRIU refuses to
+//!   dump a task whose namespaces belong to another user namespace), so host-path work (overlay, /dev, sysfs,
+//!   the upper) is done first, as host root, in a private mount namespace, and the user namespace comes after
+//!   (crate::spawn). The network namespace stays the host's; CRIU runs inside it and so leaves it out of the
+//!   images (crate::dump, crate::restore).
 //! * A template's files stay owned by host root on disk; the sandbox sees them through **idmapped** mounts
 //!   ([`idmap_mount`]): on-disk uid 0 appears as `BASE`, i.e. root inside. What the sandbox writes lands in its
 //!   upper owned by `BASE + uid`, which marks store as they are.

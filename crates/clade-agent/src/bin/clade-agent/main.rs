@@ -82,8 +82,7 @@ struct Opts {
 const USAGE: &str =
     "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts] [--shared-kernel]
        clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]
-       clade-agent version
-       clade-agent lo-up /proc/PID/ns/net   (host side: bring lo up in a sandbox's network namespace)";
+       clade-agent version";
 
 fn parse_args() -> Result<Opts, String> {
     let pid1 = std::process::id() == 1;
@@ -115,15 +114,6 @@ fn main() {
     // SAFETY: setting a signal disposition to SIG_IGN installs no handler code.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
-    }
-    if std::env::args().nth(1).as_deref() == Some("lo-up") {
-        std::process::exit(match lo_up_in(std::env::args().nth(2)) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("clade-agent lo-up: {e}");
-                1
-            }
-        });
     }
     let o = match parse_args() {
         Ok(o) => o,
@@ -263,14 +253,4 @@ fn serve_virtio(agent: &Arc<Agent>, path: &Path) -> io::Result<()> {
     let fd = f.try_clone()?;
     conn::serve(agent, RetryRead(f), Box::new(w), Some(fd.into()));
     Ok(())
-}
-
-/// `lo-up NSPATH`: the host's helper for a restored jailed ct sandbox, run by CRIU's `setup-namespaces` action
-/// before any socket is restored (a socket bound to 127.0.0.1 needs `lo` up): joins the network namespace and
-/// brings `lo` up.
-fn lo_up_in(ns: Option<String>) -> Result<(), String> {
-    let ns = ns.ok_or("needs the network namespace's path, e.g. /proc/PID/ns/net")?;
-    let f = std::fs::File::open(&ns).map_err(|e| format!("open {ns}: {e}"))?;
-    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("join {ns}: {e}"))?;
-    clade_agent::netif::loopback_up().map_err(|e| format!("bring lo up in {ns}: {e}"))
 }
