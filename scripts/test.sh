@@ -11,6 +11,10 @@ tier=${1:-all}
 export CLADE_TEST_HOME=${CLADE_TEST_HOME:-${CLADE_HOME:-/var/lib/clade}}
 export RUST_BACKTRACE=1
 cargo build --workspace --all-targets
+# The ct escape suite also runs inside a vm guest on cgroup v2 (crates/clade-vm/tests/guest_ct_in_vm.rs).
+CT_JAIL_TEST_BIN=${CT_JAIL_TEST_BIN:-$(cargo test -p clade-ct --test guest_jail --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*guest_jail[^"]*\)".*/\1/p' | tail -n1)}
+export CT_JAIL_TEST_BIN
 run_tier() {
   local name=$1; shift
   echo "=== test tier: $name"

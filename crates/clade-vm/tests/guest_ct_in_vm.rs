@@ -1,0 +1,116 @@
+//! clade's ct jail on a cgroup v2 host with Debian's own kernel: the ct escape suite
+//! (`crates/clade-ct/tests/guest_jail.rs`: cold, restored sibling and grandchild, the unjailed control) run inside
+//! a clade `vm` guest booted with the kernel `./x setup` installed, with only cgroup2 mounted. This project's
+//! hosts are cgroup v1 on another kernel; most users' are v2. About 40 s under TCG. `./x test` passes the built
+//! test binary as `CT_JAIL_TEST_BIN` (scripts/test.sh); without it the test says so and skips.
+mod common;
+
+use std::path::Path;
+
+use clade_agent::proto::ExecSpec;
+use clade_core::backend::{Backend, Shape, TemplateImage};
+use common::*;
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+    let st = std::process::Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
+    assert!(st.success(), "cp -a {} {}", from.display(), to.display());
+}
+
+#[test]
+fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
+    let Some(bin) = std::env::var_os("CT_JAIL_TEST_BIN") else {
+        eprintln!("skip: set CT_JAIL_TEST_BIN to the built guest_jail test binary");
+        return;
+    };
+    let Some(agent) = agent_binary() else { return };
+    let home = home();
+    if clade_vm::qemu::qemu_binary().is_none() || !home.join("kernel/current/modules").is_dir() {
+        eprintln!("skip: no QEMU or guest kernel with its modules (run ./x setup)");
+        return;
+    }
+    let chome = clade_core::CladeHome::at(home.clone());
+    let testroot = clade_ct::testroot::ensure(&chome, &agent).expect("the ct test rootfs");
+    let work = tempfile::Builder::new().prefix("clade-ctvm").tempdir_in("/var/tmp").unwrap();
+    let w = work.path();
+    // A busybox root (every applet) with GNU cp (xattrs), the test binary and its libraries, CRIU and the test
+    // rootfs where the ct tests look for them.
+    let root = w.join("root");
+    let img = w.join("root.img");
+    clade_vm::testkit::busybox_root_image(w, &agent, &w.join("scratch.img"), 64).unwrap();
+    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        let link = root.join("bin").join(applet);
+        if !link.exists() {
+            std::os::unix::fs::symlink("busybox", link).unwrap();
+        }
+    }
+    std::fs::remove_file(root.join("bin/cp")).ok();
+    clade_vm::testkit::install_with_libs(Path::new("/bin/cp"), &root, "/bin/cp").unwrap();
+    clade_vm::testkit::install_with_libs(Path::new(&bin), &root, "/opt/guest_jail").unwrap();
+    // Debian's kernel has these as modules: overlayfs, what CRIU's kernel feature probe creates (a tun
+    // device, a veth pair, an nftables set) and the socket-diag modules CRIU collects sockets with, in load
+    // order.
+    let mut insmod = String::new();
+    for m in [
+        "fs/overlayfs/overlay",
+        "lib/libcrc32c",
+        "net/netfilter/nfnetlink",
+        "net/netfilter/nf_tables",
+        "drivers/net/tun",
+        "drivers/net/veth",
+        "net/unix/unix_diag",
+        "net/netlink/netlink_diag",
+        "net/packet/af_packet_diag",
+        "net/ipv4/inet_diag",
+        "net/ipv4/tcp_diag",
+        "net/ipv4/udp_diag",
+        "net/ipv4/raw_diag",
+        "net/ipv4/netfilter/nf_defrag_ipv4",
+        "net/ipv6/netfilter/nf_defrag_ipv6",
+        "net/netfilter/nf_conntrack",
+        "net/netfilter/nf_conntrack_netlink",
+    ] {
+        let name = Path::new(m).file_name().unwrap().to_string_lossy().to_string();
+        std::fs::copy(home.join(format!("kernel/current/modules/kernel/{m}.ko")), root.join(format!("{name}.ko")))
+            .expect("a guest kernel module");
+        insmod.push_str(&format!("insmod /{name}.ko; "));
+    }
+    copy_tree(&home.join("criu"), &root.join("var/lib/clade/criu"));
+    copy_tree(&testroot, &root.join("var/lib/clade/tmp/ct-test-rootfs"));
+    let st = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-E", "root_owner=0:0", "-d"])
+        .arg(&root)
+        .arg(&img)
+        .arg("1024M")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let store = clade_store::Store::open(&w.join("store"), clade_store::StoreConfig::default()).unwrap();
+    let disk = store.put_file(&img, clade_store::ImageKind::Disk).unwrap().id.unwrap().to_string();
+    let shm = tempfile::Builder::new().prefix("clade-ctvm-shm").tempdir_in("/dev/shm").unwrap();
+    let backend = clade_vm::backend::VmBackend::open(&chome, store, Some(shm.path().to_path_buf())).unwrap();
+    let image = TemplateImage {
+        name: "ct-in-vm".into(),
+        hash: "test".into(),
+        rootfs: root.clone(),
+        disk_manifest: Some(disk),
+        shape: Shape { memory_mib: 2048, vcpus: 2, disk_gib: 1 },
+        egress: false,
+    };
+    let id = clade_core::hygiene::new_identity(&format!("ctvm{}", std::process::id()), 0);
+    let sb = backend.cold_start(&image, &id).expect("boot the guest");
+    let script = insmod
+        + "set -e; uname -r; mount -t cgroup2 none /sys/fs/cgroup; grep cgroup /proc/mounts; \
+                  mkdir -p /dev/shm; grep -q ' /dev/shm ' /proc/mounts || mount -t tmpfs tmpfs /dev/shm; \
+                  cd /; CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade \
+                  CLADE_AGENT_BIN=/usr/lib/clade/clade-agent RUST_BACKTRACE=1 /opt/guest_jail --test-threads=1 2>&1";
+    let spec = ExecSpec { argv: vec!["/bin/sh".into(), "-c".into(), script], ..Default::default() };
+    let out = sb.agent().run(spec).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cgroup2") && !text.contains(" cgroup "), "only cgroup v2 is mounted: {text}");
+    eprintln!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let _ = Box::new(sb).kill();
+    assert_eq!(out.status.code, Some(0));
+    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+}
