@@ -69,10 +69,13 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
         .env("CLADE_GC_PAUSE_MS", "60000")
         .spawn()
         .unwrap();
-    // Wait for its ledger step to commit (the mark leaves `clade marks`) without forking: a live sibling
-    // would make the mark needed again.
+    // Wait for its ledger step to commit without forking (a live sibling would make the mark needed again):
+    // until then a dry run would still delete the mark. (`clade marks` is no sign: the mark left that list
+    // with its branch, before gc ran.)
     let start = Instant::now();
-    while ok(h, &["marks", "--json"]).as_array().unwrap().iter().any(|m| m["id"] == mark.as_str()) {
+    let pending =
+        |d: &serde_json::Value| d["ledger"]["deleted"].as_array().unwrap().iter().any(|x| x["mark"] == mark.as_str());
+    while pending(&ok(h, &["gc", "--dry-run", "--json"])) {
         assert!(start.elapsed() < Duration::from_secs(30), "gc's ledger step did not commit");
         std::thread::sleep(Duration::from_millis(100));
     }
