@@ -5,17 +5,17 @@
 #          left a RAM file                                          (crates/clade-store/src/bin/store-bench.rs)
 #   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
 #   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
-#   template  issue 6's: a cold build of minimal vs a cache hit, its image's stored bytes vs its files
+#   template  a cold build of minimal vs a cache hit, its image's stored bytes vs its files
 #                                                        (crates/clade-template/src/bin/template-bench.rs)
-#   vm     issue 7's figures, incl. QEMU templating by hand           (crates/clade/src/bench/vm.rs)
-#   ct     issue 8's figures: minimal rootfs and the browser template, vs plain CRIU by hand; the jail's cost
+#   vm     vm figures, incl. QEMU templating by hand                 (crates/clade/src/bench/vm.rs)
+#   ct     ct figures: minimal rootfs and the browser template, vs plain CRIU by hand; the jail's cost
 #                                                                     (crates/clade-ct/src/bin/ct-bench/)
-#   browser  the seeds' headline (issue 10) with the browser template on ct, then vm (TCG: slow)
+#   browser  cold vs restored agent-ready, memory, pause with the browser template on ct, then vm (TCG: slow)
 #                                                                     (crates/clade/src/bench/browser.rs)
-#   fleet  seed 004's fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
+#   fleet  the built-in fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
-#   api    issue 9's: HTTP vs library exec, 32 clients on ct, restart  (crates/clade/src/bench/api.rs)
-#   e2b    issue 11's: the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade/src/bench/e2b.rs)
+#   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade/src/bench/api.rs)
+#   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade/src/bench/e2b.rs)
 # Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap

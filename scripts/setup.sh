@@ -168,7 +168,7 @@ if ! py_ok; then
   py_ok || die "moto_server missing after install"
 fi
 
-# ---- 4b. The official E2B SDKs for the E2B-compatibility tests (issue 11): Python e2b in the venv above; Node 20
+# ---- 4b. The official E2B SDKs for the E2B-compatibility tests: Python e2b in the venv above; Node 20
 # (the machine's when it is >= 20.18, else the `node` package from the npm registry) and the JS e2b package
 # under $CLADE_HOME/node. Versions pinned to the ones the tests ran with (both within e2b >=2.7,<3).
 e2b_py="e2b==2.63.0"
@@ -176,7 +176,7 @@ if ! "$py/bin/python" -c 'import e2b' 2>/dev/null; then
   say "installing the E2B Python SDK ($e2b_py) into $py"
   "$py/bin/pip" install -q "$e2b_py" || die "pip could not install $e2b_py: PyPI must be reachable"
 fi
-# ---- 4c. Schemathesis for the API fuzz test (issue 9: crates/clade/tests/guest_schemathesis_ct.rs), pinned to
+# ---- 4c. Schemathesis for the API fuzz test (crates/clade/tests/guest_schemathesis_ct.rs), pinned to
 # the version the test ran with, in the same venv.
 st_py="schemathesis==4.32.5"
 if ! "$py/bin/schemathesis" --version 2>/dev/null | grep -q "version ${st_py#*==}\$"; then

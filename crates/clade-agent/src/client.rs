@@ -507,7 +507,7 @@ impl AgentClient {
     }
 
     /// Probes and shifts the sandbox's wall clock until it reads within 3 ms of this host's clock plus
-    /// `offset_ns` (at most 4 shifts; seed 003's recipe). Each probe is the best of three round trips.
+    /// `offset_ns` (at most 4 shifts). Each probe is the best of three round trips.
     ///
     /// An agent on the host's kernel (a ct sandbox) shares this host's clock: it is probed, never shifted (the
     /// sandbox may not set the host's clock, and what a probe measures there is only the round trip's noise).

@@ -123,7 +123,7 @@ pub enum Request {
     },
     /// Reads the clocks: replies [`Reply::Clock`].
     ClockRead,
-    /// Moves CLOCK_REALTIME by `by_ns` against the agent's own reading (seed 003's `shift`): the step does
+    /// Moves CLOCK_REALTIME by `by_ns` against the agent's own reading: the step does
     /// not depend on when the request arrives.
     ClockShift {
         /// Nanoseconds to add (negative moves back).

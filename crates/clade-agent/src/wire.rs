@@ -7,7 +7,7 @@
 //! replies, events) are JSON; file and stdio bytes travel raw in `Data` frames, so bulk transfers cost one
 //! copy per side and no encoding.
 //!
-//! Why not JSON lines as in seed 003's Python agent: raw data frames keep 100 MiB transfers near socket
+//! Why not JSON lines: raw data frames keep 100 MiB transfers near socket
 //! speed, and ids let many requests and process streams share the one connection.
 
 use std::io::{self, Read, Write};

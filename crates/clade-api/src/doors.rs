@@ -1,4 +1,4 @@
-//! The doors every HTTP face of clade shares (seed 003): a request carrying `Origin` is refused (a browser
+//! The doors every HTTP face of clade shares: a request carrying `Origin` is refused (a browser
 //! page never gets to drive sandboxes, whatever it was tricked into), and so is one whose `Host` does not
 //! name the listener (DNS rebinding: a hostile name resolving to 127.0.0.1 is refused). Each face renders
 //! the [`Refusal`] in its own error shape.

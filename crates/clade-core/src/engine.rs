@@ -86,7 +86,7 @@ pub struct Warm {
     pub hygiene: HygieneReport,
     pub restore: Duration,
     pub warmed: Duration,
-    /// When it was paused: its clock stood still since, by exactly this long (seed 003's shift).
+    /// When it was paused: its clock stood still since, by exactly this long (what hygiene's clock shift adds).
     pub paused_at: Instant,
 }
 

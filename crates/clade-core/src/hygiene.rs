@@ -1,6 +1,6 @@
 //! Hygiene: what makes every restored sibling a distinct machine, applied through the agent on every restore
-//! (both backends; the `vm` backend adds a fresh VM generation id on its own). Seed 000 and Firecracker's
-//! random-for-clones note are why: siblings restored from one mark share RNG state, hostname, machine-id and a
+//! (both backends; the `vm` backend adds a fresh VM generation id on its own). Why (Firecracker's
+//! random-for-clones note says the same): siblings restored from one mark share RNG state, hostname, machine-id and a
 //! clock that stopped at the mark, and hold connections whose peers have moved on.
 
 use std::time::{Duration, Instant};

@@ -1,9 +1,8 @@
-//! Seed 000's C3 sibling audit, automated: two sandboxes must have distinct PID/mount/net/IPC/UTS namespaces,
+//! The sibling audit: two sandboxes must have distinct PID/mount/net/IPC/UTS namespaces,
 //! disjoint PIDs, and share no pipe, socket or eventfd, no regular file either has open for writing (or maps
 //! shared-writable), and no lock. Character devices both have open are reported separately: every sandbox
 //! binds the host's /dev/null, /dev/urandom and friends, so they are judged against a cold-pair control (the
-//! seed's rule 2a: tolerated only if the control pair shares exactly the same devices and nothing else is
-//! shared).
+//! control rule: tolerated only if the control pair shares the same devices and nothing else is shared).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -25,9 +24,9 @@ pub struct AuditReport {
     pub shared_locks: Vec<String>,
     /// `chr:MAJ:MIN:path` of character devices open in both.
     pub shared_char_devices: Vec<String>,
-    /// Nothing at all shared (the seed's literal wording).
+    /// Nothing at all shared, character devices included (the strict rule).
     pub pass_literal: bool,
-    /// Rule 2a, when a cold-pair control was given.
+    /// The control rule, when a cold-pair control was given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub control_shared_char_devices: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -165,7 +164,7 @@ pub fn audit(a: &[u32], b: &[u32]) -> AuditReport {
     r
 }
 
-/// Audit a pair against a cold-pair control: rule 2a passes when nothing but character devices is shared and
+/// Audit a pair against a cold-pair control: the control rule passes when nothing but character devices is shared and
 /// the control pair shares at least the same devices (restore introduced none).
 pub fn audit_with_control(a: &[u32], b: &[u32], cold_a: &[u32], cold_b: &[u32]) -> AuditReport {
     let mut r = audit(a, b);

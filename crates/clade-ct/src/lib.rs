@@ -6,7 +6,8 @@
 //!   the overlay upper go into the store as trees ([`sandbox`], [`dump`]).
 //! * [`CtBackend::restore_ct`] brings a mark up in fresh namespaces with a fresh upper ([`restore`]); fork is N
 //!   of those side by side. Restored tasks are KSM-mergeable so siblings share identical pages again.
-//! * [`audit::audit`] is seed 000's C3 sibling audit as a library function.
+//! * [`audit::audit`] is the sibling audit (two siblings share no namespace, PID, pipe, socket,
+//!   eventfd, writable file or lock) as a library function.
 //!
 //! Everything a sandbox holds on the host sits in one drop guard ([`resources::Resources`]): a restore that fails
 //! half-way leaves no process, mount or cgroup behind ([`FailPoint`] injects such failures in tests).

@@ -1,7 +1,7 @@
 //! Everything a sandbox holds on the host, in one drop guard: its processes (the init of its PID namespace),
 //! the tmpfs that carries its overlay upper, its memory cgroup and its run directory. A start or restore that
-//! fails half-way drops the guard and leaves nothing behind (seed 000 leaked veth links and cgroups this way and
-//! later restores failed with EEXIST); a running sandbox owns the same guard, so dropping it ends the sandbox.
+//! fails half-way drops the guard and leaves nothing behind (veth links and cgroups leaked this way make later
+//! restores fail with EEXIST); a running sandbox owns the same guard, so dropping it ends the sandbox.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

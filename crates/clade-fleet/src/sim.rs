@@ -63,9 +63,9 @@ pub enum SimError {
     Param(String),
 }
 
-/// The seed's cost formula terms, in unit-hours. `requested` is the old formula (what placement reserves while a
-/// sandbox runs); `base` + `dirty` the new one: an image's base memory and disk once per host that runs a session
-/// of it, plus each running session's dirty memory and each retained session's dirty disk.
+/// The cost formula terms (docs/fleet.md), in unit-hours. `requested` is the old formula (what placement reserves
+/// while a sandbox runs); `base` + `dirty` the new one: an image's base memory and disk once per host that runs a
+/// session of it, plus each running session's dirty memory and each retained session's dirty disk.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Terms {
     pub vcpu_h: f64,

@@ -1,5 +1,5 @@
 //! The trace: agent shapes and sessions, as JSON lines (format in `docs/fleet.md`), and the built-in generator of
-//! seed 004's scenario (18 retained sessions, about 6 active at a time, coding and build agents).
+//! the built-in scenario (18 retained sessions, about 6 active at a time, coding and build agents).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,15 +18,15 @@ pub struct HostShape {
 }
 
 impl HostShape {
-    /// Seed 004's `general_16`: 16 vCPU, 64 GiB, 400 GiB, $0.80 per host-hour.
+    /// The built-in host, `general_16`: 16 vCPU, 64 GiB, 400 GiB, $0.80 per host-hour.
     pub fn seed004() -> Self {
         Self { vcpus: 16.0, memory_gib: 64.0, disk_gib: 400.0, price_per_hour: 0.80 }
     }
 }
 
 /// An agent's shape: what it requests (placement reserves this while it runs) and what it really holds in the
-/// seed's cost formula (the image's base memory and disk, shared by every session of that image on a host, plus
-/// each session's own dirty memory and disk).
+/// base/dirty cost formula of docs/fleet.md (the image's base memory and disk, shared by every session of that
+/// image on a host, plus each session's own dirty memory and disk).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentShape {
@@ -34,7 +34,7 @@ pub struct AgentShape {
     pub vcpus: f64,
     pub memory_gib: f64,
     pub disk_gib: f64,
-    /// The image's canonical memory (the seed's base shm), held once per host while a session of it runs there.
+    /// The image's canonical memory (its base shm), held once per host while a session of it runs there.
     pub base_memory_gib: f64,
     /// Memory a session dirties (private pages) while it runs.
     pub dirty_memory_gib: f64,
@@ -45,8 +45,8 @@ pub struct AgentShape {
 }
 
 impl AgentShape {
-    /// The seed's coding agent: 2 vCPU, 8 GiB, 40 GiB. The seed gives no base/dirty split; these are the
-    /// generator's assumptions (a 2 GiB image working set, 1 GiB dirtied RAM, a 10 GiB image with 1 GiB dirtied).
+    /// The coding agent: 2 vCPU, 8 GiB, 40 GiB. The base/dirty split is the generator's assumption
+    /// (a 2 GiB image working set, 1 GiB dirtied RAM, a 10 GiB image with 1 GiB dirtied).
     pub fn coding() -> Self {
         Self {
             name: "coding".into(),
@@ -59,7 +59,7 @@ impl AgentShape {
             dirty_disk_gib: 1.0,
         }
     }
-    /// The seed's build agent: 4 vCPU, 16 GiB, 120 GiB (assumed split: 4 GiB base, 4 GiB dirty RAM; 30 GiB base,
+    /// The build agent: 4 vCPU, 16 GiB, 120 GiB (assumed split: 4 GiB base, 4 GiB dirty RAM; 30 GiB base,
     /// 4 GiB dirty disk).
     pub fn build() -> Self {
         Self {
@@ -281,10 +281,10 @@ impl Trace {
     }
 }
 
-/// Parameters of the built-in seed 004 scenario.
+/// Parameters of the built-in scenario (`seed004`).
 #[derive(Debug, Clone, Serialize)]
 pub struct Seed004 {
-    /// Coding sessions and build sessions retained (the seed's picture: 18 retained, 6 per node).
+    /// Coding sessions and build sessions retained (default: 18 retained, 6 per node).
     pub coding: usize,
     pub build: usize,
     /// Length of the trace (a working day).
@@ -293,7 +293,7 @@ pub struct Seed004 {
     /// active / (active + idle): 20 and 40 minutes give 1/3, i.e. 6 of 18 active on average.
     pub active_mean_min: f64,
     pub idle_mean_min: f64,
-    /// `true` (the seed's picture): exactly `active / (active + idle)` of each shape's sessions are active at every
+    /// `true` (the default): exactly `active / (active + idle)` of each shape's sessions are active at every
     /// moment; when a user's spell ends, another idle session of the same shape takes its turn. `false`: every user
     /// alternates on their own, so the number active fluctuates around that fraction.
     pub fixed_concurrency: bool,
@@ -320,8 +320,8 @@ fn exp_sample(rng: &mut ChaCha8Rng, mean: f64) -> f64 {
     -mean * (1.0 - u).ln()
 }
 
-/// Seed 004's scenario: `coding + build` sessions retained for the whole day (interleaved two coding, one build,
-/// the order the seed's picture packs six to a node), each alternating exponential active and idle periods
+/// The built-in scenario: `coding + build` sessions retained for the whole day (interleaved two coding, one build,
+/// the order that packs six to a node), each alternating exponential active and idle periods
 /// (at least one minute each) from a random phase.
 pub fn seed004(p: &Seed004) -> Trace {
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);

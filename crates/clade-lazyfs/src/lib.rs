@@ -1,6 +1,6 @@
 //! Store content as files that are fetched as they are read, through FUSE.
 //!
-//! Why: a sandbox resumed on a host whose caches are cold (seed 004: "suspend on host A, resume on host B")
+//! Why: a sandbox resumed on a host whose caches are cold (suspended on host A, resumed on host B: docs/roam.md)
 //! should fetch what its working set touches, not its whole state. Two shapes:
 //! - [`LazyFile`]: one image as one read-only file. The `vm` backend maps a mark's root RAM `MAP_PRIVATE`
 //!   from it: every page the guest touches first is a page-cache miss that the kernel turns into a FUSE read,

@@ -84,7 +84,7 @@ impl std::fmt::Display for SandboxState {
     }
 }
 
-/// How a branch's marks are let go (seed 003's `retain` and `thin`).
+/// How a branch's marks are let go (`retain` and `thin`: docs/ledger.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct RetentionPolicy {
     /// Keep the newest `retain` marks (pins count among them); `None` keeps every mark.

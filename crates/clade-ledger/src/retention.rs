@@ -1,4 +1,4 @@
-//! Which marks of a branch to keep: seed 003's `retain` and `thin`, as a pure function of the
+//! Which marks of a branch to keep under its `retain` and `thin` policy, as a pure function of the
 //! branch's marks, its policy, the marks needed elsewhere and "now", so every rule can be tested
 //! with fake times (the collection run in `collect` applies the verdicts to the ledger).
 //!
@@ -120,7 +120,7 @@ pub fn plan_branch(
         // (tier reason, bucket) -> index in `order` of the oldest candidate seen so far.
         let mut keepers: BTreeMap<(KeepReason, i64), usize> = BTreeMap::new();
         // Rank among the branch's marks other than its head: the head is kept on its own and
-        // takes no `retain` slot (seed 003: "its head, and of the other snapshots the newest retain").
+        // takes no `retain` slot (keep the head, and of the other marks the newest `retain`).
         let mut rank = 0usize;
         for (i, m) in order.iter().enumerate() {
             let reasons = &mut verdicts[i].reasons;

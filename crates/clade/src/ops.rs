@@ -493,7 +493,7 @@ impl Ops {
         Ok(serde_json::to_value(crate::audit::audit(self, fix)?)?)
     }
 
-    /// Seed 000's sibling audit of two running ct sandboxes: see [`crate::siblings`].
+    /// The sibling audit of two running ct sandboxes: see [`crate::siblings`].
     pub fn audit_siblings(
         &self,
         a: &str,

@@ -1,8 +1,8 @@
-//! `clade audit SBX_A SBX_B`: seed 000's C3 sibling audit of two running `ct` sandboxes, automated.
+//! `clade audit SBX_A SBX_B`: the sibling audit of two running `ct` sandboxes (docs/ct.md, "Audit").
 //!
 //! The checks themselves are `clade_ct::audit` (distinct namespaces, disjoint PIDs, no shared pipe, socket,
 //! eventfd, writable regular file or lock); this module finds the sandboxes' processes through their
-//! supervisors and provides the seed's rule 2a control: every sandbox opens the host's `/dev/null` and
+//! supervisors and provides the control: every sandbox opens the host's `/dev/null` and
 //! friends, so shared character devices are judged against a pair of *cold* sandboxes of the same template,
 //! started here for the purpose and ended before the answer (or a pair the caller names with `--control`).
 //!
@@ -24,7 +24,7 @@ pub enum Control {
     Cold,
     /// Two running ct sandboxes the caller names.
     Given(String, String),
-    /// None: only the seed's literal wording (nothing shared at all) is judged.
+    /// None: only the strict rule (nothing shared at all, character devices included) is judged.
     Skip,
 }
 
@@ -149,8 +149,9 @@ fn cold_pair(ops: &Ops, sandbox: &str) -> anyhow::Result<(ColdPair, String)> {
     Ok((pair, record.name))
 }
 
-/// The audit of running ct sandboxes `a` and `b`, judged against `control`. `pass` is rule 2a with a control,
-/// the literal wording without one.
+/// The audit of running ct sandboxes `a` and `b`, judged against `control`. `pass` is the control rule with a
+/// control (shared character devices pass only if the control pair shares them too), the strict rule (nothing
+/// shared at all) without one.
 pub fn audit_siblings(ops: &Ops, a: &str, b: &str, control: Control) -> anyhow::Result<serde_json::Value> {
     if a == b {
         return Err(invalid(format!("audit two different sandboxes (both are {a})")));

@@ -1,7 +1,8 @@
 //! `clade audit SBX_A SBX_B` on the `ct` backend with real CRIU restores and real cold starts: two forked
-//! siblings pass seed 000's rule 2a against a cold pair the audit starts (and ends) itself; without a control
-//! the literal wording judges them; a named control pair works, and a device both siblings open that the control
-//! pair does not fails rule 2a; bad input is refused with its exit code.
+//! siblings pass the control rule (shared character devices only as the control pair shares them) against a cold
+//! pair the audit starts (and ends) itself; without a control the strict rule (nothing shared) judges them; a
+//! named control pair works, and a device both siblings open that the control pair does not fails the control
+//! rule; bad input is refused with its exit code.
 
 use std::path::Path;
 
@@ -67,7 +68,7 @@ fn guest_audit_ct_siblings_against_a_cold_pair() {
     assert_eq!(g["control"]["kind"], "given");
     assert_eq!(g["pass_rule_2a"], true, "{g}");
 
-    // Both siblings open a device the control pair does not (a process holding /dev/zero): rule 2a fails,
+    // Both siblings open a device the control pair does not (a process holding /dev/zero): the control rule fails,
     // naming it, and the exit code says so.
     for id in [a, b] {
         let (code, _, err) = clade(h, &["exec", id, "--", "sh", "-c", "sleep 600 </dev/zero >/dev/null 2>&1 &"]);

@@ -83,7 +83,7 @@ fn sh(home: &CladeHome, sbx: &str, script: &str) -> anyhow::Result<String> {
 }
 
 /// A python process started before the mark holds RNG state that every sibling inherits; the on-restore hook
-/// (run by the agent during hygiene) makes it reseed, as seed 000 did with a signal handler.
+/// (run by the agent during hygiene) makes it reseed through its signal handler.
 const RNG_DAEMON: &str = r#"mkdir -p /etc/clade/on-restore.d /run/demo
 cat > /run/demo/rng.py <<'PY'
 import os, random, signal, time

@@ -1,4 +1,4 @@
-//! `clade fleet simulate [TRACE]`: replay a trace of agent sessions (or seed 004's scenario) over hosts of one shape
+//! `clade fleet simulate [TRACE]`: replay a trace of agent sessions (or the built-in scenario) over hosts of one shape
 //! and price, keep-running against suspend-idle, with suspend/resume costs clade measured itself (the ledger's
 //! operations log, or `./x bench` outputs, or `--measure`: a quick ct suspend/resume run now through this binary).
 //! `clade fleet trace` prints the built-in scenario as a trace file. Model and figures: docs/fleet.md.
@@ -427,7 +427,7 @@ fn hosts_at(series: &[[f64; 2]], t: f64) -> f64 {
     series.iter().take_while(|p| p[0] <= t).last().map(|p| p[1]).unwrap_or(0.0)
 }
 
-/// The report's figures of one comparison (docs/report.md): the host-hours ratio (seed 004's bar) with both
+/// The report's figures of one comparison (docs/report.md): the host-hours ratio (bar: <= 0.5) with both
 /// policies' hosts billed over the day, and the resume waits suspend-idle costs its users.
 fn figures(c: &clade_fleet::sim::Comparison, trace: &str) -> Vec<serde_json::Value> {
     let (k, s) = (&c.keep_running, &c.suspend_idle);

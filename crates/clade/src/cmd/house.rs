@@ -187,7 +187,8 @@ pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-/// `clade audit SBX_A SBX_B`: exit 0 when the pair passes (rule 2a with a control, literal without), 1 when not.
+/// `clade audit SBX_A SBX_B`: exit 0 when the pair passes (shared character devices judged against a control pair,
+/// or nothing shared at all without one), 1 when not.
 fn audit_siblings(a: AuditArgs) -> anyhow::Result<i32> {
     let (x, y) = (&a.sandboxes[0], &a.sandboxes[1]);
     let body = match face()? {

@@ -1,4 +1,4 @@
-//! The daemon's doors (seed 003): what every request must pass before a route sees it.
+//! The daemon's doors (docs/api.md, "Doors"): what every request must pass before a route sees it.
 //!
 //! - `Authorization: Bearer <key>`, the key read from `$CLADE_HOME/api.key` (written once, mode 0600);
 //! - no `Origin` header (a browser page never gets to drive sandboxes, whatever it was tricked into);

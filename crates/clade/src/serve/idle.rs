@@ -1,4 +1,4 @@
-//! Idle suspend (seed 004's economics: pay for active sandboxes only). A sandbox with an idle timeout that saw
+//! Idle suspend (docs/fleet.md: pay for active sandboxes only). A sandbox with an idle timeout that saw
 //! no exec, file or API request for that long is suspended (marked, its CPU and memory released); the next
 //! request to it through the API resumes it first, so callers only notice a slower first answer.
 //!

@@ -62,7 +62,7 @@ pub fn mount_system() {
 pub use clade_agent::netif::loopback_up;
 
 /// Runs `/etc/clade/services.d/*` in name order, each to completion: a service script starts its daemon
-/// and returns once it listens (seed 003). One that hangs is abandoned after 60 s, and the next starts.
+/// and returns once it listens. One that hangs is abandoned after 60 s, and the next starts.
 pub fn start_services(agent: &Agent) {
     let dir = agent.sys_path("/etc/clade/services.d");
     let mut paths: Vec<PathBuf> =

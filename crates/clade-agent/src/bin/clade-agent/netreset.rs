@@ -1,6 +1,6 @@
 //! Destroys established TCP connections left stale by a restore: the kernel's SOCK_DESTROY over
 //! sock_diag netlink (what `ss -K` does; needs CONFIG_INET_DIAG_DESTROY and CAP_NET_ADMIN), in this
-//! process. Seed 003 measured spawning `ss` from a just-restored guest at 1.0-2.3 s; this is one netlink
+//! process. Spawning `ss` from a just-restored guest was measured at 1.0-2.3 s; this is one netlink
 //! socket and a few messages.
 
 use clade_agent::{AgentError, Reply, Response};

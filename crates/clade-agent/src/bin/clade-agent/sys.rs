@@ -34,7 +34,7 @@ pub fn clock_read() -> Result<ClockReading, AgentError> {
     })
 }
 
-/// Seed 003's `shift`: read our own clock and set it `by_ns` later, so transit time does not matter.
+/// The clock shift: read our own clock and set it `by_ns` later, so transit time does not matter.
 pub fn clock_shift(by_ns: i64) -> Result<ClockReading, AgentError> {
     let target = ns(ClockId::CLOCK_REALTIME)?.saturating_add(by_ns);
     let ts = nix::sys::time::TimeSpec::new(target.div_euclid(1_000_000_000), target.rem_euclid(1_000_000_000));
