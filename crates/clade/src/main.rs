@@ -95,13 +95,13 @@ enum Command {
     /// The vm backend's benchmark figures (run by `./x bench vm`).
     #[command(hide = true, name = "bench-vm")]
     BenchVm(bench::vm::Args),
-    /// The seeds' headline with the browser template on one backend (run by `./x bench browser`).
+    /// The headline figures (docs/report.md) with the browser template on one backend (run by `./x bench browser`).
     #[command(hide = true, name = "bench-browser")]
     BenchBrowser(bench::browser::Args),
     /// E2B SDK vs library: create to first command (run by `./x bench e2b`).
     #[command(hide = true, name = "bench-e2b")]
     BenchE2b(bench::e2b::Args),
-    /// Suspend on this home, resume on a fresh one through a blob tier: bytes fetched vs working set (issue 12).
+    /// Suspend on this home, resume on a fresh one through a blob tier: bytes fetched vs working set (docs/roam.md).
     #[command(hide = true, name = "bench-roam")]
     BenchRoam(bench::roam::Args),
     /// Gather bench/out into report.json and a self-contained report.html (run by `./x bench`).

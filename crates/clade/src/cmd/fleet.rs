@@ -15,7 +15,7 @@ use clap::{Subcommand, ValueEnum};
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Replay a trace (JSON lines; `-` for stdin; none: seed 004's scenario), keep-running vs suspend-idle.
+    /// Replay a trace (JSON lines; `-` for stdin; none: the built-in scenario), keep-running vs suspend-idle.
     Simulate(SimArgs),
     /// Print the built-in scenario as a trace file (JSON lines) to edit and replay.
     Trace(ScenarioArgs),
@@ -23,7 +23,7 @@ pub enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
-    /// 18 retained sessions (12 coding, 6 build), exactly 6 active at every moment (the seed's picture).
+    /// 18 retained sessions (12 coding, 6 build), exactly 6 active at every moment.
     Seed004,
     /// The same sessions, each user alternating on their own (about 6 active, fluctuating).
     Seed004Independent,

@@ -34,7 +34,7 @@ pub struct GcArgs {
 
 #[derive(clap::Args)]
 pub struct AuditArgs {
-    /// Two running ct sandboxes: seed 000's sibling audit (distinct namespaces, disjoint PIDs, no shared pipe,
+    /// Two running ct sandboxes: the sibling audit (distinct namespaces, disjoint PIDs, no shared pipe,
     /// socket, eventfd, writable file or lock; shared character devices judged against a control pair)
     /// instead of the ledger audit.
     /// With --security: the sandboxes to audit (default: every running one).
