@@ -273,7 +273,7 @@ impl CtPrepared {
             cmd.arg("--external").arg(format!("mnt[{}]:{SYSFS_DIR}", crate::dump::SYSFS_KEY));
         }
         let mapping = match &idmap {
-            Some(_) => Some(std::os::fd::AsRawFd::as_raw_fd(&crate::userns::mapping_namespace().map_err(failed)?)),
+            Some(_) => Some(crate::userns::mapping_namespace().map_err(failed)?),
             None => None,
         };
         // SAFETY: the closure runs in the forked child before exec and only makes system calls (setns, dup2,
@@ -384,7 +384,7 @@ fn child_setup(
     ksm: bool,
     jail: bool,
     kdat: &Path,
-    idmap: Option<(&[(PathBuf, PathBuf)], i32)>,
+    idmap: Option<(&[(PathBuf, PathBuf)], std::os::fd::BorrowedFd<'static>)>,
 ) -> std::io::Result<()> {
     let io = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
     for p in procs {
@@ -392,8 +392,6 @@ fn child_setup(
     }
     crate::criu::private_run(kdat)?;
     if let Some((pairs, ns)) = idmap {
-        // SAFETY: `ns` is the mapping namespace's descriptor, open for the process's life (crate::userns).
-        let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(ns) };
         crate::userns::mount_lowers(pairs, ns)?;
     }
     if jail {

@@ -77,8 +77,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     let programs = b.jail_programs()?;
-    // Jailed, the sandbox's namespaces are made inside its user namespace, the network one included: an
-    // egress link is added to it once the init runs.
+    // Jailed means in a user namespace (crate::userns): the lower layers are then mounted idmapped.
     let userns = programs.is_some();
     if image.egress {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);

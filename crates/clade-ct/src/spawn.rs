@@ -62,7 +62,7 @@ pub fn spawn_init(spec: &InitSpec) -> Result<u32, String> {
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     // The mapping user namespace is made before the fork (it forks a child of its own).
     let mapping = match spec.userns {
-        Some(_) => Some(crate::userns::mapping_namespace()?.as_raw_fd()),
+        Some(_) => Some(crate::userns::mapping_namespace()?),
         None => None,
     };
     let overlay = format!("lowerdir={},upperdir={},workdir={}", spec.lower, spec.upper.display(), spec.work.display());
@@ -147,7 +147,7 @@ struct MapPipes {
     req: OwnedFd,
     done: OwnedFd,
     /// The mapping user namespace (crate::userns) for idmapped lower layers.
-    mapping: Option<i32>,
+    mapping: Option<std::os::fd::BorrowedFd<'static>>,
 }
 
 /// Stage 1 of a jailed start, as host root: the network namespace (joined or made here, so it stays the
@@ -161,8 +161,6 @@ fn enter_userns(spec: &InitSpec, overlay: &str, maps: &MapPipes, lowers: &[(Path
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare(CLONE_NEWNS): {e}"))?;
     m(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
     let ns = maps.mapping.ok_or("no mapping user namespace")?;
-    // SAFETY: `ns` is the mapping namespace's descriptor, open for the process's life (crate::userns).
-    let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(ns) };
     for (src, target) in lowers {
         crate::userns::idmap_mount(src, target, ns).map_err(|e| {
             format!("idmapped mount of {} at {}: {e} (needs a kernel of 5.19 or newer and a file system that supports idmapped mounts: ext4, xfs, btrfs, tmpfs)", src.display(), target.display())

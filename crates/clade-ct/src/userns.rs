@@ -17,7 +17,7 @@
 //!   upper owned by `BASE + uid`, which marks store as they are.
 //! * Directories the host makes in a sandbox's upper are chowned to [`BASE`] ([`own`]), so they are root's inside.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 /// First host uid (and gid) of the sandboxes' block: above the vm jail's per-sandbox uids (0x7A000000 + slot).
@@ -94,10 +94,8 @@ fn make_mapping_namespace() -> Result<OwnedFd, String> {
 }
 
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
-const OPEN_TREE_CLONE: libc::c_uint = 1;
-const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 
-/// `struct mount_attr` of mount_setattr(2).
+/// `struct mount_attr` of mount_setattr(2) (rustix has open_tree and move_mount, not mount_setattr).
 #[repr(C)]
 struct MountAttr {
     attr_set: u64,
@@ -106,37 +104,35 @@ struct MountAttr {
     userns_fd: u64,
 }
 
+/// A detached copy of the mount tree at `path` (open_tree with OPEN_TREE_CLONE), recursive or not.
+fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags as F;
+    let mut flags = F::OPEN_TREE_CLONE | F::OPEN_TREE_CLOEXEC;
+    if recursive {
+        flags |= F::AT_RECURSIVE;
+    }
+    Ok(rustix::mount::open_tree(rustix::fs::CWD, path, flags)?)
+}
+
+/// Attaches a detached tree at `target`.
+fn attach(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
+    let flags = rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH;
+    Ok(rustix::mount::move_mount(tree, c"", rustix::fs::CWD, target, flags)?)
+}
+
 /// Mounts `src` at `target` (an existing directory) idmapped through `userns`: on-disk ids appear shifted by
 /// that namespace's map. Only in the caller's mount namespace (callers are in a private one).
 pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let cstr = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
-    };
-    let (src_c, target_c) = (cstr(src)?, cstr(target)?);
-    // SAFETY: open_tree(2) with a NUL-terminated path that outlives the call; the result is checked and owned.
-    let tree = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            src_c.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-        )
-    };
-    if tree < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor from open_tree, owned from here on.
-    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
+    let tree = clone_tree(src, false)?;
     let attr =
         MountAttr { attr_set: MOUNT_ATTR_IDMAP, attr_clr: 0, propagation: 0, userns_fd: userns.as_raw_fd() as u64 };
-    let empty = c"";
-    // SAFETY: mount_setattr(2) on the detached tree with an attribute struct and its size, both live for the call.
+    // SAFETY: mount_setattr(2) on the detached tree (an fd we own), an empty C string, and an attribute struct
+    // with its size; all live for the call.
     let r = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
             tree.as_raw_fd(),
-            empty.as_ptr(),
+            c"".as_ptr(),
             libc::AT_EMPTY_PATH,
             &attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
@@ -145,21 +141,7 @@ pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io
     if r < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: move_mount(2) of the detached tree onto a NUL-terminated target path; both live for the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_FDCWD,
-            target_c.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    attach(&tree, target)
 }
 
 /// Binds the working directory's tree onto itself and moves into the copy. Mounts copied into a user
@@ -167,36 +149,8 @@ pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io
 /// inside the namespace is not locked. The new root is reached through the detached tree's descriptor: the
 /// host path above it is not traversable from inside the user namespace.
 pub fn rebind_cwd() -> std::io::Result<()> {
-    let dot = c".";
-    let empty = c"";
-    // SAFETY: open_tree(2) of "." with constant flags; the result is checked and owned.
-    let tree = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            dot.as_ptr(),
-            OPEN_TREE_CLONE | libc::AT_RECURSIVE as libc::c_uint | libc::O_CLOEXEC as libc::c_uint,
-        )
-    };
-    if tree < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor from open_tree, owned from here on.
-    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
-    // SAFETY: move_mount(2) of the detached tree onto "."; the C strings are constants.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_FDCWD,
-            dot.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let tree = clone_tree(Path::new("."), true)?;
+    attach(&tree, Path::new("."))?;
     nix::unistd::fchdir(tree.as_raw_fd()).map_err(|e| std::io::Error::from_raw_os_error(e as i32))
 }
 

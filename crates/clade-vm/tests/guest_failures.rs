@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use clade_agent::proto::ExecSpec;
 use clade_core::backend::{Backend, BackendError, MarkOptions, MarkState, Sandbox, Shape, TemplateImage};
 use clade_core::hygiene;
-use clade_store::{ImageKind, Store, StoreConfig};
+use clade_store::{ImageKind, Store};
 use clade_vm::backend::{FailPoint, VmBackend};
 use common::*;
 
@@ -28,31 +28,17 @@ struct Env {
 }
 
 fn env(tag: &str) -> Option<Env> {
-    let Some(agent) = agent_binary() else {
-        eprintln!("skip: no built clade-agent (cargo build --workspace)");
-        return None;
-    };
-    if clade_vm::qemu::qemu_binary().is_none() || !home().join("kernel/current/vmlinux").exists() {
-        eprintln!("skip: no QEMU or guest kernel (run ./x setup)");
-        return None;
-    }
-    let work = tempfile::Builder::new().prefix(&format!("clade-vmfail-{tag}")).tempdir_in("/dev/shm").unwrap();
-    let w = work.path().to_path_buf();
-    let store = Store::open(&w.join("store"), StoreConfig::default()).unwrap();
-    let img = w.join("root.img");
-    busybox_root_image(&w, &agent, &img, 64);
-    let disk = store.put_file(&img, ImageKind::Disk).unwrap().id.unwrap().to_string();
-    let home = clade_core::CladeHome::at(home());
-    let backend = VmBackend::open(&home, store.clone(), Some(w.join("shm"))).unwrap();
+    let e = vm_env(&format!("clade-vmfail-{tag}"))?;
+    let w = e.work.path().to_path_buf();
     let image = TemplateImage {
         name: "busybox-fail".into(),
         hash: "test".into(),
         rootfs: w.join("root"),
-        disk_manifest: Some(disk),
+        disk_manifest: Some(e.disk),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress: false,
     };
-    Some(Env { _work: work, w, store, home, backend, image })
+    Some(Env { _work: e.work, w, store: e.store, home: e.home, backend: e.backend, image })
 }
 
 fn ident(name: &str) -> clade_core::backend::Identity {
