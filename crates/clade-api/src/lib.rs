@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod doors;
+pub mod status;
 mod prefixed;
 
 use std::time::Duration;

@@ -32,21 +32,6 @@ pub enum EngineError {
     Private(#[from] crate::home::PrivateDirError),
 }
 
-impl EngineError {
-    /// The CLI's exit code: 3 not found, 4 conflict, 5 resource, 2 invalid, 1 otherwise.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            EngineError::NotFound(_) => 3,
-            EngineError::Conflict(_) => 4,
-            EngineError::Invalid(_) => 2,
-            EngineError::Backend(BackendError::Resource { .. }) => 5,
-            EngineError::Backend(BackendError::Incompatible { .. }) => 4,
-            EngineError::Ledger(e) => e.exit_code(),
-            _ => 1,
-        }
-    }
-}
-
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 pub fn to_ledger(kind: BackendKind) -> LBackend {

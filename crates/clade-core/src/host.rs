@@ -180,6 +180,17 @@ pub fn mapped_pss_rss(pid: u32, dir: &Path) -> Option<(u64, u64)> {
     Some((pss, rss))
 }
 
+/// The clade-agent binary that templates install: `$CLADE_AGENT_BIN`, else `clade-agent` beside the running
+/// executable or up to two directories above it (a test binary runs from cargo's `target/*/deps`, the agent is
+/// built into `target/*`).
+pub fn agent_binary() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
+        return Some(p.into());
+    }
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors().skip(1).take(3).map(|dir| dir.join("clade-agent")).find(|p| p.is_file())
+}
+
 #[cfg(test)]
 mod mapped_tests {
     use super::*;

@@ -107,17 +107,6 @@ impl From<rusqlite::Error> for LedgerError {
 }
 
 impl LedgerError {
-    /// The process exit code the CLI should use for this error (clade's convention: 2 usage or
-    /// invalid request, 3 not found, 4 conflict, 5 resource or state of the host).
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            LedgerError::Invalid(_) => 2,
-            LedgerError::NotFound { .. } => 3,
-            LedgerError::Conflict(_) => 4,
-            _ => 5,
-        }
-    }
-
     pub(crate) fn not_found(kind: &'static str, id: impl std::fmt::Display) -> Self {
         LedgerError::NotFound { kind, id: id.to_string() }
     }

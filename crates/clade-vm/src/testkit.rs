@@ -5,21 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The agent binary next to the running executable's target dir (`cargo build --workspace` puts it there), or
-/// `$CLADE_AGENT_BIN`.
-pub fn agent_binary() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    for dir in exe.ancestors().skip(1).take(3) {
-        let p = dir.join("clade-agent");
-        if p.is_file() {
-            return Some(p);
-        }
-    }
-    None
-}
+pub use clade_core::host::agent_binary;
 
 /// Copy `bin` and the shared libraries `ldd` names into `root` at `dest`.
 pub fn install_with_libs(bin: &Path, root: &Path, dest: &str) -> std::io::Result<()> {

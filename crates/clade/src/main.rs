@@ -4,19 +4,10 @@
 
 #![forbid(unsafe_code)]
 
-mod admit;
-mod audit;
-mod backends;
 mod bench;
 mod cmd;
-mod gc;
-mod ops;
 mod remote;
-mod roam;
-mod security;
 mod serve;
-mod siblings;
-mod supervisor;
 
 use clap::{Parser, Subcommand};
 

@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, OpError};
 
 pub struct Remote {
     target: Target,
@@ -97,14 +97,8 @@ impl Remote {
             return Ok(v);
         }
         let msg = v["error"]["message"].as_str().unwrap_or("request failed").to_string();
-        let code = match status {
-            400 | 413 => 2,
-            404 => 3,
-            409 => 4,
-            507 => 5,
-            _ => 1,
-        };
-        Err(anyhow!(ExitCoded::new(code, format!("clade serve ({status}): {msg}"))))
+        let kind = clade_api::status::kind_of_status(status);
+        Err(anyhow!(OpError::new(kind, format!("clade serve ({status}): {msg}"))))
     }
 
     /// One request with a raw body; returns the status and the whole (de-chunked) answer.

@@ -26,7 +26,7 @@ use clade_core::CladeHome;
 use clade_ledger::{Mark, SandboxState};
 
 use super::{median, percentile, Figure};
-use crate::ops::{ExecRequest, Ops};
+use clade_host::ops::{ExecRequest, Ops};
 use crate::remote::Remote;
 
 #[derive(clap::Args)]
@@ -69,7 +69,7 @@ fn base_mark(home: &CladeHome, ops: &Ops, template: &str) -> anyhow::Result<(Mar
         return Ok((m, format!("template {template}")));
     }
     if clade_template::find(home, template).is_ok() {
-        crate::cmd::base::build(home, template, BackendKind::Ct, false, &|l| eprintln!("{l}"))?;
+        clade_host::base::build(home, template, BackendKind::Ct, false, &|l| eprintln!("{l}"))?;
         return Ok((ops.engine.resolve_mark(template, Some(BackendKind::Ct))?, format!("template {template}")));
     }
     eprintln!("bench api: template {template} is not built here; using the ct test rootfs (busybox + agent)");
@@ -510,7 +510,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         .iter()
         .filter(|id| {
             ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id.as_str())).is_ok_and(|r| {
-                r.state == SandboxState::Running && r.supervisor_pid.is_some_and(crate::ops::supervisor_alive)
+                r.state == SandboxState::Running && r.supervisor_pid.is_some_and(clade_host::supervisor::start::supervisor_alive)
             })
         })
         .cloned()

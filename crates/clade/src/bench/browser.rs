@@ -123,26 +123,26 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let key = a.template.display().to_string();
     let t0 = Instant::now();
     eprintln!("bench browser ({}): template and base of {key} (built when missing)", kind.as_str());
-    let base = crate::cmd::base::build(&home, &key, kind, false, &|l| eprintln!("{l}"))?;
+    let base = clade_host::base::build(&home, &key, kind, false, &|l| eprintln!("{l}"))?;
     eprintln!(
         "bench browser ({}): base {} {} in {:.1} s",
         kind.as_str(),
-        base["mark"].as_str().unwrap_or("?"),
-        if base["cached"] == true { "cached" } else { "built" },
+        base.mark,
+        if base.cached { "cached" } else { "built" },
         t0.elapsed().as_secs_f64()
     );
     if a.build_only {
         println!("{}", serde_json::json!({"bench": "browser-build", "backend": kind, "base": base}));
         return Ok(0);
     }
-    let record = crate::cmd::base::template_record(&home, &key, kind)?;
-    let ready = crate::cmd::base::ready_target(&record)
+    let record = clade_host::base::template_record(&home, &key, kind)?;
+    let ready = clade_host::base::ready_target(&record)
         .ok_or_else(|| anyhow!("template {} has no `ready`: agent-ready cannot be checked", record.name))?;
     let engine = Engine::open(&home)?;
-    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base["mark"].as_str().unwrap_or_default()))?;
+    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base.mark.as_str()))?;
     let run = Run {
-        be: crate::backends::open(&engine, kind)?,
-        image: crate::cmd::base::image_of(&record),
+        be: clade_host::backends::open(&engine, kind)?,
+        image: clade_host::base::image_of(&record),
         state: engine.mark_state(&mark)?,
         ready,
         timeout: Duration::from_secs(a.ready_timeout_secs),

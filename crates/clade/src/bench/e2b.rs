@@ -12,7 +12,7 @@ use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 
 use super::Figure;
-use crate::ops::{ExecRequest, Ops};
+use clade_host::ops::{ExecRequest, Ops};
 
 #[derive(clap::Args)]
 pub struct Args {

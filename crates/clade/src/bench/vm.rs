@@ -17,8 +17,8 @@ use clade_ledger::TemplateId;
 use clade_vm::machine::RamBacking;
 
 use super::{median, slope, Figure};
-use crate::supervisor::protocol::Request;
-use crate::supervisor::{client, pool};
+use clade_host::supervisor::protocol::Request;
+use clade_host::supervisor::{client, pool};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -110,14 +110,14 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let key = template.display().to_string();
     let n = if a.quick { 3 } else { 7 };
     eprintln!("bench vm: base of {key}");
-    let base = crate::cmd::base::build(&home, &key, BackendKind::Vm, false, &|l| eprintln!("{l}"))?;
+    let base = clade_host::base::build(&home, &key, BackendKind::Vm, false, &|l| eprintln!("{l}"))?;
     let engine = Engine::open(&home)?;
-    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base["mark"].as_str().unwrap_or_default()))?;
+    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base.mark.as_str()))?;
     let m = mark.id.as_str().to_string();
-    let be = crate::backends::open(&engine, BackendKind::Vm)?;
+    let be = clade_host::backends::open(&engine, BackendKind::Vm)?;
     let vm = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None)?;
-    let record = crate::cmd::base::template_record(&home, &key, BackendKind::Vm)?;
-    let image = crate::cmd::base::image_of(&record);
+    let record = clade_host::base::template_record(&home, &key, BackendKind::Vm)?;
+    let image = clade_host::base::image_of(&record);
     let accel = vm.accel().as_str().to_string();
     let mut figs = Vec::new();
 
@@ -287,9 +287,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             return Err(anyhow!("dirtying the guest failed: {}", String::from_utf8_lossy(&out.stderr)));
         }
         // Growth is read off the store itself (packs + manifests), so the disk snapshot's new blocks count too.
-        let before = crate::gc::dir_bytes(engine.store.dir());
+        let before = clade_host::gc::dir_bytes(engine.store.dir());
         let ms_ = s.mark(&MarkOptions::default())?;
-        let after = crate::gc::dir_bytes(engine.store.dir());
+        let after = clade_host::gc::dir_bytes(engine.store.dir());
         let st = s.last_mark_stats().ok_or_else(|| anyhow!("no mark stats"))?;
         pauses.push(st.pause_ms);
         let truth = (st.diverged_bytes + st.disk_dirty_bytes) as f64;
@@ -342,7 +342,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         }
         let dir = tempfile::tempdir()?;
         let sock = dir.path().join("agent.sock");
-        let agent_bin = crate::cmd::agent_binary().ok_or_else(|| anyhow!("no clade-agent next to clade"))?;
+        let agent_bin = clade_core::host::agent_binary().ok_or_else(|| anyhow!("no clade-agent next to clade"))?;
         let mut child =
             Command::new(&agent_bin).arg("serve").arg("--listen").arg(format!("unix:{}", sock.display())).spawn()?;
         let rtts = clade_agent::client::AgentClient::connect_unix_wait(&sock, Duration::from_secs(10))
@@ -544,9 +544,9 @@ fn ct_sandbox(
     engine: &Engine,
     template: &str,
 ) -> anyhow::Result<Box<dyn clade_core::backend::Sandbox>> {
-    let base = crate::cmd::base::build(home, template, BackendKind::Ct, false, &|l| eprintln!("{l}"))?;
-    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base["mark"].as_str().unwrap_or_default()))?;
-    let be = crate::backends::open(engine, BackendKind::Ct)?;
+    let base = clade_host::base::build(home, template, BackendKind::Ct, false, &|l| eprintln!("{l}"))?;
+    let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base.mark.as_str()))?;
+    let be = clade_host::backends::open(engine, BackendKind::Ct)?;
     let id = hygiene::new_identity(&format!("bench-hello-ct-{}", std::process::id()), 1);
     Ok(be.restore(&engine.mark_state(&mark)?, &id)?)
 }

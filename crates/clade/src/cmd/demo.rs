@@ -13,8 +13,8 @@ use clade_core::backend::BackendKind;
 use clade_core::engine::Engine;
 use clade_core::{hygiene, CladeHome};
 
-use crate::supervisor::client;
-use crate::supervisor::protocol::Request;
+use clade_host::supervisor::client;
+use clade_host::supervisor::protocol::Request;
 
 #[derive(clap::Args, Default)]
 pub struct Args {
@@ -156,26 +156,26 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     let mut cleanup = Cleanup { home, ids: Vec::new() };
     step(&mut n, &format!("template and base: build `minimal` for {} (cached after the first run)", b.as_str()));
     let start = Instant::now();
-    let base = super::base::build(home, &template.display().to_string(), b, false, &|l| println!("{l}"))?;
+    let base = clade_host::base::build(home, &template.display().to_string(), b, false, &|l| println!("{l}"))?;
     println!(
         "    base {} ({}, {:.1} s)",
-        base["mark"].as_str().unwrap_or("?"),
-        if base["cached"] == true { "cached" } else { "built now" },
+        base.mark,
+        if base.cached { "cached" } else { "built now" },
         start.elapsed().as_secs_f64()
     );
     let engine = Engine::open(home)?;
-    let base_mark = engine.resolve_mark(base["mark"].as_str().unwrap_or("minimal"), Some(b))?;
+    let base_mark = engine.resolve_mark(&base.mark, Some(b))?;
     // Measure a plain restore: members a warm pool of this base may have waiting would answer in milliseconds.
-    crate::supervisor::pool::drain(home, base_mark.id.as_str());
-    let backend = crate::backends::open(&engine, b)?;
+    clade_host::supervisor::pool::drain(home, base_mark.id.as_str());
+    let backend = clade_host::backends::open(&engine, b)?;
 
     step(&mut n, "cold start (boot the template's image) versus restore from the base");
-    let record = super::base::template_record(home, &template.display().to_string(), b)?;
-    let image = super::base::image_of(&record);
+    let record = clade_host::base::template_record(home, &template.display().to_string(), b)?;
+    let image = clade_host::base::image_of(&record);
     let cold_id = engine.new_sandbox(b, None)?;
     let start = Instant::now();
     let cold = backend.cold_start(&image, &hygiene::new_identity(cold_id.id.as_str(), 0)).context("cold start")?;
-    if let Some(r) = super::base::ready_target(&record) {
+    if let Some(r) = clade_host::base::ready_target(&record) {
         cold.agent().wait_ready(r, Duration::from_secs(120)).context("cold sandbox ready")?;
     }
     let cold_ms = ms(start.elapsed());

@@ -8,7 +8,7 @@ use std::process::Command as Proc;
 use std::time::Instant;
 
 use anyhow::{anyhow, Context};
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, ErrorKind, OpError};
 use clade_fleet::costs::OpSample;
 use clade_fleet::{compare, parse_trace, seed004, HostShape, Measured, Params, Seed004, Trace};
 use clap::{Subcommand, ValueEnum};
@@ -126,7 +126,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
 }
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
-    anyhow!(ExitCoded::new(2, msg))
+    anyhow!(OpError::new(ErrorKind::Invalid, msg))
 }
 
 fn builtin(a: &ScenarioArgs) -> Trace {
@@ -317,7 +317,7 @@ fn find_costs(home: &CladeHome, a: &SimArgs) -> anyhow::Result<Measured> {
             }
         }
     }
-    Err(anyhow!(ExitCoded::new(3, clade_fleet::CostError::NoneFound { tried: tried.join("; ") }.to_string())))
+    Err(anyhow!(OpError::new(ErrorKind::NotFound, clade_fleet::CostError::NoneFound { tried: tried.join("; ") }.to_string())))
 }
 
 /// The suspend, resume and restore entries of the ledger's log, with each sandbox's backend and each mark's bytes.

@@ -128,30 +128,30 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
 pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
     if a.security {
         let body = match face()? {
-            Face::Local(ops) => crate::security::audit(&ops, &a.sandboxes)?,
+            Face::Local(ops) => clade_host::security::audit(&ops, &a.sandboxes)?,
             Face::Remote(_) => {
-                return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
-                    2,
+                return Err(anyhow::anyhow!(clade_core::OpError::new(
+                clade_core::ErrorKind::Invalid,
                     "the security audit reads the host's /proc: run it on the sandbox's host (unset CLADE_HOST)"
                 )))
             }
         };
         let ok = body["ok"].as_bool().unwrap_or(false);
-        print(a.json, &body, crate::security::render)?;
+        print(a.json, &body, clade_host::security::render)?;
         return Ok(if ok { 0 } else { 1 });
     }
     match a.sandboxes.len() {
         0 if a.control.is_some() || a.no_control => {
-            return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
-                2,
+            return Err(anyhow::anyhow!(clade_core::OpError::new(
+                clade_core::ErrorKind::Invalid,
                 "--control and --no-control belong to the sibling audit: name two sandboxes (clade audit SBX_A SBX_B)"
             )))
         }
         0 => {}
         2 => return audit_siblings(a),
         _ => {
-            return Err(anyhow::anyhow!(clade_core::ExitCoded::new(
-                2,
+            return Err(anyhow::anyhow!(clade_core::OpError::new(
+                clade_core::ErrorKind::Invalid,
                 "the sibling audit takes two sandboxes (clade audit SBX_A SBX_B); without any, the ledger is audited"
             )))
         }
@@ -193,8 +193,8 @@ fn audit_siblings(a: AuditArgs) -> anyhow::Result<i32> {
     let (x, y) = (&a.sandboxes[0], &a.sandboxes[1]);
     let body = match face()? {
         Face::Local(ops) => {
-            let control = crate::siblings::Control::parse(a.control.clone(), a.no_control)?;
-            if control == crate::siblings::Control::Cold && !a.json && x != y {
+            let control = clade_host::siblings::Control::parse(a.control.clone(), a.no_control)?;
+            if control == clade_host::siblings::Control::Cold && !a.json && x != y {
                 eprintln!("starting two cold sandboxes of the siblings' template as the control pair ...");
             }
             ops.audit_siblings(x, y, control)?

@@ -15,30 +15,16 @@ pub mod store;
 pub mod supervise;
 pub mod template;
 
-/// Exit codes that mean something to scripts: 1 generic, 2 usage, 3 not found, 4 conflict, 5 resource.
+/// Exit codes that mean something to scripts, from the failure's kind (the one place they are decided):
+/// 1 generic, 2 usage or invalid request, 3 not found, 4 conflict, 5 resource (capacity or space), 6 permission.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
-    for cause in err.chain() {
-        if let Some(e) = cause.downcast_ref::<clade_core::ExitCoded>() {
-            return e.code;
-        }
-        if cause.downcast_ref::<crate::admit::Refused>().is_some() {
-            return 5;
-        }
-        if let Some(e) = cause.downcast_ref::<clade_core::engine::EngineError>() {
-            return e.exit_code();
-        }
-        if let Some(e) = cause.downcast_ref::<clade_ledger::LedgerError>() {
-            return e.exit_code();
-        }
+    use clade_core::ErrorKind as K;
+    match clade_host::error::kind(err) {
+        K::Invalid => 2,
+        K::NotFound => 3,
+        K::Conflict => 4,
+        K::NoCapacity | K::NoSpace => 5,
+        K::Permission => 6,
+        K::Timeout | K::Unavailable | K::Internal => 1,
     }
-    1
-}
-
-/// The clade-agent binary installed into templates: `$CLADE_AGENT_BIN`, else `clade-agent` next to this binary.
-pub fn agent_binary() -> Option<std::path::PathBuf> {
-    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
-        return Some(p.into());
-    }
-    let p = std::env::current_exe().ok()?.parent()?.join("clade-agent");
-    p.is_file().then_some(p)
 }

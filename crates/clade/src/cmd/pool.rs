@@ -8,7 +8,7 @@ use clade_core::engine::Engine;
 use clade_core::CladeHome;
 use clap::Subcommand;
 
-use crate::supervisor::pool;
+use clade_host::supervisor::pool;
 
 #[derive(Subcommand)]
 pub enum Command {

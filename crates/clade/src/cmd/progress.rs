@@ -36,11 +36,6 @@ impl Steps {
         Steps { bar: interactive().then(|| spinner(what)) }
     }
 
-    /// Plain lines, whatever stderr is (a caller that draws its own progress).
-    pub fn plain() -> Steps {
-        Steps { bar: None }
-    }
-
     /// One step line (already formatted, e.g. `[  1.2 s] base: marking`).
     pub fn line(&self, line: &str) {
         match &self.bar {

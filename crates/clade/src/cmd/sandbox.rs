@@ -1,15 +1,15 @@
 //! The sandbox operations: `run`, `fork`, `exec`, `mark`, `retake`, `suspend`, `resume`, `kill`, `ls`, `marks`.
-//! They work embedded (no daemon; [`crate::ops`] starts a supervisor process per sandbox), or through
+//! They work embedded (no daemon; [`clade_host::ops`] starts a supervisor process per sandbox), or through
 //! `clade serve` when `CLADE_HOST` is set: the same operation, the same JSON.
 
 use std::io::Write;
 
 use anyhow::anyhow;
 use clade_core::backend::BackendKind;
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, ErrorKind, OpError};
 
-pub use crate::ops::fork_mark;
-use crate::ops::{ExecRequest, Ops};
+pub use clade_host::supervisor::start::fork_mark;
+use clade_host::ops::{ExecRequest, Ops};
 use crate::remote::{encode, Remote};
 
 #[derive(clap::Args)]
@@ -123,7 +123,7 @@ pub(crate) fn print(
 
 pub fn fork(a: ForkArgs) -> anyhow::Result<i32> {
     if a.count == 0 {
-        return Err(anyhow!(ExitCoded::new(2, "--count must be at least 1")));
+        return Err(anyhow!(OpError::new(ErrorKind::Invalid, "--count must be at least 1")));
     }
     let out = match face()? {
         Face::Local(ops) => ops.fork_with(&a.from, a.backend, a.count, a.make_room)?,

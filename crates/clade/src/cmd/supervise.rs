@@ -1,9 +1,5 @@
 //! `clade supervise` (hidden): the per-sandbox supervisor process that `run`, `fork`, `resume` and `retake`
-//! start detached, or (`--pool`) a warm-pool member of a mark. See `supervisor/`.
-
-use clade_core::engine::{from_ledger, Engine};
-use clade_core::CladeHome;
-use clade_ledger::{MarkId, SandboxId};
+//! start detached, or (`--pool`) a warm-pool member of a mark. See `clade_host::supervisor`.
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,15 +16,6 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<i32> {
-    let home = CladeHome::from_env();
-    let engine = Engine::open(&home)?;
-    let found = engine.ledger().mark(&MarkId::new(a.mark.clone()));
-    let mark = found?;
-    let backend = crate::backends::open(&engine, from_ledger(mark.backend))?;
-    if a.pool {
-        crate::supervisor::pool::run_member(engine, backend, mark)?;
-    } else {
-        crate::supervisor::server::run(engine, backend, SandboxId::new(a.sandbox), mark.id, a.generation)?;
-    }
+    clade_host::supervisor::run_process(&a.sandbox, &a.mark, a.generation, a.pool)?;
     Ok(0)
 }

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, ErrorKind, OpError};
 use clade_template::{Backends, Builder, TemplateError, TemplateSpec};
 use clap::{Subcommand, ValueEnum};
 
@@ -58,12 +58,12 @@ fn coded(e: TemplateError) -> anyhow::Error {
         | TemplateError::Invalid { .. }
         | TemplateError::MissingFile { .. }
         | TemplateError::ReadSpec { .. }
-        | TemplateError::Ambiguous(_) => 2,
-        TemplateError::NotFound(_) => 3,
-        TemplateError::InUse(_) => 4,
-        _ => 1,
+        | TemplateError::Ambiguous(_) => ErrorKind::Invalid,
+        TemplateError::NotFound(_) => ErrorKind::NotFound,
+        TemplateError::InUse(_) => ErrorKind::Conflict,
+        _ => ErrorKind::Internal,
     };
-    anyhow::Error::new(ExitCoded::new(code, e.to_string()))
+    anyhow::Error::new(OpError::new(code, e.to_string()))
 }
 
 fn mib(b: u64) -> String {
@@ -76,7 +76,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
         Command::Build { spec, json, backend, agent, no_agent, keep_image } => {
             let spec = if spec.is_dir() { spec.join("template.toml") } else { spec };
             let spec = TemplateSpec::load(&spec).map_err(coded)?;
-            let agent = if no_agent { None } else { agent.or_else(super::agent_binary) };
+            let agent = if no_agent { None } else { agent.or_else(clade_core::host::agent_binary) };
             let backends = match backend {
                 BackendArg::Vm => Backends::VM,
                 BackendArg::Ct => Backends::CT,

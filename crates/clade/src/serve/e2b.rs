@@ -20,9 +20,9 @@ use clade_e2b::{
 };
 use clade_ledger::{SandboxId, SandboxState};
 
-use crate::ops::Ops;
-use crate::supervisor::client;
-use crate::supervisor::protocol::{self, Request, StreamEvent};
+use clade_host::ops::Ops;
+use clade_host::supervisor::client;
+use clade_host::supervisor::protocol::{self, Request, StreamEvent};
 
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
 pub async fn spawn(ops: Arc<Ops>, api: SocketAddr, sandbox: SocketAddr, home: CladeHome) -> anyhow::Result<()> {
@@ -58,16 +58,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A clade error as the E2B layer sorts them (by the CLI's exit codes).
+/// A clade error as the E2B layer sorts them, by its kind.
 fn host_err(e: anyhow::Error) -> HostError {
+    use clade_core::ErrorKind as K;
     let msg = format!("{e:#}");
-    match crate::cmd::exit_code(&e) {
-        2 => HostError::Invalid(msg),
-        3 => HostError::NotFound(msg),
-        4 => HostError::Conflict(msg),
-        5 => HostError::NoSpace(msg),
-        6 => HostError::Permission(msg),
-        _ => HostError::Internal(msg),
+    match clade_host::error::kind(&e) {
+        K::Invalid => HostError::Invalid(msg),
+        K::NotFound => HostError::NotFound(msg),
+        K::Conflict => HostError::Conflict(msg),
+        K::NoCapacity | K::NoSpace => HostError::NoSpace(msg),
+        K::Permission => HostError::Permission(msg),
+        K::Timeout | K::Unavailable | K::Internal => HostError::Internal(msg),
     }
 }
 
@@ -109,7 +110,7 @@ impl CladeHost {
     }
 
     fn call(&self, id: &str, req: &Request) -> HostResult<serde_json::Value> {
-        crate::ops::check_id(id).map_err(host_err)?;
+        clade_host::error::check_id(id).map_err(host_err)?;
         client::call(&self.home, id, req).map_err(host_err)
     }
 
@@ -171,12 +172,12 @@ impl Host for CladeHost {
     }
 
     fn status(&self, id: &str) -> Status {
-        if crate::ops::check_id(id).is_err() {
+        if clade_host::error::check_id(id).is_err() {
             return Status::Gone;
         }
         match self.ops.engine.ledger().sandbox(&SandboxId::new(id)) {
             // No pid yet: its supervisor is starting.
-            Ok(r) if r.state == SandboxState::Running && r.supervisor_pid.is_none_or(crate::ops::supervisor_alive) => {
+            Ok(r) if r.state == SandboxState::Running && r.supervisor_pid.is_none_or(clade_host::supervisor::start::supervisor_alive) => {
                 Status::Running
             }
             Ok(r) if r.state == SandboxState::Suspended => Status::Paused,
@@ -245,7 +246,7 @@ impl Host for CladeHost {
     }
 
     fn proc_start(&self, id: &str, spec: ProcSpec) -> HostResult<(u32, ProcStream)> {
-        crate::ops::check_id(id).map_err(host_err)?;
+        clade_host::error::check_id(id).map_err(host_err)?;
         let mut env = lock(&self.envs).get(id).cloned().unwrap_or_default();
         env.extend(spec.env);
         let req = Request::ProcStart(protocol::ProcSpec {
@@ -263,7 +264,7 @@ impl Host for CladeHost {
     }
 
     fn proc_connect(&self, id: &str, pid: u32) -> HostResult<ProcStream> {
-        crate::ops::check_id(id).map_err(host_err)?;
+        clade_host::error::check_id(id).map_err(host_err)?;
         let (_, s) = client::open_stream(&self.home, id, &Request::ProcConnect { pid }).map_err(host_err)?;
         Ok(Self::events(s))
     }
@@ -322,13 +323,13 @@ impl Host for CladeHost {
     }
 
     fn read_file(&self, id: &str, path: &str) -> HostResult<(u64, Box<dyn Read + Send>)> {
-        crate::ops::check_id(id).map_err(host_err)?;
+        clade_host::error::check_id(id).map_err(host_err)?;
         let (size, r) = client::read_stream(&self.home, id, path).map_err(host_err)?;
         Ok((size, Box::new(r)))
     }
 
     fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64> {
-        crate::ops::check_id(id).map_err(host_err)?;
+        clade_host::error::check_id(id).map_err(host_err)?;
         client::write_stream(&self.home, id, path, None, src).map_err(host_err)
     }
 }

@@ -1,7 +1,6 @@
-//! Errors as HTTP: the same codes the CLI exits with, as statuses (2 -> 400, 3 -> 404, 4 -> 409, 5 -> 507,
-//! 6 -> 403 for a permission the sandbox refused), with a JSON body `{"error": {"code", "message"}}`. A malformed
-//! JSON body is a 400 whose message names the field; one
-//! over [`JSON_LIMIT`] is a 413.
+//! Errors as HTTP: an operation's failure kind as its status (`clade_api::status`), with a JSON body
+//! `{"error": {"code", "message"}}`. A malformed JSON body is a 400 whose message names the field; one over
+//! [`JSON_LIMIT`] is a 413.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
@@ -34,25 +33,13 @@ impl ApiError {
 
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> Self {
-        // Admission: memory or CPU may free up (retry later, or allow suspension); disk needs a person.
-        if let Some(r) = e.chain().find_map(|c| c.downcast_ref::<crate::admit::Refused>()) {
-            let (status, code) = match r.resource {
-                clade_core::admission::Resource::Disk => (StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage"),
-                _ => (StatusCode::TOO_MANY_REQUESTS, "no_capacity"),
-            };
-            return ApiError { status, code, message: format!("{e:#}") };
-        }
-        if e.chain().any(|c| c.is::<super::exec::ExecTimedOut>()) {
-            return ApiError::new(StatusCode::GATEWAY_TIMEOUT, "exec_timeout", format!("{e:#}"));
-        }
-        let (status, code) = match crate::cmd::exit_code(&e) {
-            2 => (StatusCode::BAD_REQUEST, "bad_request"),
-            3 => (StatusCode::NOT_FOUND, "not_found"),
-            4 => (StatusCode::CONFLICT, "conflict"),
-            5 => (StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage"),
-            6 => (StatusCode::FORBIDDEN, "permission_denied"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        let kind = if e.chain().any(|c| c.is::<super::exec::ExecTimedOut>()) {
+            clade_core::ErrorKind::Timeout
+        } else {
+            clade_host::error::kind(&e)
         };
+        let (status, code) = clade_api::status::status_of(kind);
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         ApiError { status, code, message: format!("{e:#}") }
     }
 }
@@ -117,11 +104,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
 mod tests {
     use super::*;
     use clade_core::admission::Resource;
+    use clade_core::ErrorKind;
 
     #[test]
     fn admission_refusals_are_429_or_507() {
         let refused = |resource| {
-            let e = anyhow::anyhow!(crate::admit::Refused { resource, message: "memory: needs 1 GiB".into() });
+            let e = clade_host::error::kinded(ErrorKind::of_resource(resource), "memory: needs 1 GiB");
             ApiError::from(e.context("fork"))
         };
         let mem = refused(Resource::Memory);
@@ -129,7 +117,7 @@ mod tests {
         assert!(mem.message.contains("memory: needs"), "{}", mem.message);
         assert_eq!(refused(Resource::Cpu).status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(refused(Resource::Disk).status, StatusCode::INSUFFICIENT_STORAGE);
-        let coded = anyhow::anyhow!(crate::admit::Refused { resource: Resource::Cpu, message: "cpu".into() });
+        let coded = clade_host::error::kinded(ErrorKind::of_resource(Resource::Cpu), "cpu");
         assert_eq!(crate::cmd::exit_code(&coded), 5);
     }
 

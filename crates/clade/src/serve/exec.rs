@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 
-use crate::ops::{ExecEvent, ExecOutput, ExecRequest, Ops};
-use crate::supervisor::{client, protocol::Request};
+use clade_host::ops::{ExecEvent, ExecOutput, ExecRequest, Ops};
+use clade_host::supervisor::{client, protocol::Request};
 
 /// A command that outlived its limit (and was killed).
 #[derive(Debug, thiserror::Error)]

@@ -42,8 +42,8 @@ pub fn take(home: &CladeHome) -> anyhow::Result<ServeLock> {
             let _ = f.read_to_string(&mut pid);
             let pid = pid.trim();
             let who = if pid.is_empty() { "another process".to_string() } else { format!("pid {pid}") };
-            Err(anyhow::anyhow!(clade_core::ExitCoded::new(
-                4,
+            Err(anyhow::anyhow!(clade_core::OpError::new(
+                clade_core::ErrorKind::Conflict,
                 format!(
                     "another `clade serve` ({who}) already answers for {} (it holds {}): stop it first{}, or \
                      give this daemon its own CLADE_HOME",
@@ -69,7 +69,7 @@ mod tests {
         let e = take(&home).err().expect("a second lock on the same home must fail");
         let msg = format!("{e:#}");
         assert!(msg.contains(&format!("pid {}", std::process::id())), "{msg}");
-        assert_eq!(crate::cmd::exit_code(&e), 4);
+        assert_eq!(clade_host::error::kind(&e), clade_core::ErrorKind::Conflict);
         // The refused attempt left the holder's pid in place.
         assert_eq!(std::fs::read_to_string(home.serve_lock()).unwrap(), std::process::id().to_string());
         drop(first);

@@ -1,4 +1,4 @@
-//! `clade serve`: the HTTP API over the same operations as the CLI ([`crate::ops`]), on a unix socket under
+//! `clade serve`: the HTTP API over the same operations as the CLI ([`clade_host::ops`]), on a unix socket under
 //! `$CLADE_HOME` by default, or on TCP. Sandboxes are not held by the daemon: each lives in its supervisor
 //! process, so a daemon restart finds every one again through the ledger, and an in-flight request fails
 //! cleanly (its connection closes) while the sandbox carries on.
@@ -26,7 +26,7 @@ use clade_core::CladeHome;
 
 pub use doors::load_or_create_key;
 
-use crate::ops::Ops;
+use clade_host::ops::Ops;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -72,8 +72,8 @@ fn parse_listen(s: &str) -> anyhow::Result<Listen> {
         return Ok(Listen::Unix(PathBuf::from(p)));
     }
     s.parse::<SocketAddr>().map(Listen::Tcp).map_err(|e| {
-        anyhow::anyhow!(clade_core::ExitCoded::new(
-            2,
+        anyhow::anyhow!(clade_core::OpError::new(
+                clade_core::ErrorKind::Invalid,
             format!("--listen {s:?}: {e}; use unix:PATH or HOST:PORT such as 127.0.0.1:8080")
         ))
     })

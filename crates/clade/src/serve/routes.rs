@@ -1,4 +1,4 @@
-//! The native API's routes: thin handlers over [`crate::ops::Ops`], so HTTP and the CLI share every semantic.
+//! The native API's routes: thin handlers over [`clade_host::ops::Ops`], so HTTP and the CLI share every semantic.
 //! Blocking work (supervisor calls, restores, marks) runs on tokio's blocking pool.
 //!
 //! [`ROUTES`] lists every route once; the router is built from the same handlers and a test checks the list
@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use super::error::{ApiError, Body};
 use super::App;
-use crate::ops::ExecRequest;
+use clade_host::ops::ExecRequest;
 
 /// Every route of the native API: (method, path in OpenAPI's `{param}` form).
 #[cfg_attr(not(test), allow(dead_code))]
@@ -503,9 +503,9 @@ async fn audit(State(app): State<Arc<App>>, Body(req): Body<AuditReq>) -> Reply 
     let Some(sibs) = req.siblings else {
         return Ok(json(blocking(&app, "audit", move |a| a.ops.audit(req.fix)).await?));
     };
-    let control = crate::siblings::Control::parse(req.control, req.no_control)?;
+    let control = clade_host::siblings::Control::parse(req.control, req.no_control)?;
     let [x, y] =
-        <[String; 2]>::try_from(sibs).map_err(|_| crate::ops::invalid("siblings: name exactly two sandboxes"))?;
+        <[String; 2]>::try_from(sibs).map_err(|_| clade_host::error::invalid("siblings: name exactly two sandboxes"))?;
     Ok(json(blocking(&app, "audit", move |a| a.ops.audit_siblings(&x, &y, control)).await?))
 }
 
@@ -530,7 +530,7 @@ mod tests {
     fn app(dir: &std::path::Path) -> (Arc<App>, axum::Router) {
         let home = clade_core::CladeHome::at(dir);
         let app = Arc::new(App {
-            ops: Arc::new(crate::ops::Ops::open(&home).unwrap()),
+            ops: Arc::new(clade_host::ops::Ops::open(&home).unwrap()),
             metrics: super::super::metrics::Metrics::new(),
             idle: super::super::idle::Idle::load(&home, 0),
             max_upload: 1 << 20,

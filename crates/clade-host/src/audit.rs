@@ -17,7 +17,9 @@ use std::time::Duration;
 use clade_ledger::{ManifestId, SandboxState};
 use serde::Serialize;
 
-use crate::ops::{supervisor_alive, Ops};
+use clade_core::engine::Engine;
+
+use crate::supervisor::start::supervisor_alive;
 
 /// Leftovers younger than this are not judged (a start in progress holds them legitimately);
 /// `CLADE_AUDIT_SETTLE_MS` overrides it (tests plant leftovers and audit at once).
@@ -50,13 +52,13 @@ pub struct AuditReport {
 }
 
 /// Audit this home; with `fix`, take leftovers down.
-pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
-    let home = ops.home();
+pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
+    let home = &engine.home;
     let run = home.run_dir();
     let mut rep = AuditReport::default();
     let supervisors = live_supervisors();
     let (records, marks) = {
-        let l = ops.engine.ledger();
+        let l = engine.ledger();
         let recs = l.sandboxes(None)?;
         let mut marks = Vec::new();
         for b in l.branches()? {
@@ -92,14 +94,14 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
                 }
             }
             SandboxState::Suspended => {
-                let l = ops.engine.ledger();
+                let l = engine.ledger();
                 let head = l.head(&r.branch).ok().flatten();
                 let missing = match &head {
                     None => Some("it has no head mark".to_string()),
                     Some(m) => m
                         .manifests
                         .values()
-                        .find(|mf| !stored(ops, mf))
+                        .find(|mf| !stored(engine, mf))
                         .map(|mf| format!("its head mark {} names manifest {mf}, which the store lacks", m.id)),
                 };
                 if let Some(why) = missing {
@@ -111,7 +113,7 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
     }
     for m in &marks {
         for (role, mf) in &m.manifests {
-            if !stored(ops, mf) {
+            if !stored(engine, mf) {
                 rep.findings.push(Finding {
                     kind: "missing-manifest",
                     id: m.id.to_string(),
@@ -144,7 +146,7 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
     for e in std::fs::read_dir(&run).into_iter().flatten().flatten() {
         let name = e.file_name().to_string_lossy().to_string();
         let id = name.strip_suffix(".sup").unwrap_or(&name).to_string();
-        if e.path().is_dir() && id != "pool" && !live.contains(&id) && crate::ops::check_id(&id).is_ok() {
+        if e.path().is_dir() && id != "pool" && !live.contains(&id) && crate::error::check_id(&id).is_ok() {
             gone.insert(id);
         }
     }
@@ -160,8 +162,8 @@ pub fn audit(ops: &Ops, fix: bool) -> anyhow::Result<AuditReport> {
 /// the shared blob tier). Entries are manifests (images) or trees (directories), which share one id space; an
 /// entry that is no store id at all (a ct mark's lower directories, its network mode) is not the store's to
 /// hold.
-fn stored(ops: &Ops, m: &ManifestId) -> bool {
-    let store = &ops.engine.store;
+fn stored(engine: &Engine, m: &ManifestId) -> bool {
+    let store = &engine.store;
     match m.as_str().parse::<clade_store::ManifestId>() {
         Ok(id) => {
             let tree = clade_store::TreeId(id.0);

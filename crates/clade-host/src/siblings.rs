@@ -15,7 +15,11 @@ use clade_core::backend::{BackendKind, Sandbox};
 use clade_ledger::SandboxId;
 use serde::Serialize;
 
-use crate::ops::{conflict, invalid, not_found, Ops};
+use clade_core::engine::Engine;
+use clade_ledger::{Backend as LBackend, SandboxState};
+
+use crate::error::{check_id, conflict, invalid, not_found};
+use crate::supervisor::{client, protocol::Request, start::supervisor_alive};
 
 /// What the shared character devices are judged against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,21 +59,23 @@ struct ControlInfo {
 /// How long a cold control sandbox may take to reach its template's readiness.
 const CONTROL_READY: Duration = Duration::from_secs(120);
 
-/// The host pids of a running ct sandbox: [`Ops::get`] (id check, ledger row, live supervisor, its facts),
-/// refused for a vm sandbox or one that does not run.
-fn pids_of(ops: &Ops, id: &str) -> anyhow::Result<Vec<u32>> {
-    let row = ops.get(id)?;
-    if row["backend"] != "ct" {
+/// The host pids of a running ct sandbox, from its supervisor; refused for a vm sandbox or one that does not run.
+fn pids_of(engine: &Engine, id: &str) -> anyhow::Result<Vec<u32>> {
+    check_id(id)?;
+    let rec = engine.ledger().sandbox(&SandboxId::new(id)).map_err(|_| not_found(format!("no sandbox {id}")))?;
+    if rec.backend != LBackend::Ct {
         return Err(invalid(format!(
             "{id} is a vm sandbox: the sibling audit reads a ct sandbox's processes; a vm sandbox's processes are a \
              QEMU in the host's namespaces by design, and what its guest holds is out of a host audit's reach"
         )));
     }
-    if row["state"] != "running" {
-        let state = row["state"].as_str().unwrap_or("?");
+    let alive = rec.supervisor_pid.is_some_and(supervisor_alive);
+    if rec.state != SandboxState::Running || !alive {
+        let state = if alive { rec.state.as_str() } else { "lost" };
         return Err(conflict(format!("{id} is not running ({state}); audit two running sandboxes")));
     }
-    let pids: Vec<u32> = row["pids"]
+    let info = client::call(&engine.home, id, &Request::Info)?;
+    let pids: Vec<u32> = info["pids"]
         .as_array()
         .map(|a| a.iter().filter_map(|p| p.as_u64().map(|p| p as u32)).collect())
         .unwrap_or_default();
@@ -80,8 +86,8 @@ fn pids_of(ops: &Ops, id: &str) -> anyhow::Result<Vec<u32>> {
 }
 
 /// The template `sandbox` descends from: the base whose mark is on its origin mark's line of parents.
-fn template_of(ops: &Ops, sandbox: &str) -> anyhow::Result<(String, String)> {
-    let l = ops.engine.ledger();
+fn template_of(engine: &Engine, sandbox: &str) -> anyhow::Result<(String, String)> {
+    let l = engine.ledger();
     let rec = l.sandbox(&SandboxId::new(sandbox))?;
     let bases = l.bases()?;
     let mut at = rec.origin_mark;
@@ -114,19 +120,19 @@ impl Drop for ColdPair {
 
 /// Starts two cold sandboxes of the template `sandbox` descends from and waits for its readiness, so their
 /// services hold what they hold at rest (a control counted while a service starts would share less).
-fn cold_pair(ops: &Ops, sandbox: &str) -> anyhow::Result<(ColdPair, String)> {
-    let (hash, name) = template_of(ops, sandbox)?;
-    let home = ops.home();
-    let record = crate::cmd::base::template_record(home, &hash, BackendKind::Ct)
-        .or_else(|_| crate::cmd::base::template_record(home, &name, BackendKind::Ct))
+fn cold_pair(engine: &Engine, sandbox: &str) -> anyhow::Result<(ColdPair, String)> {
+    let (hash, name) = template_of(engine, sandbox)?;
+    let home = &engine.home;
+    let record = crate::base::template_record(home, &hash, BackendKind::Ct)
+        .or_else(|_| crate::base::template_record(home, &name, BackendKind::Ct))
         .map_err(|e| {
             not_found(format!(
                 "template {name} ({hash}) of {sandbox} is not built on this host ({e:#}); name a control pair with \
                  `--control A B`, or `--no-control`"
             ))
         })?;
-    let image = crate::cmd::base::image_of(&record);
-    let be = crate::backends::open(&ops.engine, BackendKind::Ct)?;
+    let image = crate::base::image_of(&record);
+    let be = crate::backends::open(engine, BackendKind::Ct)?;
     let stop = crate::supervisor::server::stop_flag()?;
     let mut pair = ColdPair(Vec::new());
     for i in 0..2 {
@@ -139,7 +145,7 @@ fn cold_pair(ops: &Ops, sandbox: &str) -> anyhow::Result<(ColdPair, String)> {
             return Err(anyhow::anyhow!("interrupted; the control sandboxes were ended"));
         }
     }
-    if let Some(target) = crate::cmd::base::ready_target(&record) {
+    if let Some(target) = crate::base::ready_target(&record) {
         for s in &pair.0 {
             s.agent()
                 .wait_ready(target.clone(), CONTROL_READY)
@@ -152,27 +158,27 @@ fn cold_pair(ops: &Ops, sandbox: &str) -> anyhow::Result<(ColdPair, String)> {
 /// The audit of running ct sandboxes `a` and `b`, judged against `control`. `pass` is the control rule with a
 /// control (shared character devices pass only if the control pair shares them too), the strict rule (nothing
 /// shared at all) without one.
-pub fn audit_siblings(ops: &Ops, a: &str, b: &str, control: Control) -> anyhow::Result<serde_json::Value> {
+pub fn audit_siblings(engine: &Engine, a: &str, b: &str, control: Control) -> anyhow::Result<serde_json::Value> {
     if a == b {
         return Err(invalid(format!("audit two different sandboxes (both are {a})")));
     }
-    let (pa, pb) = (pids_of(ops, a)?, pids_of(ops, b)?);
+    let (pa, pb) = (pids_of(engine, a)?, pids_of(engine, b)?);
     let (report, info) = match control {
         Control::Skip => (clade_ct::audit(&pa, &pb), ControlInfo { kind: "none", template: None, sandboxes: vec![] }),
         Control::Given(c, d) => {
             if [a, b].contains(&c.as_str()) || [a, b].contains(&d.as_str()) || c == d {
                 return Err(invalid("the control pair must be two other sandboxes than the audited ones"));
             }
-            let (pc, pd) = (pids_of(ops, &c)?, pids_of(ops, &d)?);
+            let (pc, pd) = (pids_of(engine, &c)?, pids_of(engine, &d)?);
             let r = clade_ct::audit_with_control(&pa, &pb, &pc, &pd);
             (r, ControlInfo { kind: "given", template: None, sandboxes: vec![c, d] })
         }
         Control::Cold => {
-            let (pair, template) = cold_pair(ops, a)?;
+            let (pair, template) = cold_pair(engine, a)?;
             let (pc, pd) = (pair.0[0].pids(), pair.0[1].pids());
             // The siblings are read again after the control is up: a sibling that ended meanwhile is an error,
             // not an empty side that shares nothing.
-            let (pa, pb) = (pids_of(ops, a)?, pids_of(ops, b)?);
+            let (pa, pb) = (pids_of(engine, a)?, pids_of(engine, b)?);
             let r = clade_ct::audit_with_control(&pa, &pb, &pc, &pd);
             drop(pair);
             (r, ControlInfo { kind: "cold pair", template: Some(template), sandboxes: vec![] })

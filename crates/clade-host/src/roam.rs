@@ -20,7 +20,7 @@ use clade_ledger::{BranchId, Mark, NewBranch, NewMark, NewSandbox, RetentionPoli
 use clade_store::{ManifestId, TreeId};
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{check_id, conflict, invalid, not_found};
+use crate::error::{check_id, conflict, invalid, not_found};
 
 /// The mark role whose value is the ct overlay's lower directories (`a:b`), not a store id.
 const ROLE_ROOTFS: &str = "rootfs";

@@ -12,6 +12,8 @@ use base64::Engine as _;
 use clade_agent::client::{AgentClient, ClientError, ProcEvent, Process};
 use clade_agent::proto::{ExecSpec, PtySize};
 
+use clade_core::ErrorKind;
+
 use super::protocol::{ProcListing, ProcSpec, StreamEvent};
 
 struct Entry {
@@ -82,7 +84,7 @@ impl Procs {
                     return;
                 }
                 Err(e) => {
-                    self.finish(pid, serial, StreamEvent::Error { code: 1, message: format!("process {pid}: {e}") });
+                    self.finish(pid, serial, StreamEvent::Error { kind: ErrorKind::Internal, message: format!("process {pid}: {e}") });
                     return;
                 }
             };
@@ -129,7 +131,7 @@ impl Procs {
         let mut t = lock(&self.table);
         for (_, e) in t.drain() {
             for s in e.subs {
-                let _ = s.send(StreamEvent::Error { code: 1, message: why.to_string() });
+                let _ = s.send(StreamEvent::Error { kind: ErrorKind::Internal, message: why.to_string() });
             }
         }
     }

@@ -5,7 +5,9 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, ErrorKind, OpError};
+
+use crate::error::kinded;
 
 use super::protocol::{Request, Response, StreamEvent};
 
@@ -18,14 +20,14 @@ pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<se
         // The connection broke without an answer and the supervisor no longer listens: it ended meanwhile (a
         // suspend or kill that ran concurrently, or it died). That is a conflict with the sandbox's state, not
         // a failure of this request's handling.
-        Err(e) if e.downcast_ref::<ExitCoded>().is_none() && supervisor_ends(home, sandbox) => {
-            Err(anyhow!(ExitCoded::new(
-                4,
+        Err(e) if e.downcast_ref::<OpError>().is_none() && supervisor_ends(home, sandbox) => {
+            Err(kinded(
+                ErrorKind::Conflict,
                 format!(
                     "sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
                          meanwhile, or died; see `clade ls`"
-                )
-            )))
+                ),
+            ))
         }
         other => other,
     }
@@ -44,10 +46,10 @@ fn supervisor_ends(home: &CladeHome, sandbox: &str) -> bool {
 fn connect(home: &CladeHome, sandbox: &str) -> anyhow::Result<UnixStream> {
     let sock = super::ctl_socket(home, sandbox);
     super::connect_unix(&sock).map_err(|e| {
-        anyhow!(ExitCoded::new(
-            3,
-            format!("sandbox {sandbox} has no live supervisor ({}: {e}); see `clade ls`", sock.display())
-        ))
+        kinded(
+            ErrorKind::NotFound,
+            format!("sandbox {sandbox} has no live supervisor ({}: {e}); see `clade ls`", sock.display()),
+        )
     })
 }
 
@@ -69,7 +71,7 @@ fn read_response(r: &mut impl BufRead, sandbox: &str) -> anyhow::Result<serde_js
     if resp.ok {
         Ok(resp.body)
     } else {
-        Err(anyhow!(ExitCoded::new(resp.code.unwrap_or(1), resp.error.unwrap_or_else(|| "failed".into()))))
+        Err(kinded(resp.kind.unwrap_or(ErrorKind::Internal), resp.error.unwrap_or_else(|| "failed".into())))
     }
 }
 
@@ -118,7 +120,7 @@ pub fn open_stream(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Re
     let mut es = EventStream { r: BufReader::new(s), done: false };
     match es.next() {
         Some(Ok(StreamEvent::Start { pid })) => Ok((pid, es)),
-        Some(Ok(StreamEvent::Error { code, message })) => Err(anyhow!(ExitCoded::new(code, message))),
+        Some(Ok(StreamEvent::Error { kind, message })) => Err(kinded(kind, message)),
         Some(Ok(other)) => Err(anyhow!("the process stream began with {other:?} instead of start")),
         Some(Err(e)) => Err(e),
         None => Err(anyhow!("the process stream ended before it began")),

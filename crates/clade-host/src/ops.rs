@@ -1,8 +1,7 @@
 //! The sandbox operations as one library: what `clade run|fork|exec|mark|retake|suspend|resume|kill|ls|marks`
 //! do, callable from the CLI (embedded), from `clade serve` (the HTTP API) and from the E2B surface, so the three
-//! faces cannot drift apart. Each answer is a JSON value with one shape for all of them; errors carry
-//! [`ExitCoded`] codes (2 usage, 3 not found, 4 conflict, 5 resource) that the CLI turns into exit codes and the
-//! API into HTTP statuses.
+//! faces cannot drift apart. Each answer is a JSON value with one shape for all of them; errors carry an
+//! [`ErrorKind`] (see `error`) that the CLI turns into exit codes and the API into HTTP statuses.
 //!
 //! Running sandboxes live in their supervisor processes (see `supervisor/`); this module starts them, finds them
 //! through the ledger and talks to them over their control sockets. It holds no sandbox itself, so a daemon that
@@ -11,45 +10,19 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context};
+use anyhow::anyhow;
 use base64::Engine as _;
 use clade_core::backend::BackendKind;
 use clade_core::engine::{from_ledger, Engine};
-use clade_core::{CladeHome, ExitCoded};
+use clade_core::{CladeHome, ErrorKind};
 use clade_ledger::{Mark, SandboxId, SandboxState};
 use serde::{Deserialize, Serialize};
 
-use crate::supervisor::protocol::{Ready, Request};
-use crate::supervisor::{client, ready_file, sup_dir};
-
-/// How long a start or resume may take before the caller gives up (a cold vm start under TCG is seconds).
-const READY_TIMEOUT: Duration = Duration::from_secs(180);
-
-pub fn not_found(msg: impl Into<String>) -> anyhow::Error {
-    anyhow!(ExitCoded::new(3, msg))
-}
-
-pub fn conflict(msg: impl Into<String>) -> anyhow::Error {
-    anyhow!(ExitCoded::new(4, msg))
-}
-
-pub fn invalid(msg: impl Into<String>) -> anyhow::Error {
-    anyhow!(ExitCoded::new(2, msg))
-}
-
-/// A sandbox id names a directory under `$CLADE_HOME/run`: letters, digits, `.`, `_`, `-`, not starting with
-/// a dot, at most 128 bytes, so no id can reach outside it.
-pub fn check_id(id: &str) -> anyhow::Result<()> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(invalid(format!("sandbox id {id:?}: use letters, digits, '.', '_' and '-' (not leading '.')")))
-    }
-}
+pub use crate::error::check_id;
+use crate::error::{conflict, invalid, kinded, not_found};
+use crate::supervisor::client;
+use crate::supervisor::protocol::Request;
+use crate::supervisor::start::{fork_mark, spawn_supervisor, supervisor_alive, wait_ready, READY_TIMEOUT};
 
 /// A command to run in a sandbox.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -273,7 +246,7 @@ impl Ops {
                 StreamEvent::Exit { code, signal } => {
                     ExecEvent::Exit { code: code.unwrap_or_else(|| 128 + signal.unwrap_or(0)), signal }
                 }
-                StreamEvent::Error { code, message } => return Err(anyhow!(ExitCoded::new(code, message))),
+                StreamEvent::Error { kind, message } => return Err(kinded(kind, message)),
             })
         });
         Ok(std::iter::once(Ok(ExecEvent::Pid(pid))).chain(rest))
@@ -413,7 +386,7 @@ impl Ops {
     /// A "not found" from a sandbox's supervisor, said in the ledger's words when the sandbox is not running: a
     /// suspended or failed one is a conflict (resume it first), a dead or unknown one is not found.
     fn explain(&self, sandbox: &str, e: anyhow::Error) -> anyhow::Error {
-        if crate::cmd::exit_code(&e) != 3 {
+        if crate::error::kind(&e) != ErrorKind::NotFound {
             return e;
         }
         match self.engine.ledger().sandbox(&SandboxId::new(sandbox)) {
@@ -485,12 +458,12 @@ impl Ops {
 
     /// Retention, then the store: see [`crate::gc`].
     pub fn gc(&self, dry_run: bool) -> anyhow::Result<serde_json::Value> {
-        Ok(serde_json::to_value(crate::gc::gc(self, dry_run)?)?)
+        Ok(serde_json::to_value(crate::gc::gc(&self.engine, dry_run)?)?)
     }
 
     /// Ledger against host: see [`crate::audit`].
     pub fn audit(&self, fix: bool) -> anyhow::Result<serde_json::Value> {
-        Ok(serde_json::to_value(crate::audit::audit(self, fix)?)?)
+        Ok(serde_json::to_value(crate::audit::audit(&self.engine, fix)?)?)
     }
 
     /// The sibling audit of two running ct sandboxes: see [`crate::siblings`].
@@ -500,7 +473,7 @@ impl Ops {
         b: &str,
         control: crate::siblings::Control,
     ) -> anyhow::Result<serde_json::Value> {
-        crate::siblings::audit_siblings(self, a, b, control)
+        crate::siblings::audit_siblings(&self.engine, a, b, control)
     }
 
     /// Refuse a mark (or suspend) that might not fit: the store's filesystem needs the sandbox's last mark's
@@ -518,15 +491,15 @@ impl Ops {
         let need = last_growth.max(GIB) + reserve_bytes();
         let free = clade_core::host::space(&self.home().store_dir()).map(|s| s.0).unwrap_or(u64::MAX);
         if free < need {
-            return Err(anyhow!(ExitCoded::new(
-                5,
+            return Err(kinded(
+                ErrorKind::NoSpace,
                 format!(
                     "not enough room for a mark of {sandbox}: {} MiB free in the store, {} MiB needed (last \
                      mark's growth or 1 GiB, plus the reserve); free space or set CLADE_RESERVE_MIB",
                     free >> 20,
                     need >> 20
                 )
-            )));
+            ));
         }
         Ok(())
     }
@@ -555,99 +528,3 @@ fn row_of(s: &clade_ledger::SandboxRecord) -> serde_json::Value {
     })
 }
 
-/// Start a supervisor for `sandbox` restoring `mark`, detached ([`crate::supervisor::spawn_detached`]).
-pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<u32> {
-    let dir = sup_dir(home, sandbox.as_str());
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    let _ = std::fs::remove_file(ready_file(home, sandbox.as_str()));
-    let log = std::fs::File::create(crate::supervisor::log_file(home, sandbox.as_str()))?;
-    let generation = generation.to_string();
-    crate::supervisor::spawn_detached(
-        home,
-        &["--sandbox", sandbox.as_str(), "--mark", mark.id.as_str(), "--generation", &generation],
-        log,
-    )
-}
-
-/// Wait for a starting supervisor's ready file. A supervisor (`pid`) that ends without writing it answers at
-/// once as not ok, with its log, and its ledger row (still `starting`) is marked failed, so nothing waits for
-/// the whole timeout nor stays `starting` forever.
-pub fn wait_ready(engine: &Engine, sandbox: &SandboxId, pid: Option<u32>, timeout: Duration) -> anyhow::Result<Ready> {
-    let home = &engine.home;
-    let path = ready_file(home, sandbox.as_str());
-    let start = Instant::now();
-    let read = || std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Ready>(&b).ok());
-    loop {
-        if let Some(r) = read() {
-            return Ok(r);
-        }
-        if pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()) {
-            if let Some(r) = read() {
-                return Ok(r);
-            }
-            let log = std::fs::read_to_string(crate::supervisor::log_file(home, sandbox.as_str())).unwrap_or_default();
-            let error = format!("its supervisor ended before the sandbox was ready: {}", log.trim());
-            let l = engine.ledger();
-            if l.sandbox(sandbox).is_ok_and(|r| r.state == SandboxState::Starting) {
-                let _ = l.set_sandbox_state(sandbox, SandboxState::Failed, Some(&error));
-            }
-            return Ok(serde_json::from_value(serde_json::json!({"ok": false, "sandbox": sandbox, "error": error}))?);
-        }
-        if start.elapsed() > timeout {
-            let log = std::fs::read_to_string(crate::supervisor::log_file(home, sandbox.as_str())).unwrap_or_default();
-            return Err(anyhow!("sandbox {sandbox} not ready after {timeout:?}; supervisor log: {}", log.trim()));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// Fork `count` siblings of a mark: claim warm-pool members first (all at once), start supervisors for the
-/// rest, wait for all, then refill the pool in the background.
-pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Vec<Ready>, Duration)> {
-    use crate::supervisor::pool;
-    let home = &engine.home;
-    let start = Instant::now();
-    let mut claimed = Vec::new();
-    let mut cold = Vec::new();
-    for _ in 0..count {
-        match pool::take(home, mark.id.as_str()) {
-            Some(m) => claimed.push(m),
-            None => {
-                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark)).map_err(|e| {
-                    // The mark was collected between resolving it and recording the sandbox.
-                    match engine.ledger().collecting(mark.id.as_str()) {
-                        Ok(Some(_)) => conflict(format!("mark {} is being collected (`clade gc`)", mark.id)),
-                        _ => e.into(),
-                    }
-                })?;
-                let pid = spawn_supervisor(home, &rec.id, mark, 1)?;
-                cold.push((rec.id, pid));
-            }
-        }
-    }
-    let any_claimed = !claimed.is_empty();
-    let mut out = Vec::new();
-    std::thread::scope(|scope| -> anyhow::Result<()> {
-        let handles: Vec<_> =
-            claimed.into_iter().map(|(id, conn)| scope.spawn(move || pool::claim(engine, mark, &id, conn))).collect();
-        for h in handles {
-            out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
-        }
-        Ok(())
-    })?;
-    for (id, pid) in &cold {
-        out.push(wait_ready(engine, id, Some(*pid), READY_TIMEOUT)?);
-    }
-    let took = start.elapsed();
-    if any_claimed {
-        let _ = pool::refill(home, mark.id.as_str());
-    }
-    Ok((out, took))
-}
-
-/// Whether a supervisor pid is alive (and is a clade supervisor, not a reused pid).
-pub fn supervisor_alive(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| String::from_utf8_lossy(&c).contains("supervise"))
-        .unwrap_or(false)
-}

@@ -1,7 +1,7 @@
 //! Admission for run, fork and resume: measure what runs on this host, ask
 //! [`clade_core::admission::decide`] whether the new sandboxes fit, and act on its answer: start them, start them
 //! after suspending the idlest sandboxes (only when the caller allowed it), or refuse naming the resource
-//! ([`Refused`]: exit code 5, HTTP 429 for memory or CPU, 507 for disk).
+//! (kind `no_capacity` for memory or CPU, which may free up; `no_space` for disk, which needs a person).
 //!
 //! Measuring must stay cheap, because every fork pays for it: a `ct` sandbox's memory is its memory cgroup's
 //! charge (one file read; its tmpfs upper is charged there too), and it reserves no vCPU (a container has no vCPU
@@ -16,21 +16,14 @@
 use std::collections::BTreeMap;
 
 use anyhow::anyhow;
-use clade_core::admission::{decide, Capacity, Decision, Policy, Request, Resource, Running};
+use clade_core::admission::{decide, Capacity, Decision, Policy, Request, Running};
 use clade_core::backend::BackendKind;
 use clade_core::engine::{from_ledger, Engine};
+use clade_core::ErrorKind;
 use clade_ledger::{Mark, MarkId, SandboxState};
 
 use crate::supervisor::client;
 use crate::supervisor::protocol::Request as SupRequest;
-
-/// A start refused for want of a resource (exit code 5; HTTP 429 for memory or CPU, 507 for disk).
-#[derive(Debug, thiserror::Error)]
-#[error("{message}")]
-pub struct Refused {
-    pub resource: Resource,
-    pub message: String,
-}
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
@@ -86,7 +79,7 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
     let mut marks: BTreeMap<String, Option<Mark>> = BTreeMap::new();
     let mut out = Vec::new();
     for s in rows {
-        if !s.supervisor_pid.is_some_and(crate::ops::supervisor_alive) {
+        if !s.supervisor_pid.is_some_and(crate::supervisor::start::supervisor_alive) {
             continue;
         }
         let origin = s.origin_mark.as_ref().map(|m| m.as_str().to_string());
@@ -188,9 +181,9 @@ pub fn admit(
             );
             Ok(sandboxes)
         }
-        Decision::Refuse { resource, reason, .. } => Err(anyhow!(Refused {
-            resource,
-            message: format!("cannot start {count} sandbox(es) of mark {} here: {reason}", mark.id),
-        })),
+        Decision::Refuse { resource, reason, .. } => Err(crate::error::kinded(
+            ErrorKind::of_resource(resource),
+            format!("cannot start {count} sandbox(es) of mark {} here: {reason}", mark.id),
+        )),
     }
 }

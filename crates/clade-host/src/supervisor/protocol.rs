@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 
+use clade_core::ErrorKind;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -164,7 +165,7 @@ pub enum StreamEvent {
     },
     /// The stream ends without an exit (the sandbox ended or was retaken, or the request failed).
     Error {
-        code: i32,
+        kind: ErrorKind,
         message: String,
     },
 }
@@ -188,19 +189,19 @@ pub struct Response {
     pub ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// For errors: the exit code the CLI should use (2 bad request, 3 not found, 4 conflict, 5 resource, 1 other).
+    /// For errors: what kind of failure (the faces above say it as an exit code or an HTTP status).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub code: Option<i32>,
+    pub kind: Option<ErrorKind>,
     #[serde(default)]
     pub body: serde_json::Value,
 }
 
 impl Response {
     pub fn ok(body: serde_json::Value) -> Self {
-        Response { ok: true, error: None, code: None, body }
+        Response { ok: true, error: None, kind: None, body }
     }
-    pub fn err(code: i32, error: impl Into<String>) -> Self {
-        Response { ok: false, error: Some(error.into()), code: Some(code), body: serde_json::Value::Null }
+    pub fn err(kind: ErrorKind, error: impl Into<String>) -> Self {
+        Response { ok: false, error: Some(error.into()), kind: Some(kind), body: serde_json::Value::Null }
     }
 }
 

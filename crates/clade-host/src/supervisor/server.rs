@@ -14,7 +14,7 @@ use clade_agent::client::{AgentClient, ClientError};
 use clade_agent::proto::{AgentError, ExecSpec, FileType};
 use clade_core::backend::{Backend, MarkOptions, Sandbox};
 use clade_core::engine::{Engine, EngineError};
-use clade_core::CladeHome;
+use clade_core::{CladeHome, ErrorKind};
 use clade_ledger::{MarkId, SandboxId, SandboxState};
 
 use super::procs::Procs;
@@ -207,7 +207,7 @@ impl Supervisor {
     /// A handle on the running sandbox's agent (cheap: a shared connection).
     fn agent(&self) -> Result<AgentClient, Response> {
         lock(&self.sandbox).as_ref().map(|s| s.agent().clone()).ok_or_else(|| {
-            Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)")
+            Response::err(ErrorKind::Conflict, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)")
         })
     }
 
@@ -309,7 +309,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
     let req = match serde_json::from_str::<Request>(&line) {
         Ok(r) => r,
         Err(e) => {
-            let _ = send_line(&mut out, &Response::err(2, format!("bad request: {e}")));
+            let _ = send_line(&mut out, &Response::err(ErrorKind::Invalid, format!("bad request: {e}")));
             return;
         }
     };
@@ -327,7 +327,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
                 Err(r) => {
                     let _ = send_line(
                         &mut out,
-                        &StreamEvent::Error { code: r.code.unwrap_or(1), message: r.error.unwrap_or_default() },
+                        &StreamEvent::Error { kind: r.kind.unwrap_or(ErrorKind::Internal), message: r.error.unwrap_or_default() },
                     );
                 }
             }
@@ -336,7 +336,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             Some(rx) => pipe_events(&mut out, pid, rx),
             None => {
                 let msg = format!("no running process {pid} started through this sandbox's supervisor");
-                let _ = send_line(&mut out, &StreamEvent::Error { code: 3, message: msg });
+                let _ = send_line(&mut out, &StreamEvent::Error { kind: ErrorKind::NotFound, message: msg });
             }
         },
         Request::ReadStream { path } => read_stream(sup, &mut out, &path),
@@ -404,7 +404,7 @@ fn read_stream(sup: &Supervisor, out: &mut UnixStream, path: &str) {
         }
     };
     if st.file_type == FileType::Dir {
-        let _ = send_line(out, &Response::err(2, format!("{path} is a directory: list it instead")));
+        let _ = send_line(out, &Response::err(ErrorKind::Invalid, format!("{path} is a directory: list it instead")));
         return;
     }
     if send_line(out, &Response::ok(serde_json::json!({"size": st.size}))).is_err() {
@@ -431,51 +431,39 @@ fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, mode: Option<
     }
 }
 
-/// The supervisor's error code for an agent failure: 2 bad input, 3 not found, 4 conflict, 1 other.
-pub fn agent_code(e: &ClientError) -> i32 {
+/// The kind of an agent failure: bad input, not found, or the kind of the OS error it reports.
+pub fn agent_kind(e: &ClientError) -> ErrorKind {
     match e {
         ClientError::Agent(a) => match a {
-            AgentError::NotFound { .. } | AgentError::NoSuchProcess { .. } => 3,
-            AgentError::BadPath { .. } | AgentError::BadRequest { .. } | AgentError::IsADirectory { .. } => 2,
-            AgentError::Os { errno, .. } if *errno == libc_errno::EEXIST || *errno == libc_errno::ENOTEMPTY => 4,
-            AgentError::Os { errno, .. } if *errno == libc_errno::ENOENT => 3,
-            AgentError::Os { errno, .. } if *errno == libc_errno::ENOTDIR || *errno == libc_errno::EISDIR => 2,
-            AgentError::Os { errno, .. } if *errno == libc_errno::EACCES || *errno == libc_errno::EPERM => 6,
-            AgentError::Os { errno, .. } if *errno == libc_errno::ENOSPC => 5,
-            _ => 1,
+            AgentError::NotFound { .. } | AgentError::NoSuchProcess { .. } => ErrorKind::NotFound,
+            AgentError::BadPath { .. } | AgentError::BadRequest { .. } | AgentError::IsADirectory { .. } => {
+                ErrorKind::Invalid
+            }
+            AgentError::Os { errno, .. } => ErrorKind::of_errno(*errno),
+            _ => ErrorKind::Internal,
         },
-        _ => 1,
+        _ => ErrorKind::Internal,
     }
 }
 
-mod libc_errno {
-    pub const EPERM: i32 = 1;
-    pub const ENOENT: i32 = 2;
-    pub const EACCES: i32 = 13;
-    pub const EEXIST: i32 = 17;
-    pub const ENOTDIR: i32 = 20;
-    pub const EISDIR: i32 = 21;
-    pub const ENOSPC: i32 = 28;
-    pub const ENOTEMPTY: i32 = 39;
-}
-
 fn client_err(what: &str, e: ClientError) -> Response {
-    Response::err(agent_code(&e), format!("{what}: {e}"))
+    Response::err(agent_kind(&e), format!("{what}: {e}"))
 }
 
 /// A command the agent could not start (no such program, not executable, a bad working directory) is the
-/// caller's input (2), not the sandbox's failure.
+/// caller's input, not the sandbox's failure.
 fn start_err(argv0: &str, e: ClientError) -> Response {
-    match (&e, agent_code(&e)) {
-        (_, 2 | 3 | 6) | (ClientError::Agent(AgentError::Os { errno: 0, .. }), _) => {
-            Response::err(2, format!("argv: cannot start {argv0:?}: {e}"))
+    match (&e, agent_kind(&e)) {
+        (_, ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Permission)
+        | (ClientError::Agent(AgentError::Os { errno: 0, .. }), _) => {
+            Response::err(ErrorKind::Invalid, format!("argv: cannot start {argv0:?}: {e}"))
         }
-        (_, c) => Response::err(c, format!("exec: {e}")),
+        (_, k) => Response::err(k, format!("exec: {e}")),
     }
 }
 
 fn engine_err(e: EngineError) -> Response {
-    Response::err(e.exit_code(), e.to_string())
+    Response::err(ErrorKind::from(&e), e.to_string())
 }
 
 /// Ops that share the sandbox with others.
@@ -497,11 +485,11 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
         }
         Request::Exec { argv, env, cwd, stdin_b64 } => {
             if argv.is_empty() {
-                return Response::err(2, "exec needs a command");
+                return Response::err(ErrorKind::Invalid, "exec needs a command");
             }
             let stdin = match stdin_b64.map(|s| b64.decode(s)) {
                 Some(Ok(b)) => Some(b),
-                Some(Err(e)) => return Response::err(2, format!("stdin_b64: {e}")),
+                Some(Err(e)) => return Response::err(ErrorKind::Invalid, format!("stdin_b64: {e}")),
                 None => None,
             };
             let start = Instant::now();
@@ -532,19 +520,19 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
             }
         }
         Request::WriteFile { path, data_b64, mode } => match b64.decode(data_b64) {
-            Err(e) => Response::err(2, format!("data_b64: {e}")),
+            Err(e) => Response::err(ErrorKind::Invalid, format!("data_b64: {e}")),
             Ok(data) => match agent.write_file_bytes(&path, &data, mode) {
                 Ok(n) => Response::ok(serde_json::json!({"bytes": n})),
-                Err(e) => Response::err(1, format!("write {path}: {e}")),
+                Err(e) => Response::err(ErrorKind::Internal, format!("write {path}: {e}")),
             },
         },
         Request::ReadFile { path } => match agent.read_file_vec(&path) {
             Ok(data) => Response::ok(serde_json::json!({"data_b64": b64.encode(data)})),
-            Err(e) => Response::err(3, format!("read {path}: {e}")),
+            Err(e) => Response::err(ErrorKind::NotFound, format!("read {path}: {e}")),
         },
         Request::ProcStart(spec) => {
             if spec.argv.is_empty() {
-                return Response::err(2, "proc_start needs a command");
+                return Response::err(ErrorKind::Invalid, "proc_start needs a command");
             }
             let argv0 = spec.argv[0].clone();
             match sup.procs.start(agent, spec) {
@@ -556,7 +544,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
         Request::ProcInput { pid, data_b64 } => {
             let data = match b64.decode(data_b64) {
                 Ok(d) => d,
-                Err(e) => return Response::err(2, format!("data_b64: {e}")),
+                Err(e) => return Response::err(ErrorKind::Invalid, format!("data_b64: {e}")),
             };
             if !sup.procs.contains(pid) {
                 return no_proc(pid);
@@ -577,7 +565,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
         Request::Mkdir { path } => {
             match agent.stat(&path) {
                 Ok(st) if st.file_type == FileType::Dir => return Response::ok(serde_json::json!({"created": false})),
-                Ok(_) => return Response::err(4, format!("{path} exists and is not a directory")),
+                Ok(_) => return Response::err(ErrorKind::Conflict, format!("{path} exists and is not a directory")),
                 Err(_) => {}
             }
             match agent.mkdir_p(&path, None) {
@@ -588,12 +576,12 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
         Request::Move { from, to } => done(agent.rename(&from, &to), &format!("move {from} to {to}")),
         Request::Remove { path } => done(agent.remove(&path, true), &format!("remove {path}")),
         // Streams and exclusive ops are routed before this.
-        _ => Response::err(2, "this op cannot be served here"),
+        _ => Response::err(ErrorKind::Invalid, "this op cannot be served here"),
     }
 }
 
 fn no_proc(pid: u32) -> Response {
-    Response::err(3, format!("no running process {pid} started through this sandbox's supervisor"))
+    Response::err(ErrorKind::NotFound, format!("no running process {pid} started through this sandbox's supervisor"))
 }
 
 fn known(sup: &Supervisor, pid: u32, f: impl FnOnce() -> Result<(), ClientError>, what: &str) -> Response {
@@ -648,7 +636,7 @@ fn shed_store_memory(sup: &Supervisor) {
 fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
     let mut slot = lock(&sup.sandbox);
     if slot.is_none() {
-        return (Response::err(4, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"), None);
+        return (Response::err(ErrorKind::Conflict, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"), None);
     }
     match req {
         Request::Mark { label, keep, not_clean } => {
@@ -670,7 +658,7 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
             let rec = sup.engine.ledger().sandbox(&sup.id);
             let branch = match rec {
                 Ok(r) => r.branch,
-                Err(e) => return (Response::err(1, e.to_string()), None),
+                Err(e) => return (Response::err(ErrorKind::Internal, e.to_string()), None),
             };
             let sbx = slot.take().expect("checked above");
             sup.procs.forget_all("the sandbox was suspended");
@@ -691,14 +679,14 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                     }
                     Err(e) => (engine_err(e), Some(End::Killed)),
                 },
-                Err(e) => (Response::err(1, format!("suspend: {e}")), Some(End::Killed)),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("suspend: {e}")), Some(End::Killed)),
             }
         }
         Request::Kill => {
             sup.procs.forget_all("the sandbox was killed");
             (Response::ok(serde_json::json!({"killed": sup.id.as_str()})), Some(End::Killed))
         }
-        _ => (Response::err(2, "this op cannot be served here"), None),
+        _ => (Response::err(ErrorKind::Invalid, "this op cannot be served here"), None),
     }
 }
 
@@ -713,11 +701,11 @@ fn retake(sup: &Supervisor, slot: &mut Option<Box<dyn Sandbox>>, mark: &str) -> 
     let rec = sup.engine.ledger().sandbox(&sup.id);
     let branch = match rec {
         Ok(r) => r.branch,
-        Err(e) => return Response::err(1, e.to_string()),
+        Err(e) => return Response::err(ErrorKind::Internal, e.to_string()),
     };
     let moved = sup.engine.ledger().set_head(&branch, &target.id);
     if let Err(e) = moved {
-        return Response::err(4, format!("cannot retake to {}: {e}", target.id));
+        return Response::err(ErrorKind::Conflict, format!("cannot retake to {}: {e}", target.id));
     }
     sup.procs.forget_all(&format!("the sandbox was retaken to mark {}", target.id));
     if let Some(old) = slot.take() {

@@ -211,7 +211,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
 pub(crate) fn base_readiness(engine: &Engine, mark: &Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
     let base = engine.ledger().bases().ok()?.into_iter().find(|b| b.mark == mark.id)?;
     let record = clade_template::find(&engine.home, base.template.as_str()).ok()?;
-    crate::cmd::base::ready_target(&record).map(|t| (t, Duration::from_secs(120)))
+    crate::base::ready_target(&record).map(|t| (t, Duration::from_secs(120)))
 }
 
 struct RemoveOnDrop(PathBuf);

@@ -8,10 +8,13 @@ pub mod pool;
 pub mod procs;
 pub mod protocol;
 pub mod server;
+pub mod start;
 
 use std::path::{Path, PathBuf};
 
+use clade_core::engine::{from_ledger, Engine};
 use clade_core::CladeHome;
+use clade_ledger::{MarkId, SandboxId};
 
 /// The supervisor's own directory: `$CLADE_HOME/run/<sandbox>.sup/` (the backend's run dir is `run/<sandbox>/`).
 pub fn sup_dir(home: &CladeHome, sandbox: &str) -> PathBuf {
@@ -55,13 +58,48 @@ pub fn connect_unix(path: &Path) -> std::io::Result<std::os::unix::net::UnixStre
     via_short_path(path, |p| std::os::unix::net::UnixStream::connect(p))
 }
 
-/// Start `clade supervise ARGS...` detached: its own process group (it outlives the CLI and the daemon),
-/// stdin closed, output to `log`, `CLADE_HOME` passed on. A long-lived parent (the daemon) reaps it when it
-/// ends, so none lingers as a zombie; a CLI that exits first hands it to init. Returns its pid.
+/// What a supervisor process is started with: `<exe> supervise ARGS...`. The `clade` binary carries the
+/// `supervise` subcommand; a program that links this library without being `clade` (a bench, a test) starts
+/// `clade`'s. So: `$CLADE_SUPERVISOR` when set, else the running executable when it is `clade`, else a `clade`
+/// beside it or up to two directories above it (cargo puts test and bench binaries under `target/*/deps`).
+pub fn supervisor_exe() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_SUPERVISOR") {
+        return Ok(p.into());
+    }
+    let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("locate the running executable: {e}"))?;
+    if exe.file_name().is_some_and(|n| n == "clade") {
+        return Ok(exe);
+    }
+    exe.ancestors().skip(1).take(3).map(|d| d.join("clade")).find(|p| p.is_file()).ok_or_else(|| {
+        anyhow::anyhow!(
+            "{} is not clade and no clade binary is beside it: set CLADE_SUPERVISOR to the clade binary that \
+             runs supervisors",
+            exe.display()
+        )
+    })
+}
+
+/// The supervisor process itself (`clade supervise`): open the mark's backend, then serve the sandbox until it
+/// ends, or (`pool`) prepare a restore of the mark and wait in its warm pool.
+pub fn run_process(sandbox: &str, mark: &str, generation: u64, pool: bool) -> anyhow::Result<()> {
+    let home = CladeHome::from_env();
+    let engine = Engine::open(&home)?;
+    let mark = engine.ledger().mark(&MarkId::new(mark.to_string()))?;
+    let backend = crate::backends::open(&engine, from_ledger(mark.backend))?;
+    if pool {
+        pool::run_member(engine, backend, mark)
+    } else {
+        server::run(engine, backend, SandboxId::new(sandbox), mark.id, generation)
+    }
+}
+
+/// Start `<supervisor_exe> supervise ARGS...` detached: its own process group (it outlives the CLI and the
+/// daemon), stdin closed, output to `log`, `CLADE_HOME` passed on. A long-lived parent (the daemon) reaps it
+/// when it ends, so none lingers as a zombie; a CLI that exits first hands it to init. Returns its pid.
 pub fn spawn_detached(home: &CladeHome, args: &[&str], log: std::fs::File) -> anyhow::Result<u32> {
     use anyhow::Context;
     use std::os::unix::process::CommandExt;
-    let exe = std::env::current_exe().context("locate the clade binary")?;
+    let exe = supervisor_exe()?;
     let mut child = std::process::Command::new(exe)
         .arg("supervise")
         .args(args)

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use clade_ledger::{CollectOptions, CollectReport};
 use serde::Serialize;
 
-use crate::ops::Ops;
+use clade_core::engine::Engine;
 
 #[derive(Debug, Serialize)]
 pub struct GcOutcome {
@@ -40,9 +40,8 @@ pub struct GcOutcome {
 }
 
 /// Collect the ledger's retention, then the store. `dry_run` reports what a real run would do now.
-pub fn gc(ops: &Ops, dry_run: bool) -> anyhow::Result<GcOutcome> {
+pub fn gc(engine: &Engine, dry_run: bool) -> anyhow::Result<GcOutcome> {
     let start = Instant::now();
-    let engine = &ops.engine;
     let ledger = engine.ledger().collect(&CollectOptions { dry_run, branch: None })?;
     pause_for_tests();
     // Manifests no mark names: this run's, and any a run killed mid-way left published.
@@ -189,7 +188,7 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
 }
 
 /// Bytes of the regular files under `p` (symlinks not followed); also the bench's store footprint.
-pub(crate) fn dir_bytes(p: &Path) -> u64 {
+pub fn dir_bytes(p: &Path) -> u64 {
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => {
             std::fs::read_dir(p).map(|rd| rd.flatten().map(|e| dir_bytes(&e.path())).sum()).unwrap_or(0)
