@@ -93,7 +93,7 @@ pub fn spawn_reaper<H: Host>(app: Arc<App<H>>, every: Duration) -> tokio::task::
     })
 }
 
-/// `router` behind the doors the native API has too (clade_api::doors): no `Origin`, a `Host` naming the
+/// `router` behind the doors the native API has too (clade_http::doors): no `Origin`, a `Host` naming the
 /// listener (`hosts`). A refusal is a 403 in E2B's error shape, naming the door.
 pub fn with_doors(router: axum::Router, hosts: Vec<String>) -> axum::Router {
     router.layer(axum::middleware::from_fn_with_state(Arc::new(hosts), doors))
@@ -105,7 +105,7 @@ async fn doors(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    match clade_api::doors::check(&hosts, req.headers()) {
+    match clade_http::doors::check(&hosts, req.headers()) {
         Ok(()) => next.run(req).await,
         Err(r) => api::ApiError(axum::http::StatusCode::FORBIDDEN, r.message()).into_response(),
     }
@@ -120,11 +120,11 @@ pub async fn spawn<H: Host>(
     let api_l = tokio::net::TcpListener::bind(api_addr).await?;
     let envd_l = tokio::net::TcpListener::bind(envd_addr).await?;
     let (a, e) = (api_l.local_addr()?, envd_l.local_addr()?);
-    let api_r = with_doors(api::router(app.clone()), clade_api::doors::tcp_hosts(a));
-    let envd_r = with_doors(envd::router(app.clone()), clade_api::doors::tcp_hosts(e));
-    let limits = clade_api::Limits::default();
-    tokio::spawn(clade_api::serve(api_l, api_r, limits));
-    tokio::spawn(clade_api::serve(envd_l, envd_r, limits));
+    let api_r = with_doors(api::router(app.clone()), clade_http::doors::tcp_hosts(a));
+    let envd_r = with_doors(envd::router(app.clone()), clade_http::doors::tcp_hosts(e));
+    let limits = clade_http::Limits::default();
+    tokio::spawn(clade_http::serve(api_l, api_r, limits));
+    tokio::spawn(clade_http::serve(envd_l, envd_r, limits));
     spawn_reaper(app, Duration::from_secs(1));
     Ok((a, e))
 }

@@ -6,8 +6,6 @@
 
 mod bench;
 mod cmd;
-mod remote;
-mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -77,7 +75,7 @@ enum Command {
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(cmd::house::CompletionsArgs),
     /// The HTTP API (axum) over the same operations, on a unix socket under $CLADE_HOME by default.
-    Serve(serve::Args),
+    Serve(cmd::serve::Args),
     /// The fleet simulator: keep-running vs suspend-idle over a trace, with clade's measured costs.
     #[command(subcommand)]
     Fleet(cmd::fleet::Command),
@@ -152,7 +150,7 @@ fn main() {
         Command::Gc(a) => cmd::house::gc(a),
         Command::Audit(a) => cmd::house::audit(a),
         Command::Completions(a) => cmd::house::completions::<Cli>(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
         Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),

@@ -27,7 +27,7 @@ use clade_ledger::{Mark, SandboxState};
 
 use super::{median, percentile, Figure};
 use clade_host::ops::{ExecRequest, Ops};
-use crate::remote::Remote;
+use clade_api::client::Remote;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -402,7 +402,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         if cfg!(debug_assertions) { "debug" } else { "release" }
     );
     eprintln!("bench api: base {m} ({base}); {host}");
-    let key = crate::serve::load_or_create_key(&home)?;
+    let key = clade_api::load_or_create_key(&home)?;
     let sock = home.tmp_dir().join(format!("bench-api-{}.sock", std::process::id()));
     std::fs::create_dir_all(home.tmp_dir())?;
     let daemon = Daemon::start(&sock)?;

@@ -53,7 +53,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         anyhow::ensure!(out.stdout == b"hi\n", "echo hi printed {:?}", String::from_utf8_lossy(&out.stdout));
     }
     // Through the SDK: a `clade serve` with the E2B faces, a key, the script.
-    let key = crate::serve::e2b::create_key(&home)?;
+    let key = clade_api::e2b::create_key(&home)?;
     let exe = std::env::current_exe()?;
     let mut serve = Command::new(&exe)
         .args(["serve", "--listen", "127.0.0.1:0", "--e2b-api", "127.0.0.1:0", "--e2b-sandbox", "127.0.0.1:0"])

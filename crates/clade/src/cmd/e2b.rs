@@ -24,13 +24,13 @@ pub fn run(c: Command) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     match c {
         Command::Key(KeyCommand::Create) => {
-            println!("{}", crate::serve::e2b::create_key(&home)?);
+            println!("{}", clade_api::e2b::create_key(&home)?);
         }
         Command::Key(KeyCommand::Ls) => {
-            let n = std::fs::read_to_string(crate::serve::e2b::keys_file(&home))
+            let n = std::fs::read_to_string(clade_api::e2b::keys_file(&home))
                 .map(|s| s.lines().filter(|l| !l.trim().is_empty()).count())
                 .unwrap_or(0);
-            println!("{n} E2B API key(s) in {}", crate::serve::e2b::keys_file(&home).display());
+            println!("{n} E2B API key(s) in {}", clade_api::e2b::keys_file(&home).display());
         }
     }
     Ok(0)

@@ -2,7 +2,7 @@
 //! `CLADE_HOST` is set, like the sandbox operations.
 
 use super::sandbox::{face, print, Face};
-use crate::remote::encode;
+use clade_api::client::encode;
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]

@@ -11,6 +11,7 @@ pub mod pool;
 pub mod progress;
 pub mod roam;
 pub mod sandbox;
+pub mod serve;
 pub mod store;
 pub mod supervise;
 pub mod template;

@@ -2,7 +2,7 @@
 //! `clade resume SBX` pulls by itself when the sandbox is not on this host but was pushed.
 
 use super::sandbox::{face, print, Face};
-use crate::remote::encode;
+use clade_api::client::encode;
 
 #[derive(clap::Subcommand)]
 pub enum Command {

@@ -10,7 +10,7 @@ use clade_core::{CladeHome, ErrorKind, OpError};
 
 pub use clade_host::supervisor::start::fork_mark;
 use clade_host::ops::{ExecRequest, Ops};
-use crate::remote::{encode, Remote};
+use clade_api::client::{encode, Remote};
 
 #[derive(clap::Args)]
 pub struct RunArgs {

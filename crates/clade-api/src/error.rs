@@ -1,4 +1,4 @@
-//! Errors as HTTP: an operation's failure kind as its status (`clade_api::status`), with a JSON body
+//! Errors as HTTP: an operation's failure kind as its status (`clade_http::status`), with a JSON body
 //! `{"error": {"code", "message"}}`. A malformed JSON body is a 400 whose message names the field; one over
 //! [`JSON_LIMIT`] is a 413.
 
@@ -33,12 +33,12 @@ impl ApiError {
 
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> Self {
-        let kind = if e.chain().any(|c| c.is::<super::exec::ExecTimedOut>()) {
+        let kind = if e.chain().any(|c| c.is::<crate::exec::ExecTimedOut>()) {
             clade_core::ErrorKind::Timeout
         } else {
             clade_host::error::kind(&e)
         };
-        let (status, code) = clade_api::status::status_of(kind);
+        let (status, code) = crate::status::status_of(kind);
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         ApiError { status, code, message: format!("{e:#}") }
     }
@@ -117,8 +117,6 @@ mod tests {
         assert!(mem.message.contains("memory: needs"), "{}", mem.message);
         assert_eq!(refused(Resource::Cpu).status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(refused(Resource::Disk).status, StatusCode::INSUFFICIENT_STORAGE);
-        let coded = clade_host::error::kinded(ErrorKind::of_resource(Resource::Cpu), "cpu");
-        assert_eq!(crate::cmd::exit_code(&coded), 5);
     }
 
     #[test]

@@ -1,17 +1,7 @@
-//! `clade serve`: the HTTP API over the same operations as the CLI ([`clade_host::ops`]), on a unix socket under
-//! `$CLADE_HOME` by default, or on TCP. Sandboxes are not held by the daemon: each lives in its supervisor
+//! The daemon (`clade serve`): the HTTP API over the same operations as the CLI ([`clade_host::ops`]), on a unix
+//! socket under `$CLADE_HOME` by default, or on TCP. Sandboxes are not held by the daemon: each lives in its supervisor
 //! process, so a daemon restart finds every one again through the ledger, and an in-flight request fails
 //! cleanly (its connection closes) while the sandbox carries on.
-
-mod doors;
-pub mod e2b;
-mod e2b_keys;
-mod error;
-mod exec;
-mod idle;
-mod lock;
-mod metrics;
-pub mod routes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,42 +14,34 @@ use axum::middleware::Next;
 use axum::response::Response;
 use clade_core::CladeHome;
 
-pub use doors::load_or_create_key;
-
 use clade_host::ops::Ops;
 
-#[derive(clap::Args)]
-pub struct Args {
-    /// Where to listen: `unix:PATH` or `HOST:PORT` (repeatable). Default: unix:$CLADE_HOME/api.sock.
-    #[arg(long)]
+use crate::{doors, e2b, idle, lock, metrics, routes};
+
+/// How the daemon listens and what it allows (the `clade serve` flags).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where to listen: `unix:PATH` or `HOST:PORT`. Empty: unix:$CLADE_HOME/api.sock.
     pub listen: Vec<String>,
-    /// Also answer E2B's control plane here (HOST:PORT), for the official E2B SDKs.
-    #[arg(long, requires = "e2b_sandbox")]
-    pub e2b_api: Option<SocketAddr>,
-    /// ... and E2B's in-sandbox API (envd) here (HOST:PORT).
-    #[arg(long, requires = "e2b_api")]
-    pub e2b_sandbox: Option<SocketAddr>,
+    /// Also answer E2B's control plane and its in-sandbox API (envd) on these addresses.
+    pub e2b: Option<(SocketAddr, SocketAddr)>,
     /// Largest file upload accepted, MiB (larger: 413).
-    #[arg(long, default_value_t = 1024)]
     pub max_upload_mib: u64,
     /// A non-streamed exec is killed after this many seconds (504); a request's timeout_ms may only lower it.
-    #[arg(long, default_value_t = 3600)]
     pub exec_timeout: u64,
     /// Suspend sandboxes idle for this many seconds unless a create says otherwise (0: only those that ask).
-    #[arg(long, default_value_t = 0)]
     pub idle_timeout: u64,
     /// How often the idle loop looks, in seconds.
-    #[arg(long, default_value_t = 5, hide = true)]
     pub idle_tick: u64,
 }
 
 /// What every handler shares.
 pub struct App {
     pub ops: Arc<Ops>,
-    metrics: metrics::Metrics,
-    idle: idle::Idle,
-    max_upload: u64,
-    exec_limit: Duration,
+    pub(crate) metrics: metrics::Metrics,
+    pub(crate) idle: idle::Idle,
+    pub(crate) max_upload: u64,
+    pub(crate) exec_limit: Duration,
 }
 
 enum Listen {
@@ -96,14 +78,15 @@ pub fn app_router(app: Arc<App>, key: String, hosts: Vec<String>) -> axum::Route
 }
 
 fn tcp_hosts(addr: SocketAddr) -> Vec<String> {
-    clade_api::doors::tcp_hosts(addr)
+    clade_http::doors::tcp_hosts(addr)
 }
 
-pub fn run(a: Args) -> anyhow::Result<i32> {
+/// Serve until SIGINT or SIGTERM.
+pub fn run(a: Config) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     let _lock = lock::take(&home)?;
     let ops = Arc::new(Ops::open(&home)?);
-    let key = load_or_create_key(&home)?;
+    let key = doors::load_or_create_key(&home)?;
     let app = Arc::new(App {
         ops,
         metrics: metrics::Metrics::new(),
@@ -132,18 +115,18 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
                     eprintln!("clade serve: listening on unix:{}", path.display());
                     let r = app_router(app.clone(), key.clone(), vec!["localhost".into()]);
-                    tasks.push(tokio::spawn(clade_api::serve(lis, r, clade_api::Limits::default())));
+                    tasks.push(tokio::spawn(clade_http::serve(lis, r, clade_http::Limits::default())));
                 }
                 Listen::Tcp(addr) => {
                     let lis = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
                     let addr = lis.local_addr()?;
                     eprintln!("clade serve: listening on http://{addr}");
                     let r = app_router(app.clone(), key.clone(), tcp_hosts(addr));
-                    tasks.push(tokio::spawn(clade_api::serve(lis, r, clade_api::Limits::default())));
+                    tasks.push(tokio::spawn(clade_http::serve(lis, r, clade_http::Limits::default())));
                 }
             }
         }
-        if let (Some(api), Some(sbx)) = (a.e2b_api, a.e2b_sandbox) {
+        if let Some((api, sbx)) = a.e2b {
             e2b::spawn(app.ops.clone(), api, sbx, home.clone()).await?;
         }
         tokio::spawn(idle::run(app.clone(), Duration::from_secs(a.idle_tick.max(1))));

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::App;
+use crate::server::App;
 
 #[derive(Default, Serialize, Deserialize)]
 struct Entry {

@@ -16,8 +16,8 @@ use axum::{Json, Router};
 use clade_core::backend::BackendKind;
 use serde::Deserialize;
 
-use super::error::{ApiError, Body};
-use super::App;
+use crate::error::{ApiError, Body};
+use crate::server::App;
 use clade_host::ops::ExecRequest;
 
 /// Every route of the native API: (method, path in OpenAPI's `{param}` form).
@@ -51,7 +51,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/roam"),
 ];
 
-pub const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
+pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
@@ -193,10 +193,10 @@ async fn exec(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Bo
     if req.stream {
         return exec_stream(app, id, req).await;
     }
-    let limit = super::exec::limit_for(&req, app.exec_limit);
+    let limit = crate::exec::limit_for(&req, app.exec_limit);
     let out = blocking(&app, "exec", move |a| {
         wake(a, &id)?;
-        super::exec::exec_within(&a.ops, &id, req, limit)
+        crate::exec::exec_within(&a.ops, &id, req, limit)
     })
     .await?;
     Ok(json(out))
@@ -531,12 +531,12 @@ mod tests {
         let home = clade_core::CladeHome::at(dir);
         let app = Arc::new(App {
             ops: Arc::new(clade_host::ops::Ops::open(&home).unwrap()),
-            metrics: super::super::metrics::Metrics::new(),
-            idle: super::super::idle::Idle::load(&home, 0),
+            metrics: crate::metrics::Metrics::new(),
+            idle: crate::idle::Idle::load(&home, 0),
             max_upload: 1 << 20,
             exec_limit: std::time::Duration::from_secs(60),
         });
-        let r = super::super::app_router(app.clone(), "k3y".into(), vec!["localhost".into()]);
+        let r = crate::server::app_router(app.clone(), "k3y".into(), vec!["localhost".into()]);
         (app, r)
     }
 

@@ -97,7 +97,7 @@ impl Remote {
             return Ok(v);
         }
         let msg = v["error"]["message"].as_str().unwrap_or("request failed").to_string();
-        let kind = clade_api::status::kind_of_status(status);
+        let kind = crate::status::kind_of_status(status);
         Err(anyhow!(OpError::new(kind, format!("clade serve ({status}): {msg}"))))
     }
 

@@ -27,7 +27,7 @@ use clade_host::supervisor::protocol::{self, Request, StreamEvent};
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
 pub async fn spawn(ops: Arc<Ops>, api: SocketAddr, sandbox: SocketAddr, home: CladeHome) -> anyhow::Result<()> {
     let host = Arc::new(CladeHost::new(ops, home.clone()));
-    super::e2b_keys::hash_plaintext_keys(&home)?;
+    crate::e2b_keys::hash_plaintext_keys(&home)?;
     let cfg = clade_e2b::Config { state_file: Some(e2b_dir(&home).join("sandboxes.json")), ..Default::default() };
     let app = clade_e2b::App::new(host, cfg)?;
     let (a, s) = clade_e2b::spawn(app, api, sandbox)
@@ -42,7 +42,7 @@ pub fn e2b_dir(home: &CladeHome) -> std::path::PathBuf {
     home.e2b_dir()
 }
 
-pub use super::e2b_keys::{check_key, create_key, keys_file};
+pub use crate::e2b_keys::{check_key, create_key, keys_file};
 
 /// Clade as an E2B host.
 pub struct CladeHost {
