@@ -2,21 +2,21 @@
 # ./x bench [WHAT...] [--quick]: run the benches, side by side with their peers in one run each; every bench
 # prints JSON lines (one per figure, with its bar and PASS/FAIL computed from the samples) into bench/out/.
 #   store  put/get vs b3sum/cp, dedup of a 1%-changed copy; synthetic, then real guest RAM when a vm base
-#          left a RAM file                                          (crates/clade-store/src/bin/store-bench.rs)
-#   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-nbd/src/bin/nbd-bench.rs)
-#   agent  hello, exec, file transfer vs host                        (crates/clade-agent/src/bin/agent-bench.rs)
+#          left a RAM file                                          (crates/clade-bench/src/bin/store-bench.rs)
+#   nbd    clade-nbd vs qemu-nbd: sequential, random 4 KiB, snapshot (crates/clade-bench/src/bin/nbd-bench.rs)
+#   agent  hello, exec, file transfer vs host                        (crates/clade-bench/src/bin/agent-bench.rs)
 #   template  a cold build of minimal vs a cache hit, its image's stored bytes vs its files
-#                                                        (crates/clade-template/src/bin/template-bench.rs)
-#   vm     vm figures, incl. QEMU templating by hand                 (crates/clade/src/bench/vm.rs)
+#                                                        (crates/clade-bench/src/bin/template-bench.rs)
+#   vm     vm figures, incl. QEMU templating by hand                 (crates/clade-bench/src/vm.rs)
 #   ct     ct figures: minimal rootfs and the browser template, vs plain CRIU by hand; the jail's cost
-#                                                                     (crates/clade-ct/src/bin/ct-bench/)
+#                                                                     (crates/clade-bench/src/bin/ct-bench/)
 #   browser  cold vs restored agent-ready, memory, pause with the browser template on ct, then vm (TCG: slow)
-#                                                                     (crates/clade/src/bench/browser.rs)
+#                                                                     (crates/clade-bench/src/browser.rs)
 #   fleet  the built-in fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
-#   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade/src/bench/roam.rs)
-#   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade/src/bench/api.rs)
-#   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade/src/bench/e2b.rs)
-# Then `clade bench-report` gathers bench/out into report.json and report.html (docs/report.md).
+#   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade-bench/src/roam.rs)
+#   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade-bench/src/api.rs)
+#   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade-bench/src/e2b.rs)
+# Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
 # and ~1 GB of packages from the Debian mirror the first time, with a progress line per step.
@@ -71,7 +71,7 @@ for w in "${what[@]}"; do
     nbd) if [ $quick = 1 ]; then run nbd $bin/nbd-bench --quick; else run nbd $bin/nbd-bench; fi ;;
     agent) run agent $bin/agent-bench --agent $bin/clade-agent ;;
     template) run template $bin/template-bench templates/minimal/template.toml ;;
-    vm) if [ $quick = 1 ]; then run vm $bin/clade bench-vm --quick --out "$out/vm.json"; else run vm $bin/clade bench-vm --out "$out/vm.json"; fi ;;
+    vm) if [ $quick = 1 ]; then run vm $bin/clade-bench vm --quick --out "$out/vm.json"; else run vm $bin/clade-bench vm --out "$out/vm.json"; fi ;;
     ct) if [ $quick = 1 ]; then run ct $bin/ct-bench --n 5 --mem-counts 1,2 --mark-gap-secs 10  # minimal only
         elif tpl=$(browser_template ct); then run ct $bin/ct-bench --n 20 --browser "$tpl"
         else echo "=== bench ct: FAILED to build the browser template" >&2; failed+=(ct); fi
@@ -80,25 +80,25 @@ for w in "${what[@]}"; do
     browser) if [ $quick = 1 ]; then
           echo "=== bench browser: skipped by --quick (the browser template is ~1 GB to build; run ./x bench browser)" >&2
         else
-          run browser-ct $bin/clade bench-browser --backend ct --n 20 --mem-counts 1,4,8,12 --out "$out/browser-ct.json"
+          run browser-ct $bin/clade-bench browser --backend ct --n 20 --mem-counts 1,4,8,12 --out "$out/browser-ct.json"
           # TCG: Chromium in a guest is slow (cold ~60 s, a restore with its browser hygiene ~23 s); 4 such guests
           # at once did not reach agent-ready in 300 s on 2 cores, so the vm slope is over 1 and 2 (docs/templates.md).
-          run browser-vm $bin/clade bench-browser --backend vm --n 5 --mem-counts 1,2 --cold-mem-counts 1,2 --out "$out/browser-vm.json"
+          run browser-vm $bin/clade-bench browser --backend vm --n 5 --mem-counts 1,2 --cold-mem-counts 1,2 --out "$out/browser-vm.json"
         fi ;;
     fleet) # costs from this run's vm/ct outputs or the ledger; measured on ct now when there are none
       run fleet sh -c "$bin/clade fleet simulate --figures 2>/dev/null || $bin/clade fleet simulate --measure --figures" ;;
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
       minimal_bases
-      run roam $bin/clade bench-roam --rounds $r --out "$out/roam.json" ;;
-    api) if [ $quick = 1 ]; then run api $bin/clade bench-api --quick --out "$out/api.json"; else run api $bin/clade bench-api --out "$out/api.json"; fi ;;
+      run roam $bin/clade-bench roam --rounds $r --out "$out/roam.json" ;;
+    api) if [ $quick = 1 ]; then run api $bin/clade-bench api --quick --out "$out/api.json"; else run api $bin/clade-bench api --out "$out/api.json"; fi ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # the e2b SDK comes from ./x setup
       minimal_bases
-      run e2b-ct $bin/clade bench-e2b --backend ct --n $n --out "$out/e2b-ct.json"
-      run e2b-vm $bin/clade bench-e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
+      run e2b-ct $bin/clade-bench e2b --backend ct --n $n --out "$out/e2b-ct.json"
+      run e2b-vm $bin/clade-bench e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
   esac
 done
 # The report: every figure above (and any earlier run's left in $out) in report.json and report.html.
-$bin/clade bench-report --dir "$out" || failed+=("report")
+$bin/clade-bench report --dir "$out" || failed+=("report")
 grep -h '"pass"' "$out"/*.jsonl 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -47,12 +47,12 @@ fn nums(v: &serde_json::Value) -> Vec<f64> {
     v.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).filter(|x| x.is_finite()).collect()).unwrap_or_default()
 }
 
-/// The `vm` bench's figure names this reader uses (crates/clade/src/bench/vm.rs).
+/// The `vm` bench's figure names this reader uses (crates/clade-bench/src/vm.rs).
 pub const VM_RESUME_FIGURE: &str = "vm retake to an earlier mark, end to end";
 pub const VM_SUSPEND_FIGURE: &str = "vm mark pause, 512 MiB guest, ~32 MiB dirtied";
 
 impl Measured {
-    /// From `clade bench-vm`'s JSON lines. Resume: the retake figure's samples (the supervisor ends the sandbox and
+    /// From `clade-bench vm`'s JSON lines. Resume: the retake figure's samples (the supervisor ends the sandbox and
     /// restores a mark with hygiene: a resume without the supervisor's start). Suspend: the mark pause samples.
     /// Bytes: the stored bytes of that figure's last mark.
     pub fn from_vm_bench(text: &str, source_name: &str) -> Result<Self, CostError> {

@@ -68,8 +68,8 @@ fn two_processes_write_at_once() {
     let mine = l.create_branch(&NewBranch::default()).unwrap();
     let n = 120;
     let theirs_n = 300;
-    let child = Command::new(env!("CARGO_BIN_EXE_clade-ledger-bench"))
-        .args(["writer", path.to_str().unwrap(), theirs.id.as_str(), &theirs_n.to_string()])
+    let child = Command::new(env!("CARGO_BIN_EXE_ledger-writer"))
+        .args([path.to_str().unwrap(), theirs.id.as_str(), &theirs_n.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -4,7 +4,6 @@
 
 #![forbid(unsafe_code)]
 
-mod bench;
 mod cmd;
 
 use clap::{Parser, Subcommand};
@@ -81,24 +80,6 @@ enum Command {
     Fleet(cmd::fleet::Command),
     /// Run clade's main job on the embedded defaults.
     Demo(cmd::demo::Args),
-    /// The vm backend's benchmark figures (run by `./x bench vm`).
-    #[command(hide = true, name = "bench-vm")]
-    BenchVm(bench::vm::Args),
-    /// The headline figures (docs/report.md) with the browser template on one backend (run by `./x bench browser`).
-    #[command(hide = true, name = "bench-browser")]
-    BenchBrowser(bench::browser::Args),
-    /// E2B SDK vs library: create to first command (run by `./x bench e2b`).
-    #[command(hide = true, name = "bench-e2b")]
-    BenchE2b(bench::e2b::Args),
-    /// Suspend on this home, resume on a fresh one through a blob tier: bytes fetched vs working set (docs/roam.md).
-    #[command(hide = true, name = "bench-roam")]
-    BenchRoam(bench::roam::Args),
-    /// Gather bench/out into report.json and a self-contained report.html (run by `./x bench`).
-    #[command(hide = true, name = "bench-report")]
-    BenchReport(bench::report::Args),
-    /// The daemon's figures: HTTP overhead, concurrent clients on ct, a restart under load (`./x bench api`).
-    #[command(hide = true, name = "bench-api")]
-    BenchApi(bench::api::Args),
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
@@ -154,12 +135,6 @@ fn main() {
         Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),
-        Command::BenchVm(a) => bench::vm::run(a),
-        Command::BenchE2b(a) => bench::e2b::run(a),
-        Command::BenchRoam(a) => bench::roam::run(a),
-        Command::BenchReport(a) => bench::report::run(a),
-        Command::BenchApi(a) => bench::api::run(a),
-        Command::BenchBrowser(a) => bench::browser::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

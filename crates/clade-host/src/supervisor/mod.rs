@@ -58,12 +58,13 @@ pub fn connect_unix(path: &Path) -> std::io::Result<std::os::unix::net::UnixStre
     via_short_path(path, |p| std::os::unix::net::UnixStream::connect(p))
 }
 
-/// What a supervisor process is started with: `<exe> supervise ARGS...`. The `clade` binary carries the
-/// `supervise` subcommand; a program that links this library without being `clade` (a bench, a test) starts
-/// `clade`'s. So: `$CLADE_SUPERVISOR` when set, else the running executable when it is `clade`, else a `clade`
-/// beside it or up to two directories above it (cargo puts test and bench binaries under `target/*/deps`).
-pub fn supervisor_exe() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("CLADE_SUPERVISOR") {
+/// The `clade` binary: what a supervisor process is started as (`clade supervise ARGS...`, a subcommand only
+/// that binary carries), and what a bench runs as the CLI or the daemon. A program that links this library
+/// without being `clade` (a bench, a test) finds it: `$CLADE_BIN` when set, else the running executable when it
+/// is `clade`, else a `clade` beside it or up to two directories above it (cargo puts test binaries under
+/// `target/*/deps`).
+pub fn clade_exe() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_BIN") {
         return Ok(p.into());
     }
     let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("locate the running executable: {e}"))?;
@@ -72,8 +73,8 @@ pub fn supervisor_exe() -> anyhow::Result<PathBuf> {
     }
     exe.ancestors().skip(1).take(3).map(|d| d.join("clade")).find(|p| p.is_file()).ok_or_else(|| {
         anyhow::anyhow!(
-            "{} is not clade and no clade binary is beside it: set CLADE_SUPERVISOR to the clade binary that \
-             runs supervisors",
+            "{} is not clade and no clade binary is beside it: build it (cargo build -p clade) or set CLADE_BIN \
+             to its path",
             exe.display()
         )
     })
@@ -93,13 +94,13 @@ pub fn run_process(sandbox: &str, mark: &str, generation: u64, pool: bool) -> an
     }
 }
 
-/// Start `<supervisor_exe> supervise ARGS...` detached: its own process group (it outlives the CLI and the
+/// Start `clade supervise ARGS...` ([`clade_exe`]) detached: its own process group (it outlives the CLI and the
 /// daemon), stdin closed, output to `log`, `CLADE_HOME` passed on. A long-lived parent (the daemon) reaps it
 /// when it ends, so none lingers as a zombie; a CLI that exits first hands it to init. Returns its pid.
 pub fn spawn_detached(home: &CladeHome, args: &[&str], log: std::fs::File) -> anyhow::Result<u32> {
     use anyhow::Context;
     use std::os::unix::process::CommandExt;
-    let exe = supervisor_exe()?;
+    let exe = clade_exe()?;
     let mut child = std::process::Command::new(exe)
         .arg("supervise")
         .args(args)

@@ -1,4 +1,4 @@
-//! The benchmark report renders as a reader would see it: `clade bench-report` over bench outputs (fixtures in
+//! The benchmark report renders as a reader would see it: `clade-bench report` over bench outputs (fixtures in
 //! the benches' own shapes), then Debian's Chromium headless loads report.html: the DOM has the summary and
 //! every figure, and the screenshot is a page with plots on it (not blank, several colours), kept beside the
 //! report for a person to look at.
@@ -47,8 +47,8 @@ fn report_renders_in_headless_chromium() {
     )
     .unwrap();
     std::fs::write(out.join("ct.jsonl"), "{\"bench\":\"start\",\"i\":0,\"cold_ms\":250}\n").unwrap();
-    let st = Command::new(env!("CARGO_BIN_EXE_clade"))
-        .args(["bench-report", "--dir"])
+    let st = Command::new(env!("CARGO_BIN_EXE_clade-bench"))
+        .args(["report", "--dir"])
         .arg(out)
         .env("CLADE_HOME", out.join("home"))
         .status()

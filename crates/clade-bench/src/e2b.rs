@@ -1,4 +1,4 @@
-//! `clade bench-e2b` (hidden; `./x bench e2b`): Sandbox.create() to the first `commands.run('echo hi')` result
+//! `clade-bench e2b` (`./x bench e2b`): Sandbox.create() to the first `commands.run('echo hi')` result
 //! through the official e2b Python SDK against this clade's E2B API, on a warm base, against the same through
 //! clade's own library (`Ops::fork` of the base, then `Ops::exec`). p50 of each and their ratio (issue 11's bar:
 //! at most 2x). Needs the template's base built on the backend and the SDK in `$CLADE_HOME/py`.
@@ -54,7 +54,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     }
     // Through the SDK: a `clade serve` with the E2B faces, a key, the script.
     let key = clade_api::e2b::create_key(&home)?;
-    let exe = std::env::current_exe()?;
+    let exe = clade_host::supervisor::clade_exe()?;
     let mut serve = Command::new(&exe)
         .args(["serve", "--listen", "127.0.0.1:0", "--e2b-api", "127.0.0.1:0", "--e2b-sandbox", "127.0.0.1:0"])
         .stderr(Stdio::piped())

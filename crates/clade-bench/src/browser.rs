@@ -1,4 +1,4 @@
-//! `clade bench-browser --backend ct|vm` (hidden; run by `./x bench browser`): the seeds' headline measurement
+//! `clade-bench browser --backend ct|vm` (run by `./x bench browser`): the seeds' headline measurement
 //! (issue 10) with the `browser` template (seed 000's agent session) on one backend, one run, arms interleaved:
 //!
 //! * time to agent-ready, cold versus restored from the template's base with hygiene, where agent-ready is the

@@ -2,14 +2,14 @@
 //! `BEGIN IMMEDIATE` transaction, `synchronous = FULL`), of reading a head, a branch's marks and the
 //! GC roots, of a collection, and the throughput of two processes writing one ledger against one.
 //!
-//! `clade-ledger-bench [--marks N]` runs them in a fresh directory under the temp dir.
-//! `clade-ledger-bench writer PATH BRANCH COUNT` is the second process (also used by the tests).
+//! `clade-ledger-bench [--marks N]` runs them in a fresh directory under the temp dir. The writing processes
+//! are clade-ledger's `ledger-writer` (the concurrency test's second process too), found beside this binary.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-use clade_ledger::{Backend, BranchId, CollectOptions, Ledger, LedgerError, NewBranch, NewMark, RetentionPolicy};
+use clade_ledger::{Backend, BranchId, CollectOptions, Ledger, NewBranch, NewMark, RetentionPolicy};
 use serde_json::json;
 
 fn new_mark(branch: &BranchId, i: usize) -> NewMark {
@@ -20,21 +20,23 @@ fn new_mark(branch: &BranchId, i: usize) -> NewMark {
         .sizes(1 << 30, 4 << 20)
 }
 
-/// Adds `count` marks to `branch`, retrying a `Busy` (there should be none within the timeout).
-fn write_marks(path: &Path, branch: &BranchId, count: usize) -> Result<(f64, usize), LedgerError> {
-    let l = Ledger::open(path)?;
-    let mut busy = 0;
-    let t = Instant::now();
-    for i in 0..count {
-        loop {
-            match l.add_mark(&new_mark(branch, i)) {
-                Ok(_) => break,
-                Err(LedgerError::Busy(_)) => busy += 1,
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    Ok((t.elapsed().as_secs_f64() * 1e3, busy))
+/// `ledger-writer PATH BRANCH COUNT`, started: cargo builds it beside this binary.
+fn writer(path: &Path, branch: &BranchId, count: usize) -> std::io::Result<std::process::Child> {
+    let exe = std::env::current_exe()?.with_file_name("ledger-writer");
+    Command::new(&exe)
+        .arg(path)
+        .arg(branch.as_str())
+        .arg(count.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e} (cargo build -p clade-ledger)", exe.display())))
+}
+
+/// A writer's answer line, and whether it succeeded.
+fn finished(child: std::process::Child) -> std::io::Result<(bool, serde_json::Value)> {
+    let out = child.wait_with_output()?;
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    Ok((out.status.success(), v))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -93,55 +95,25 @@ fn bench(dir: &Path, marks: usize) -> Result<(), Box<dyn std::error::Error>> {
     // Throughput: one process writing 2n marks against two processes writing n each.
     let n = (marks / 4).max(50);
     let solo = l.create_branch(&NewBranch::default())?;
-    let (_, solo_ms) = timed(|| write_marks(&path, &solo.id, 2 * n));
+    let (one, solo_ms) = timed(|| writer(&path, &solo.id, 2 * n).and_then(finished));
     let pa = l.create_branch(&NewBranch::default())?;
     let pb = l.create_branch(&NewBranch::default())?;
-    let exe = std::env::current_exe()?;
     let t = Instant::now();
-    let child = Command::new(&exe)
-        .arg("writer")
-        .arg(&path)
-        .arg(pa.id.as_str())
-        .arg(n.to_string())
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
-    // The child runs while this process writes its half.
-    let mine = write_marks(&path, &pb.id, n)?;
-    let child = child.wait_with_output()?;
+    let (a, b) = (writer(&path, &pa.id, n)?, writer(&path, &pb.id, n)?);
+    let (a, b) = (finished(a)?, finished(b)?);
     let pair_ms = t.elapsed().as_secs_f64() * 1e3;
-    let child_ok = child.status.success();
+    let one = one?;
     println!(
         "{}",
         json!({"figure": "two_process_writes", "marks_each": n, "one_process_ms": solo_ms,
                "two_processes_ms": pair_ms, "ratio_two_over_one": pair_ms / solo_ms,
-               "busy_retries": mine.1, "child_ok": child_ok,
-               "child": String::from_utf8_lossy(&child.stdout).trim()})
+               "writers_ok": one.0 && a.0 && b.0, "writers": [one.1, a.1, b.1]})
     );
     Ok(())
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("writer") {
-        let [_, path, branch, count] = args.as_slice() else {
-            eprintln!("usage: clade-ledger-bench writer PATH BRANCH COUNT");
-            return ExitCode::from(2);
-        };
-        let Ok(count) = count.parse::<usize>() else {
-            eprintln!("COUNT must be a number, got {count:?}");
-            return ExitCode::from(2);
-        };
-        return match write_marks(Path::new(path), &BranchId::new(branch.as_str()), count) {
-            Ok((ms, busy)) => {
-                println!("{}", json!({"writer_ms": ms, "marks": count, "busy_retries": busy}));
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("writer: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
     let marks = match args.as_slice() {
         [] => 1000,
         [flag, n] if flag == "--marks" => match n.parse() {
@@ -152,7 +124,7 @@ fn main() -> ExitCode {
             }
         },
         _ => {
-            eprintln!("usage: clade-ledger-bench [--marks N] | writer PATH BRANCH COUNT");
+            eprintln!("usage: clade-ledger-bench [--marks N]");
             return ExitCode::from(2);
         }
     };

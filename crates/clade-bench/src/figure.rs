@@ -1,14 +1,6 @@
-//! `clade bench-vm` (hidden; run by `./x bench vm`): the `vm` backend's figures, measured side by side in one
-//! run on this host's accelerator, printed as JSON lines and written to `bench/out/vm.json`. Each figure names
-//! its bar (issue 7) and whether it passed, computed from the samples.
-
-pub mod api;
-pub mod browser;
-pub mod e2b;
-pub mod html;
-pub mod report;
-pub mod roam;
-pub mod vm;
+//! A figure: one measured quantity with its samples, the bar it is held to, and whether it passed (computed
+//! from the samples, never written by hand); and the summaries the benches compute (median, nearest-rank
+//! percentile, least-squares slope).
 
 use serde::Serialize;
 

@@ -1,4 +1,4 @@
-//! `clade bench-report` (hidden; the last step of `./x bench`): every figure the benches wrote under `bench/out/`
+//! `clade-bench report` (the last step of `./x bench`): every figure the benches wrote under `bench/out/`
 //! gathered into `report.json` (every sample, the machine, the accelerator, versions, the git commit) and
 //! `report.html`, one self-contained page with plots (docs/report.md).
 //!

@@ -132,7 +132,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         s.kill()?;
         wait_pool(&home, &m, 2)?;
         let t = Instant::now();
-        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
         fork.push(ms(t.elapsed()));
         fork_hello.push(ready[0].restore_ms);
         kill_all(&home, &[ready[0].sandbox.clone()]);
@@ -159,7 +159,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         wait_pool(&home, &m, k)?;
         std::thread::sleep(Duration::from_secs(2));
         let t = Instant::now();
-        let (r, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, k as u32)?;
+        let (r, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, k as u32)?;
         curve.push(ms(t.elapsed()));
         if k == 10 {
             ready = r;
@@ -204,7 +204,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let ram_dir = vm.root_ram_file("x").parent().map(Path::to_path_buf).unwrap_or_default();
     let (mut ram3, mut whole3, mut strays) = ((0, 0), (0, 0), 0);
     for &c in counts {
-        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
         ids.extend(ready.into_iter().map(|r| r.sandbox));
         std::thread::sleep(Duration::from_secs(3));
         let (p, r, pids) = pss_of(&home, &ids);
@@ -411,7 +411,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     }
 
     // 5. Retake end to end (CLI path: supervisor kills the sandbox, restores the mark, hygiene).
-    let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+    let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
     let sbx = ready[0].sandbox.clone();
     let mk = client::call(&home, &sbx, &Request::Mark { label: None, keep: false, not_clean: false })?;
     let mk = mk["id"].as_str().unwrap_or_default().to_string();
@@ -451,7 +451,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let mut clade_fork = Vec::new();
     for _ in 0..n {
         wait_pool(&home, &m, 2)?;
-        let (ready, _) = crate::cmd::sandbox::fork_mark(&engine, &mark, 1)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
         clade_fork.push(ready[0].restore_ms);
         kill_all(&home, &[ready[0].sandbox.clone()]);
     }
