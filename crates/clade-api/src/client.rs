@@ -1,5 +1,6 @@
-//! The CLI through `clade serve`: when `CLADE_HOST` is set (`unix:PATH`, `HOST:PORT` or `http://HOST:PORT`), the
-//! sandbox commands send their operation to the daemon instead of running it embedded. A small blocking
+//! The typed client of `clade serve`: [`Remote`] implements `clade_host::SandboxApi` over the HTTP API, so the CLI
+//! runs the same operations through the daemon when `CLADE_HOST` is set (`unix:PATH`, `HOST:PORT` or
+//! `http://HOST:PORT`) as it does embedded. A small blocking
 //! HTTP/1.1 client (one request per connection, `Content-Length` or chunked answers) is all this needs, and it
 //! speaks over a unix socket, which the common HTTP client crates do not.
 
@@ -9,7 +10,11 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use clade_core::{CladeHome, OpError};
+use clade_core::backend::BackendKind;
+use clade_core::{CladeHome, ErrorKind, OpError};
+use clade_host::api::*;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 pub struct Remote {
     target: Target,
@@ -96,9 +101,7 @@ impl Remote {
         if (200..300).contains(&status) {
             return Ok(v);
         }
-        let msg = v["error"]["message"].as_str().unwrap_or("request failed").to_string();
-        let kind = crate::status::kind_of_status(status);
-        Err(anyhow!(OpError::new(kind, format!("clade serve ({status}): {msg}"))))
+        Err(http_error(status, &resp))
     }
 
     /// One request with a raw body; returns the status and the whole (de-chunked) answer.
@@ -184,4 +187,251 @@ pub fn encode(s: &str) -> String {
         }
     }
     o
+}
+
+/// A path segment (a sandbox, mark or branch id) percent-encoded.
+fn seg(s: &str) -> String {
+    encode(s).replace('/', "%2F")
+}
+
+impl Remote {
+    /// One JSON request whose 2xx answer is `T`.
+    fn typed<T: DeserializeOwned>(&self, method: &str, path: &str, body: Option<&impl Serialize>) -> anyhow::Result<T> {
+        let body = body.map(serde_json::to_value).transpose()?;
+        let v = self.call(method, path, body.as_ref())?;
+        serde_json::from_value(v)
+            .with_context(|| format!("clade serve's answer to {method} {path} has an unexpected shape"))
+    }
+}
+
+const NO_BODY: Option<&()> = None;
+
+/// The daemon's operations, one route each (docs/openapi.json): the same answers, the same error kinds as the
+/// library's (`clade_host::Ops`), so the CLI cannot tell the faces apart.
+impl SandboxApi for Remote {
+    fn fork(&self, req: &ForkRequest) -> anyhow::Result<ForkOutcome> {
+        self.typed("POST", "/v1/sandboxes", Some(req))
+    }
+
+    fn get(&self, sandbox: &str) -> anyhow::Result<SandboxInfo> {
+        self.typed("GET", &format!("/v1/sandboxes/{}", seg(sandbox)), NO_BODY)
+    }
+
+    fn list(&self) -> anyhow::Result<Vec<SandboxRow>> {
+        self.typed("GET", "/v1/sandboxes", NO_BODY)
+    }
+
+    fn exec(&self, sandbox: &str, req: ExecRequest) -> anyhow::Result<ExecOutput> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/exec", seg(sandbox)), Some(&req))
+    }
+
+    /// Through HTTP the events arrive as NDJSON lines; this client reads the answer whole, then yields them.
+    fn exec_stream(&self, sandbox: &str, mut req: ExecRequest) -> anyhow::Result<ExecEvents> {
+        req.stream = true;
+        self.events("POST", &format!("/v1/sandboxes/{}/exec", seg(sandbox)), Some(&req))
+    }
+
+    fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, Box<dyn Read + Send>)> {
+        let route = format!("/v1/sandboxes/{}/files?path={}", seg(sandbox), encode(path));
+        let (status, data) = self.raw("GET", &route, None, "application/octet-stream")?;
+        if !(200..300).contains(&status) {
+            return Err(http_error(status, &data));
+        }
+        Ok((data.len() as u64, Box::new(std::io::Cursor::new(data))))
+    }
+
+    fn write_file_from(&self, sandbox: &str, path: &str, mode: Option<u32>, src: &mut dyn Read) -> anyhow::Result<u64> {
+        let mut data = Vec::new();
+        src.read_to_end(&mut data)?;
+        let mut route = format!("/v1/sandboxes/{}/files?path={}", seg(sandbox), encode(path));
+        if let Some(m) = mode {
+            route.push_str(&format!("&mode={m:o}"));
+        }
+        let (status, resp) = self.raw("PUT", &route, Some(&data), "application/octet-stream")?;
+        if !(200..300).contains(&status) {
+            return Err(http_error(status, &resp));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&resp)?;
+        v["bytes"].as_u64().ok_or_else(|| anyhow!("clade serve's answer to a file write has no byte count"))
+    }
+
+    fn mark(&self, sandbox: &str, req: &MarkRequest) -> anyhow::Result<Mark> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/marks", seg(sandbox)), Some(req))
+    }
+
+    fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<RetakeOutcome> {
+        let body = serde_json::json!({"to": to});
+        self.typed("POST", &format!("/v1/sandboxes/{}/retake", seg(sandbox)), Some(&body))
+    }
+
+    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/suspend", seg(sandbox)), NO_BODY)
+    }
+
+    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/resume", seg(sandbox)), NO_BODY)
+    }
+
+    fn kill(&self, sandbox: &str) -> anyhow::Result<KillOutcome> {
+        self.typed("DELETE", &format!("/v1/sandboxes/{}", seg(sandbox)), NO_BODY)
+    }
+
+    fn marks(&self, sandbox: Option<&str>) -> anyhow::Result<Vec<MarkRow>> {
+        match sandbox {
+            Some(s) => self.typed("GET", &format!("/v1/sandboxes/{}/marks", seg(s)), NO_BODY),
+            None => self.typed("GET", "/v1/marks", NO_BODY),
+        }
+    }
+
+    fn mark_info(&self, spec: &str, backend: Option<BackendKind>) -> anyhow::Result<MarkRow> {
+        let q = backend.map(|b| format!("?backend={}", b.as_str())).unwrap_or_default();
+        self.typed("GET", &format!("/v1/marks/{}{q}", seg(spec)), NO_BODY)
+    }
+
+    fn branches(&self) -> anyhow::Result<Vec<BranchRow>> {
+        self.typed("GET", "/v1/branches", NO_BODY)
+    }
+
+    fn delete_branch(&self, branch: &str) -> anyhow::Result<Deleted> {
+        self.typed("DELETE", &format!("/v1/branches/{}", seg(branch)), NO_BODY)
+    }
+
+    fn gc(&self, dry_run: bool) -> anyhow::Result<GcOutcome> {
+        self.typed("POST", "/v1/gc", Some(&serde_json::json!({"dry_run": dry_run})))
+    }
+
+    fn audit(&self, fix: bool) -> anyhow::Result<AuditReport> {
+        self.typed("POST", "/v1/audit", Some(&serde_json::json!({"fix": fix})))
+    }
+
+    fn audit_siblings(&self, a: &str, b: &str, control: Control) -> anyhow::Result<SiblingAudit> {
+        let (control, no_control) = match control {
+            Control::Cold => (None, false),
+            Control::Given(c, d) => (Some(vec![c, d]), false),
+            Control::Skip => (None, true),
+        };
+        let body = serde_json::json!({"siblings": [a, b], "control": control, "no_control": no_control});
+        self.typed("POST", "/v1/audit", Some(&body))
+    }
+
+    /// The daemon reports no progress lines over HTTP; the answer comes when the push is done.
+    fn push(&self, sandbox: &str, _progress: &mut dyn FnMut(&str)) -> anyhow::Result<PushOutcome> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/push", seg(sandbox)), NO_BODY)
+    }
+
+    fn pull(&self, sandbox: &str, _progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/pull", seg(sandbox)), NO_BODY)
+    }
+
+    fn roaming(&self) -> anyhow::Result<Vec<RoamRow>> {
+        self.typed("GET", "/v1/roam", NO_BODY)
+    }
+
+    fn proc_start(&self, sandbox: &str, spec: ProcSpec) -> anyhow::Result<(u32, ExecEvents)> {
+        let body = serde_json::json!({
+            "argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "pty": spec.pty,
+            "stdin": spec.stdin, "tag": spec.tag,
+        });
+        let mut events = self.events("POST", &format!("/v1/sandboxes/{}/processes", seg(sandbox)), Some(&body))?;
+        match events.next() {
+            Some(Ok(ExecEvent::Pid(pid))) => Ok((pid, events)),
+            Some(Err(e)) => Err(e),
+            _ => Err(anyhow!("clade serve started a process but did not say its pid")),
+        }
+    }
+
+    fn proc_connect(&self, sandbox: &str, pid: u32) -> anyhow::Result<ExecEvents> {
+        self.events("GET", &format!("/v1/sandboxes/{}/processes/{pid}/events", seg(sandbox)), NO_BODY)
+    }
+
+    fn proc_list(&self, sandbox: &str) -> anyhow::Result<Vec<ProcListing>> {
+        let v: serde_json::Value = self.typed("GET", &format!("/v1/sandboxes/{}/processes", seg(sandbox)), NO_BODY)?;
+        Ok(serde_json::from_value(v["processes"].clone())?)
+    }
+
+    fn proc_input(&self, sandbox: &str, pid: u32, data: &[u8]) -> anyhow::Result<()> {
+        use base64::Engine as _;
+        let body = serde_json::json!({"data_b64": base64::engine::general_purpose::STANDARD.encode(data)});
+        self.proc_post(sandbox, pid, "input", &body)
+    }
+
+    fn proc_close_stdin(&self, sandbox: &str, pid: u32) -> anyhow::Result<()> {
+        self.proc_post(sandbox, pid, "close_stdin", &serde_json::json!({}))
+    }
+
+    fn proc_signal(&self, sandbox: &str, pid: u32, signal: i32) -> anyhow::Result<()> {
+        self.proc_post(sandbox, pid, "signal", &serde_json::json!({"signal": signal}))
+    }
+
+    fn proc_resize(&self, sandbox: &str, pid: u32, rows: u16, cols: u16) -> anyhow::Result<()> {
+        self.proc_post(sandbox, pid, "resize", &serde_json::json!({"rows": rows, "cols": cols}))
+    }
+
+    fn stat(&self, sandbox: &str, path: &str) -> anyhow::Result<FileStat> {
+        self.typed("GET", &format!("/v1/sandboxes/{}/fs/stat?path={}", seg(sandbox), encode(path)), NO_BODY)
+    }
+
+    fn list_dir(&self, sandbox: &str, path: &str, depth: u32) -> anyhow::Result<Vec<DirEntry>> {
+        let route = format!("/v1/sandboxes/{}/fs/list?path={}&depth={depth}", seg(sandbox), encode(path));
+        let v: serde_json::Value = self.typed("GET", &route, NO_BODY)?;
+        Ok(serde_json::from_value(v["entries"].clone())?)
+    }
+
+    fn make_dir(&self, sandbox: &str, path: &str) -> anyhow::Result<bool> {
+        let v: serde_json::Value = self.typed(
+            "POST",
+            &format!("/v1/sandboxes/{}/fs/mkdir", seg(sandbox)),
+            Some(&serde_json::json!({"path": path})),
+        )?;
+        Ok(v["created"].as_bool().unwrap_or(true))
+    }
+
+    fn rename(&self, sandbox: &str, from: &str, to: &str) -> anyhow::Result<()> {
+        let body = serde_json::json!({"from": from, "to": to});
+        self.typed::<serde_json::Value>("POST", &format!("/v1/sandboxes/{}/fs/rename", seg(sandbox)), Some(&body))
+            .map(|_| ())
+    }
+
+    fn remove(&self, sandbox: &str, path: &str) -> anyhow::Result<()> {
+        let route = format!("/v1/sandboxes/{}/files?path={}", seg(sandbox), encode(path));
+        self.typed::<serde_json::Value>("DELETE", &route, NO_BODY).map(|_| ())
+    }
+}
+
+impl Remote {
+    /// An NDJSON answer's events (read whole, then yielded); an `{"error"}` line is an error of its kind.
+    fn events(&self, method: &str, path: &str, body: Option<&impl Serialize>) -> anyhow::Result<ExecEvents> {
+        let body = body.map(serde_json::to_vec).transpose()?;
+        let (status, resp) = self.raw(method, path, body.as_deref(), "application/json")?;
+        if !(200..300).contains(&status) {
+            return Err(http_error(status, &resp));
+        }
+        let events: Vec<anyhow::Result<ExecEvent>> = resp
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_slice(l)?;
+                ExecEvent::from_json(&v).ok_or_else(|| {
+                    let kind = v["error"]["code"].as_str().map_or(ErrorKind::Internal, crate::status::kind_of_code);
+                    anyhow!(OpError::new(
+                        kind,
+                        v["error"]["message"].as_str().unwrap_or("the process failed").to_string()
+                    ))
+                })
+            })
+            .collect();
+        Ok(Box::new(events.into_iter()))
+    }
+
+    fn proc_post(&self, sandbox: &str, pid: u32, what: &str, body: &serde_json::Value) -> anyhow::Result<()> {
+        let route = format!("/v1/sandboxes/{}/processes/{pid}/{what}", seg(sandbox));
+        self.typed::<serde_json::Value>("POST", &route, Some(body)).map(|_| ())
+    }
+}
+
+/// A non-2xx answer as an error of the kind its status means, with the daemon's message.
+fn http_error(status: u16, body: &[u8]) -> anyhow::Error {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let msg = v["error"]["message"].as_str().unwrap_or("request failed");
+    anyhow!(OpError::new(crate::status::kind_of_status(status), format!("clade serve ({status}): {msg}")))
 }

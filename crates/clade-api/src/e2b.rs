@@ -9,24 +9,26 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use base64::Engine as _;
-use clade_agent::proto::{DirEntry, FileStat, FileType};
+use parking_lot::Mutex;
+
+use clade_agent::proto::{FileStat, FileType};
 use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 use clade_e2b::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
 };
-use clade_ledger::{SandboxId, SandboxState};
-
-use clade_host::ops::Ops;
-use clade_host::supervisor::client;
-use clade_host::supervisor::protocol::{self, Request, StreamEvent};
+use clade_host::api::{ExecEvent, ExecEvents, ForkOutcome, ForkRequest, MarkRequest, SandboxApi};
 
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
-pub async fn spawn(ops: Arc<Ops>, api: SocketAddr, sandbox: SocketAddr, home: CladeHome) -> anyhow::Result<()> {
-    let host = Arc::new(CladeHost::new(ops, home.clone()));
+pub async fn spawn(
+    api_impl: Arc<dyn SandboxApi>,
+    api: SocketAddr,
+    sandbox: SocketAddr,
+    home: CladeHome,
+) -> anyhow::Result<()> {
+    let host = Arc::new(CladeHost::new(api_impl, home.clone()));
     crate::e2b_keys::hash_plaintext_keys(&home)?;
     let cfg = clade_e2b::Config { state_file: Some(e2b_dir(&home).join("sandboxes.json")), ..Default::default() };
     let app = clade_e2b::App::new(host, cfg)?;
@@ -44,18 +46,14 @@ pub fn e2b_dir(home: &CladeHome) -> std::path::PathBuf {
 
 pub use crate::e2b_keys::{check_key, create_key, keys_file};
 
-/// Clade as an E2B host.
+/// Clade as an E2B host: every call is a [`SandboxApi`] operation (the library's, or a remote daemon's).
 pub struct CladeHost {
-    ops: Arc<Ops>,
+    api: Arc<dyn SandboxApi>,
     home: CladeHome,
     default_template: String,
     default_backend: BackendKind,
     /// E2B `envVars` of each sandbox, given to every process it starts.
     envs: Mutex<HashMap<String, BTreeMap<String, String>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A clade error as the E2B layer sorts them, by its kind.
@@ -95,13 +93,13 @@ fn entry_of(path: &str, st: FileStat) -> Entry {
 }
 
 impl CladeHost {
-    pub fn new(ops: Arc<Ops>, home: CladeHome) -> CladeHost {
+    pub fn new(api: Arc<dyn SandboxApi>, home: CladeHome) -> CladeHost {
         let default_backend = match std::env::var("CLADE_E2B_BACKEND").as_deref() {
             Ok("vm") => BackendKind::Vm,
             _ => BackendKind::Ct,
         };
         CladeHost {
-            ops,
+            api,
             home,
             default_template: std::env::var("CLADE_E2B_TEMPLATE").unwrap_or_else(|_| "minimal".into()),
             default_backend,
@@ -109,36 +107,43 @@ impl CladeHost {
         }
     }
 
-    fn call(&self, id: &str, req: &Request) -> HostResult<serde_json::Value> {
-        clade_host::error::check_id(id).map_err(host_err)?;
-        client::call(&self.home, id, req).map_err(host_err)
-    }
-
-    fn started(&self, forked: &serde_json::Value, template: &str) -> HostResult<Vec<Started>> {
+    /// The sandboxes a fork started, each with the mark's shape; any that did not start fails the whole.
+    fn started(&self, forked: &ForkOutcome, template: &str) -> HostResult<Vec<Started>> {
+        let shape =
+            forked.shape.clone().unwrap_or(clade_core::backend::Shape { memory_mib: 256, vcpus: 1, disk_gib: 2 });
         let mut out = Vec::new();
-        for r in forked["sandboxes"].as_array().into_iter().flatten() {
-            let id = r["sandbox"].as_str().unwrap_or_default().to_string();
-            if r["ok"].as_bool() != Some(true) {
+        for r in &forked.sandboxes {
+            if !r.ok {
                 return Err(HostError::Internal(format!(
-                    "sandbox {id} did not start: {}",
-                    r["error"].as_str().unwrap_or("no reason given")
+                    "sandbox {} did not start: {}",
+                    r.sandbox,
+                    r.error.as_deref().unwrap_or("no reason given")
                 )));
             }
-            out.push(Started { id, template_id: template.to_string(), cpu_count: 1, memory_mb: 256, disk_mb: 2048 });
+            out.push(Started {
+                id: r.sandbox.clone(),
+                template_id: template.to_string(),
+                cpu_count: shape.vcpus,
+                memory_mb: shape.memory_mib,
+                disk_mb: shape.disk_gib * 1024,
+            });
         }
         Ok(out)
     }
 
-    fn events(stream: client::EventStream) -> ProcStream {
-        let b64 = base64::engine::general_purpose::STANDARD;
-        Box::new(stream.map(move |ev| match ev {
-            Ok(StreamEvent::Stdout { data_b64 }) => ProcEvent::Stdout(b64.decode(data_b64).unwrap_or_default()),
-            Ok(StreamEvent::Stderr { data_b64 }) => ProcEvent::Stderr(b64.decode(data_b64).unwrap_or_default()),
-            Ok(StreamEvent::Exit { code, signal }) => ProcEvent::Exit { code, signal },
-            Ok(StreamEvent::Error { message, .. }) => ProcEvent::Error(message),
-            Ok(StreamEvent::Start { pid }) => ProcEvent::Error(format!("a second start ({pid}) in one stream")),
+    fn events(events: ExecEvents) -> ProcStream {
+        Box::new(events.map(move |ev| match ev {
+            Ok(ExecEvent::Stdout(d)) => ProcEvent::Stdout(d),
+            Ok(ExecEvent::Stderr(d)) => ProcEvent::Stderr(d),
+            // A process ended by a signal has no exit code.
+            Ok(ExecEvent::Exit { code, signal }) => ProcEvent::Exit { code: signal.is_none().then_some(code), signal },
+            Ok(ExecEvent::Pid(pid)) => ProcEvent::Error(format!("a second start ({pid}) in one stream")),
             Err(e) => ProcEvent::Error(format!("{e:#}")),
         }))
+    }
+
+    fn envs(&self) -> parking_lot::MutexGuard<'_, HashMap<String, BTreeMap<String, String>>> {
+        self.envs.lock()
     }
 }
 
@@ -154,7 +159,7 @@ impl Host for CladeHost {
             Some((n, "vm")) => (n, BackendKind::Vm),
             _ => (name, self.default_backend),
         };
-        let forked = self.ops.fork(name, Some(backend), 1).map_err(|e| match host_err(e) {
+        let forked = self.api.fork(&ForkRequest::new(name, Some(backend), 1)).map_err(|e| match host_err(e) {
             HostError::NotFound(m) | HostError::Invalid(m) => {
                 HostError::NotFound(format!("template '{template}' not found ({m})"))
             }
@@ -166,7 +171,7 @@ impl Host for CladeHost {
             .next()
             .ok_or_else(|| HostError::Internal("fork started nothing".into()))?;
         if !envs.is_empty() {
-            lock(&self.envs).insert(s.id.clone(), envs.clone());
+            self.envs().insert(s.id.clone(), envs.clone());
         }
         Ok(s)
     }
@@ -175,31 +180,27 @@ impl Host for CladeHost {
         if clade_host::error::check_id(id).is_err() {
             return Status::Gone;
         }
-        match self.ops.engine.ledger().sandbox(&SandboxId::new(id)) {
-            // No pid yet: its supervisor is starting.
-            Ok(r) if r.state == SandboxState::Running && r.supervisor_pid.is_none_or(clade_host::supervisor::start::supervisor_alive) => {
-                Status::Running
-            }
-            Ok(r) if r.state == SandboxState::Suspended => Status::Paused,
+        match self.api.state(id) {
+            Ok(r) if r.state == "running" => Status::Running,
+            Ok(r) if r.state == "suspended" => Status::Paused,
             _ => Status::Gone,
         }
     }
 
     fn kill(&self, id: &str) -> HostResult<()> {
-        lock(&self.envs).remove(id);
-        self.ops.kill(id).map(|_| ()).map_err(host_err)
+        self.envs().remove(id);
+        self.api.kill(id).map(|_| ()).map_err(host_err)
     }
 
     fn pause(&self, id: &str) -> HostResult<()> {
-        self.ops.suspend(id).map_err(host_err)?;
+        self.api.suspend(id).map_err(host_err)?;
         // The supervisor answers before it records the sandbox as suspended and exits: wait for that, so a
         // status read right after this sees "paused" (not a running sandbox, nor a lost one).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while std::time::Instant::now() < deadline {
-            let rec = self.ops.engine.ledger().sandbox(&SandboxId::new(id));
-            match rec {
-                Ok(r) if r.state == SandboxState::Suspended => return Ok(()),
-                Ok(r) if r.state == SandboxState::Dead || r.state == SandboxState::Failed => {
+            match self.api.state(id) {
+                Ok(r) if r.state == "suspended" => return Ok(()),
+                Ok(r) if r.state == "dead" || r.state == "failed" => {
                     return Err(HostError::Internal(format!("sandbox {id} ended instead of pausing")))
                 }
                 _ => std::thread::sleep(std::time::Duration::from_millis(10)),
@@ -209,24 +210,24 @@ impl Host for CladeHost {
     }
 
     fn resume(&self, id: &str) -> HostResult<()> {
-        let r = self.ops.resume(id).map_err(host_err)?;
-        if r["ok"].as_bool() == Some(true) {
+        let r = self.api.resume(id).map_err(host_err)?;
+        if r.ok {
             Ok(())
         } else {
             Err(HostError::Internal(format!(
                 "resume of {id} failed: {}",
-                r["error"].as_str().unwrap_or("no reason given")
+                r.error.as_deref().unwrap_or("no reason given")
             )))
         }
     }
 
     fn fork(&self, id: &str, count: u32) -> HostResult<Vec<Started>> {
-        let m = self.ops.mark(id, None, false, false).map_err(host_err)?;
-        let mark = m["id"].as_str().ok_or_else(|| HostError::Internal(format!("mark of {id} has no id: {m}")))?;
-        let forked = self.ops.fork(mark, None, count).map_err(host_err)?;
+        let m = self.api.mark(id, &MarkRequest::default()).map_err(host_err)?;
+        let mark = m.id.as_str();
+        let forked = self.api.fork(&ForkRequest::new(mark, None, count)).map_err(host_err)?;
         let kids = self.started(&forked, mark)?;
-        if let Some(e) = lock(&self.envs).get(id).cloned() {
-            let mut envs = lock(&self.envs);
+        let mut envs = self.envs();
+        if let Some(e) = envs.get(id).cloned() {
             for k in &kids {
                 envs.insert(k.id.clone(), e.clone());
             }
@@ -236,20 +237,19 @@ impl Host for CladeHost {
 
     fn snapshot(&self, id: &str, name: Option<&str>) -> HostResult<Snapshot> {
         // A name is a mark label; one already taken falls back to an unlabelled mark (the id still names it).
-        let m = match self.ops.mark(id, name.map(str::to_owned), true, false) {
+        let pin = |label: Option<&str>| MarkRequest { label: label.map(str::to_owned), keep: true, not_clean: false };
+        let m = match self.api.mark(id, &pin(name)) {
             Ok(m) => m,
-            Err(_) if name.is_some() => self.ops.mark(id, None, true, false).map_err(host_err)?,
+            Err(_) if name.is_some() => self.api.mark(id, &pin(None)).map_err(host_err)?,
             Err(e) => return Err(host_err(e)),
         };
-        let mark = m["id"].as_str().ok_or_else(|| HostError::Internal(format!("mark of {id} has no id: {m}")))?;
-        Ok(Snapshot { id: mark.to_string() })
+        Ok(Snapshot { id: m.id.to_string() })
     }
 
     fn proc_start(&self, id: &str, spec: ProcSpec) -> HostResult<(u32, ProcStream)> {
-        clade_host::error::check_id(id).map_err(host_err)?;
-        let mut env = lock(&self.envs).get(id).cloned().unwrap_or_default();
+        let mut env = self.envs().get(id).cloned().unwrap_or_default();
         env.extend(spec.env);
-        let req = Request::ProcStart(protocol::ProcSpec {
+        let spec = clade_host::api::ProcSpec {
             argv: spec.argv,
             env,
             cwd: spec.cwd,
@@ -258,21 +258,17 @@ impl Host for CladeHost {
             stdin: spec.stdin,
             tag: spec.tag,
             stream: true,
-        });
-        let (pid, s) = client::open_stream(&self.home, id, &req).map_err(host_err)?;
-        Ok((pid, Self::events(s)))
+        };
+        let (pid, events) = self.api.proc_start(id, spec).map_err(host_err)?;
+        Ok((pid, Self::events(events)))
     }
 
     fn proc_connect(&self, id: &str, pid: u32) -> HostResult<ProcStream> {
-        clade_host::error::check_id(id).map_err(host_err)?;
-        let (_, s) = client::open_stream(&self.home, id, &Request::ProcConnect { pid }).map_err(host_err)?;
-        Ok(Self::events(s))
+        Ok(Self::events(self.api.proc_connect(id, pid).map_err(host_err)?))
     }
 
     fn proc_list(&self, id: &str) -> HostResult<Vec<ProcInfo>> {
-        let v = self.call(id, &Request::ProcList)?;
-        let procs: Vec<protocol::ProcListing> = serde_json::from_value(v["procs"].clone())
-            .map_err(|e| HostError::Internal(format!("the supervisor's process list: {e}")))?;
+        let procs = self.api.proc_list(id).map_err(host_err)?;
         Ok(procs
             .into_iter()
             .map(|p| ProcInfo { pid: p.pid, argv: p.argv, env: p.env, cwd: p.cwd, tag: p.tag })
@@ -280,56 +276,47 @@ impl Host for CladeHost {
     }
 
     fn proc_input(&self, id: &str, pid: u32, data: &[u8]) -> HostResult<()> {
-        let data_b64 = base64::engine::general_purpose::STANDARD.encode(data);
-        self.call(id, &Request::ProcInput { pid, data_b64 }).map(|_| ())
+        self.api.proc_input(id, pid, data).map_err(host_err)
     }
 
     fn proc_close_stdin(&self, id: &str, pid: u32) -> HostResult<()> {
-        self.call(id, &Request::ProcCloseStdin { pid }).map(|_| ())
+        self.api.proc_close_stdin(id, pid).map_err(host_err)
     }
 
     fn proc_signal(&self, id: &str, pid: u32, signal: i32) -> HostResult<()> {
-        self.call(id, &Request::ProcSignal { pid, signal }).map(|_| ())
+        self.api.proc_signal(id, pid, signal).map_err(host_err)
     }
 
     fn proc_resize(&self, id: &str, pid: u32, rows: u16, cols: u16) -> HostResult<()> {
-        self.call(id, &Request::ProcResize { pid, rows, cols }).map(|_| ())
+        self.api.proc_resize(id, pid, rows, cols).map_err(host_err)
     }
 
     fn stat(&self, id: &str, path: &str) -> HostResult<Entry> {
-        let v = self.call(id, &Request::Stat { path: path.into() })?;
-        let st: FileStat = serde_json::from_value(v).map_err(|e| HostError::Internal(format!("stat answer: {e}")))?;
-        Ok(entry_of(path, st))
+        Ok(entry_of(path, self.api.stat(id, path).map_err(host_err)?))
     }
 
     fn list_dir(&self, id: &str, path: &str, depth: u32) -> HostResult<Vec<Entry>> {
-        let v = self.call(id, &Request::ListDir { path: path.into(), depth })?;
-        let es: Vec<DirEntry> = serde_json::from_value(v["entries"].clone())
-            .map_err(|e| HostError::Internal(format!("list answer: {e}")))?;
+        let es = self.api.list_dir(id, path, depth).map_err(host_err)?;
         Ok(es.into_iter().map(|e| entry_of(&e.path, e.stat)).collect())
     }
 
     fn mkdir(&self, id: &str, path: &str) -> HostResult<bool> {
-        let v = self.call(id, &Request::Mkdir { path: path.into() })?;
-        Ok(v["created"].as_bool().unwrap_or(true))
+        self.api.make_dir(id, path).map_err(host_err)
     }
 
     fn rename(&self, id: &str, from: &str, to: &str) -> HostResult<()> {
-        self.call(id, &Request::Move { from: from.into(), to: to.into() }).map(|_| ())
+        self.api.rename(id, from, to).map_err(host_err)
     }
 
     fn remove(&self, id: &str, path: &str) -> HostResult<()> {
-        self.call(id, &Request::Remove { path: path.into() }).map(|_| ())
+        self.api.remove(id, path).map_err(host_err)
     }
 
     fn read_file(&self, id: &str, path: &str) -> HostResult<(u64, Box<dyn Read + Send>)> {
-        clade_host::error::check_id(id).map_err(host_err)?;
-        let (size, r) = client::read_stream(&self.home, id, path).map_err(host_err)?;
-        Ok((size, Box::new(r)))
+        self.api.open_file(id, path).map_err(host_err)
     }
 
     fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64> {
-        clade_host::error::check_id(id).map_err(host_err)?;
-        client::write_stream(&self.home, id, path, None, src).map_err(host_err)
+        self.api.write_file_from(id, path, None, src).map_err(host_err)
     }
 }

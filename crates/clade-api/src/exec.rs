@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 
-use clade_host::ops::{ExecEvent, ExecOutput, ExecRequest, Ops};
-use clade_host::supervisor::{client, protocol::Request};
+use clade_host::api::{ExecEvent, ExecOutput, ExecRequest, SandboxApi};
 
 /// A command that outlived its limit (and was killed).
 #[derive(Debug, thiserror::Error)]
@@ -31,13 +30,16 @@ pub fn limit_for(req: &ExecRequest, daemon: Duration) -> Duration {
 }
 
 /// Run `req` in `sandbox`, collecting its output, killing it past `limit`.
-pub fn exec_within(ops: &Ops, sandbox: &str, req: ExecRequest, limit: Duration) -> anyhow::Result<ExecOutput> {
-    let events = ops.exec_stream(sandbox, req)?;
-    let home = ops.home().clone();
-    let id = sandbox.to_string();
-    collect_within(events, limit, move |pid| {
-        if let Err(e) = client::call(&home, &id, &Request::ProcSignal { pid, signal: libc_sigkill() }) {
-            eprintln!("clade serve: could not kill timed-out pid {pid} in {id}: {e:#}");
+pub fn exec_within(
+    api: &dyn SandboxApi,
+    sandbox: &str,
+    req: ExecRequest,
+    limit: Duration,
+) -> anyhow::Result<ExecOutput> {
+    let events = api.exec_stream(sandbox, req)?;
+    collect_within(events, limit, |pid| {
+        if let Err(e) = api.proc_signal(sandbox, pid, libc_sigkill()) {
+            eprintln!("clade serve: could not kill timed-out pid {pid} in {sandbox}: {e:#}");
         }
     })
 }

@@ -8,13 +8,12 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::server::App;
+use clade_host::SandboxApi;
 
 #[derive(Default, Serialize, Deserialize)]
 struct Entry {
@@ -88,14 +87,14 @@ impl Idle {
     }
 
     /// Sandboxes due for suspension now: running, with a timeout, idle for longer than it.
-    fn due(&self, app: &App) -> Vec<String> {
+    pub(crate) fn due(&self, api: &dyn SandboxApi) -> Vec<String> {
         let now = now_ms();
-        let rows = app.ops.list().unwrap_or_default();
+        let rows = api.list().unwrap_or_default();
         let mut e = self.entries.lock();
         let mut out = Vec::new();
         for r in rows {
-            let (Some(id), Some(state)) = (r["id"].as_str(), r["state"].as_str()) else { continue };
-            if state != "running" {
+            let id = r.id.as_str();
+            if r.state != "running" {
                 continue;
             }
             if !e.contains_key(id) && self.default_s > 0 {
@@ -105,7 +104,7 @@ impl Idle {
             if en.timeout_s == 0 {
                 continue;
             }
-            let last = en.touched_ms.max(r["last_active_ms"].as_u64().unwrap_or(0));
+            let last = en.touched_ms.max(r.last_active_ms.max(0) as u64);
             if now.saturating_sub(last) >= en.timeout_s * 1000 {
                 out.push(id.to_string());
             }
@@ -113,32 +112,11 @@ impl Idle {
         out
     }
 
-    fn mark_suspended(&self, id: &str) {
+    pub(crate) fn mark_suspended(&self, id: &str) {
         let mut e = self.entries.lock();
         if let Some(en) = e.get_mut(id) {
             en.idle_suspended = true;
         }
         self.save(&e);
-    }
-}
-
-/// The loop: every `tick`, suspend what is due (one at a time: a suspend is a mark, which takes the disk).
-pub async fn run(app: Arc<App>, tick: Duration) {
-    loop {
-        tokio::time::sleep(tick).await;
-        let a = app.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            for id in a.idle.due(&a) {
-                match a.ops.suspend(&id) {
-                    Ok(_) => {
-                        a.idle.mark_suspended(&id);
-                        a.metrics.idle_suspended();
-                        eprintln!("clade serve: suspended idle sandbox {id}");
-                    }
-                    Err(e) => eprintln!("clade serve: could not suspend idle sandbox {id}: {e:#}"),
-                }
-            }
-        })
-        .await;
     }
 }

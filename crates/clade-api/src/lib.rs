@@ -10,15 +10,23 @@
 
 #![forbid(unsafe_code)]
 
+mod app;
 pub mod client;
 mod doors;
 pub mod e2b;
 mod e2b_keys;
 mod error;
 mod exec;
+#[cfg(test)]
+mod faces;
+#[cfg(test)]
+mod fake;
 mod idle;
+mod inside;
 mod lock;
 mod metrics;
+#[cfg(test)]
+mod openapi_check;
 pub mod routes;
 pub mod server;
 pub mod status;

@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use clade_host::ops::Ops;
+use clade_host::SandboxApi;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OpLabels {
@@ -88,20 +88,20 @@ impl Metrics {
     }
 
     /// The text exposition, with the gauges read now.
-    pub fn render(&self, ops: &Ops) -> String {
+    pub fn render(&self, api: &dyn SandboxApi, store: Option<&clade_store::Store>) -> String {
         let mut counts = std::collections::BTreeMap::<String, i64>::new();
         for s in ["starting", "running", "suspended", "failed", "lost"] {
             counts.insert(s.into(), 0);
         }
-        if let Ok(rows) = ops.list() {
+        if let Ok(rows) = api.list() {
             for r in rows {
-                *counts.entry(r["state"].as_str().unwrap_or("unknown").to_string()).or_default() += 1;
+                *counts.entry(r.state).or_default() += 1;
             }
         }
         for (state, n) in counts {
             self.sandboxes.get_or_create(&StateLabels { state }).set(n);
         }
-        if let Ok(s) = ops.engine.store.stats() {
+        if let Some(Ok(s)) = store.map(|s| s.stats()) {
             for (kind, v) in [("logical", s.logical_bytes), ("unique", s.unique_bytes), ("packed", s.pack_bytes)] {
                 self.store_bytes.get_or_create(&KindLabels { kind: kind.into() }).set(v as i64);
             }

@@ -9,13 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use axum::extract::{MatchedPath, Request, State};
-use axum::middleware::Next;
-use axum::response::Response;
 use clade_core::CladeHome;
 
-use clade_host::ops::Ops;
+use clade_host::Ops;
 
+use crate::app::{idle_loop, App};
 use crate::{doors, e2b, idle, lock, metrics, routes};
 
 /// How the daemon listens and what it allows (the `clade serve` flags).
@@ -35,15 +33,6 @@ pub struct Config {
     pub idle_tick: u64,
 }
 
-/// What every handler shares.
-pub struct App {
-    pub ops: Arc<Ops>,
-    pub(crate) metrics: metrics::Metrics,
-    pub(crate) idle: idle::Idle,
-    pub(crate) max_upload: u64,
-    pub(crate) exec_limit: Duration,
-}
-
 enum Listen {
     Unix(PathBuf),
     Tcp(SocketAddr),
@@ -55,26 +44,10 @@ fn parse_listen(s: &str) -> anyhow::Result<Listen> {
     }
     s.parse::<SocketAddr>().map(Listen::Tcp).map_err(|e| {
         anyhow::anyhow!(clade_core::OpError::new(
-                clade_core::ErrorKind::Invalid,
+            clade_core::ErrorKind::Invalid,
             format!("--listen {s:?}: {e}; use unix:PATH or HOST:PORT such as 127.0.0.1:8080")
         ))
     })
-}
-
-async fn count_requests(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "-".into());
-    let method = req.method().to_string();
-    let resp = next.run(req).await;
-    app.metrics.request(&method, &route, resp.status().as_u16());
-    resp
-}
-
-/// The native API's router for one listener (its doors know that listener's names).
-pub fn app_router(app: Arc<App>, key: String, hosts: Vec<String>) -> axum::Router {
-    let doors = Arc::new(doors::Doors { key, hosts });
-    routes::router(app.clone())
-        .route_layer(axum::middleware::from_fn_with_state(app, count_requests))
-        .layer(axum::middleware::from_fn_with_state(doors, doors::check))
 }
 
 fn tcp_hosts(addr: SocketAddr) -> Vec<String> {
@@ -86,9 +59,12 @@ pub fn run(a: Config) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     let _lock = lock::take(&home)?;
     let ops = Arc::new(Ops::open(&home)?);
+    let store = Some(ops.engine.store.clone());
     let key = doors::load_or_create_key(&home)?;
     let app = Arc::new(App {
-        ops,
+        api: ops,
+        store,
+        home: home.root().to_path_buf(),
         metrics: metrics::Metrics::new(),
         idle: idle::Idle::load(&home, a.idle_timeout),
         max_upload: a.max_upload_mib << 20,
@@ -114,22 +90,22 @@ pub fn run(a: Config) -> anyhow::Result<i32> {
                     use std::os::unix::fs::PermissionsExt;
                     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
                     eprintln!("clade serve: listening on unix:{}", path.display());
-                    let r = app_router(app.clone(), key.clone(), vec!["localhost".into()]);
+                    let r = routes::app_router(app.clone(), key.clone(), vec!["localhost".into()]);
                     tasks.push(tokio::spawn(clade_http::serve(lis, r, clade_http::Limits::default())));
                 }
                 Listen::Tcp(addr) => {
                     let lis = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
                     let addr = lis.local_addr()?;
                     eprintln!("clade serve: listening on http://{addr}");
-                    let r = app_router(app.clone(), key.clone(), tcp_hosts(addr));
+                    let r = routes::app_router(app.clone(), key.clone(), tcp_hosts(addr));
                     tasks.push(tokio::spawn(clade_http::serve(lis, r, clade_http::Limits::default())));
                 }
             }
         }
         if let Some((api, sbx)) = a.e2b {
-            e2b::spawn(app.ops.clone(), api, sbx, home.clone()).await?;
+            e2b::spawn(app.api.clone(), api, sbx, home.clone()).await?;
         }
-        tokio::spawn(idle::run(app.clone(), Duration::from_secs(a.idle_tick.max(1))));
+        tokio::spawn(idle_loop(app.clone(), Duration::from_secs(a.idle_tick.max(1))));
         eprintln!("clade serve: ready (key in {})", home.root().join("api.key").display());
         let started = Instant::now();
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -41,6 +41,11 @@ pub fn kind_of_status(status: u16) -> ErrorKind {
     }
 }
 
+/// The kind an error body's code names (the reverse of [`status_of`]'s code).
+pub fn kind_of_code(code: &str) -> ErrorKind {
+    clade_core::error::ALL.into_iter().find(|k| status_of(*k).1 == code).unwrap_or(ErrorKind::Internal)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,6 +57,7 @@ mod tests {
             assert!((400..600).contains(&status), "{k:?}");
             assert!(!code.is_empty());
             assert_eq!(kind_of_status(status), k, "{k:?} -> {status}");
+            assert_eq!(kind_of_code(code), k, "{k:?} -> {code}");
         }
         assert_eq!(kind_of_status(413), ErrorKind::Invalid);
         assert_eq!(kind_of_status(502), ErrorKind::Internal);

@@ -26,7 +26,8 @@ use clade_core::CladeHome;
 use clade_ledger::{Mark, SandboxState};
 
 use super::{median, percentile, Figure};
-use clade_host::ops::{ExecRequest, Ops};
+use clade_host::api::{ExecRequest, ForkRequest, SandboxApi};
+use clade_host::Ops;
 use clade_api::client::Remote;
 
 #[derive(clap::Args)]
@@ -336,10 +337,8 @@ fn leftovers(ops: &Ops, ids: &BTreeSet<String>, net_before: &clade_ct::net::Host
     }
     match ops.audit(false) {
         Ok(rep) => {
-            for f in rep["findings"].as_array().into_iter().flatten() {
-                if f["id"].as_str().is_some_and(|i| ids.contains(i)) {
-                    left.push(format!("audit: {f}"));
-                }
+            for f in rep.findings.iter().filter(|f| ids.contains(&f.id)) {
+                left.push(format!("audit: {} {} {}", f.kind, f.id, f.detail));
             }
         }
         Err(e) => left.push(format!("audit failed: {e:#}")),
@@ -411,8 +410,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let mut all_pass = true;
 
     // 1. exec true: HTTP vs the library, interleaved (the order alternates), on one sandbox.
-    let f = ops.fork(&m, None, 1)?;
-    let id = f["sandboxes"][0]["sandbox"].as_str().ok_or_else(|| anyhow!("fork answered {f}"))?.to_string();
+    let f = ops.fork(&ForkRequest::new(m.as_str(), None, 1))?;
+    let id = f.sandboxes.first().ok_or_else(|| anyhow!("fork started nothing"))?.sandbox.clone();
     let req = ExecRequest { argv: vec!["true".into()], ..Default::default() };
     let body = serde_json::to_vec(&req)?;
     let path = format!("/v1/sandboxes/{id}/exec");

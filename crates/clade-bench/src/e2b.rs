@@ -12,7 +12,8 @@ use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 
 use super::Figure;
-use clade_host::ops::{ExecRequest, Ops};
+use clade_host::api::{ExecRequest, ForkRequest, SandboxApi};
+use clade_host::Ops;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -41,12 +42,14 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let backend = a.backend.as_str().to_string();
     let ops = Ops::open(&home)?;
     // clade's own library call: fork the base, exec, (kill outside the timing).
-    ops.kill(ops.fork(&a.template, Some(a.backend), 1)?["sandboxes"][0]["sandbox"].as_str().unwrap_or_default()).ok();
+    let fork = ForkRequest::new(a.template.as_str(), Some(a.backend), 1);
+    let first = ops.fork(&fork)?;
+    first.sandboxes.iter().for_each(|r| drop(ops.kill(&r.sandbox)));
     let mut lib = Vec::new();
     for _ in 0..a.n {
         let t = Instant::now();
-        let f = ops.fork(&a.template, Some(a.backend), 1)?;
-        let id = f["sandboxes"][0]["sandbox"].as_str().ok_or_else(|| anyhow!("fork answered {f}"))?.to_string();
+        let f = ops.fork(&fork)?;
+        let id = f.sandboxes.first().ok_or_else(|| anyhow!("fork started nothing"))?.sandbox.clone();
         let out = ops.exec(&id, ExecRequest { argv: vec!["echo".into(), "hi".into()], ..Default::default() })?;
         lib.push(t.elapsed().as_secs_f64() * 1e3);
         let _ = ops.kill(&id);

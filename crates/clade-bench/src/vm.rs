@@ -17,8 +17,9 @@ use clade_ledger::TemplateId;
 use clade_vm::machine::RamBacking;
 
 use super::{median, slope, Figure};
-use clade_host::supervisor::protocol::Request;
-use clade_host::supervisor::{client, pool};
+use clade_host::api::{ExecRequest, MarkRequest, SandboxApi};
+use clade_host::supervisor::pool;
+use clade_host::Ops;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,9 +43,9 @@ fn emit(figs: &mut Vec<Figure>, f: Figure) {
     figs.push(f);
 }
 
-fn kill_all(home: &CladeHome, ids: &[String]) {
+fn kill_all(ops: &Ops, ids: &[String]) {
     for id in ids {
-        let _ = client::call(home, id, &Request::Kill);
+        let _ = ops.kill(id);
     }
 }
 
@@ -93,14 +94,14 @@ fn other_ram_mappers(ram_dir: &Path, ours: &[u32]) -> usize {
         .unwrap_or(0)
 }
 
-/// Sum PSS and RSS of the sandboxes' processes, and those processes, from one `Info` each.
-fn pss_of(home: &CladeHome, ids: &[String]) -> (u64, u64, Vec<u32>) {
-    ids.iter().fold((0, 0, Vec::new()), |(p, r, mut pids), id| match client::call(home, id, &Request::Info) {
-        Ok(v) => {
-            pids.extend(v["pids"].as_array().into_iter().flatten().filter_map(|p| p.as_u64().map(|p| p as u32)));
-            (p + v["pss"].as_u64().unwrap_or(0), r + v["rss"].as_u64().unwrap_or(0), pids)
+/// Sum PSS and RSS of the sandboxes' processes, and those processes, from their supervisors' facts.
+fn pss_of(ops: &Ops, ids: &[String]) -> (u64, u64, Vec<u32>) {
+    ids.iter().fold((0, 0, Vec::new()), |(p, r, mut pids), id| match ops.get(id).map(|i| i.live) {
+        Ok(Some(l)) => {
+            pids.extend(l.pids);
+            (p + l.pss, r + l.rss, pids)
         }
-        Err(_) => (p, r, pids),
+        _ => (p, r, pids),
     })
 }
 
@@ -111,10 +112,11 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let n = if a.quick { 3 } else { 7 };
     eprintln!("bench vm: base of {key}");
     let base = clade_host::base::build(&home, &key, BackendKind::Vm, false, &|l| eprintln!("{l}"))?;
-    let engine = Engine::open(&home)?;
+    let ops = Ops::open(&home)?;
+    let engine = &ops.engine;
     let mark = engine.ledger().mark(&clade_ledger::MarkId::new(base.mark.as_str()))?;
     let m = mark.id.as_str().to_string();
-    let be = clade_host::backends::open(&engine, BackendKind::Vm)?;
+    let be = clade_host::backends::open(engine, BackendKind::Vm)?;
     let vm = clade_vm::backend::VmBackend::open(&home, engine.store.clone(), None)?;
     let record = clade_host::base::template_record(&home, &key, BackendKind::Vm)?;
     let image = clade_host::base::image_of(&record);
@@ -132,10 +134,10 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         s.kill()?;
         wait_pool(&home, &m, 2)?;
         let t = Instant::now();
-        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(engine, &mark, 1)?;
         fork.push(ms(t.elapsed()));
         fork_hello.push(ready[0].restore_ms);
-        kill_all(&home, &[ready[0].sandbox.clone()]);
+        kill_all(&ops, &[ready[0].sandbox.clone()]);
     }
     let ratio = median(&cold) / median(&fork);
     emit(
@@ -159,12 +161,12 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         wait_pool(&home, &m, k)?;
         std::thread::sleep(Duration::from_secs(2));
         let t = Instant::now();
-        let (r, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, k as u32)?;
+        let (r, _) = clade_host::supervisor::start::fork_mark(engine, &mark, k as u32)?;
         curve.push(ms(t.elapsed()));
         if k == 10 {
             ready = r;
         } else {
-            kill_all(&home, &r.iter().map(|x| x.sandbox.clone()).collect::<Vec<_>>());
+            kill_all(&ops, &r.iter().map(|x| x.sandbox.clone()).collect::<Vec<_>>());
         }
     }
     let fork10 = *curve.last().unwrap_or(&f64::NAN);
@@ -172,7 +174,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let all_ok = ready.len() == 10 && ready.iter().all(|r| r.ok);
     let hellos = ids
         .iter()
-        .filter(|id| client::call(&home, id, &Request::Info).map(|v| !v["hello"].is_null()).unwrap_or(false))
+        .filter(|id| ops.get(id).ok().and_then(|i| i.live).is_some_and(|l| !l.hello.is_null()))
         .count();
     emit(
         &mut figs,
@@ -188,7 +190,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                     "xlabel": "siblings forked at once (N), warm pool of N", "ylabel": "ms, fork call to all ready"}}),
         },
     );
-    kill_all(&home, &ids);
+    kill_all(&ops, &ids);
     pool::drain(&home, &m);
     std::thread::sleep(Duration::from_secs(1));
 
@@ -204,10 +206,10 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let ram_dir = vm.root_ram_file("x").parent().map(Path::to_path_buf).unwrap_or_default();
     let (mut ram3, mut whole3, mut strays) = ((0, 0), (0, 0), 0);
     for &c in counts {
-        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, (c - ids.len()) as u32)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(engine, &mark, (c - ids.len()) as u32)?;
         ids.extend(ready.into_iter().map(|r| r.sandbox));
         std::thread::sleep(Duration::from_secs(3));
-        let (p, r, pids) = pss_of(&home, &ids);
+        let (p, r, pids) = pss_of(&ops, &ids);
         xs.push(c as f64);
         ys.push(p as f64);
         if c == 3 {
@@ -216,7 +218,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             (ram3, strays) = guest_ram_pss_of(&pids, &ram_dir);
         }
     }
-    kill_all(&home, &ids);
+    kill_all(&ops, &ids);
     let per = slope(&xs, &ys);
     emit(
         &mut figs,
@@ -336,7 +338,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         // round trip measured 1.2-1.6x slower with a 3-6x longer tail (docs/agent.md).
         let id = hygiene::new_identity(&format!("bench-hello-{}", std::process::id()), 1);
         let s = vm.restore_vm(&engine.mark_state(&mark)?, &id)?;
-        let ct = ct_sandbox(&home, &engine, &key);
+        let ct = ct_sandbox(&home, engine, &key);
         if let Err(e) = &ct {
             eprintln!("bench vm: no ct sandbox for the hello figure ({e:#}); the plain socket stands in for it");
         }
@@ -411,27 +413,18 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     }
 
     // 5. Retake end to end (CLI path: supervisor kills the sandbox, restores the mark, hygiene).
-    let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
+    let (ready, _) = clade_host::supervisor::start::fork_mark(engine, &mark, 1)?;
     let sbx = ready[0].sandbox.clone();
-    let mk = client::call(&home, &sbx, &Request::Mark { label: None, keep: false, not_clean: false })?;
-    let mk = mk["id"].as_str().unwrap_or_default().to_string();
+    let mk = ops.mark(&sbx, &MarkRequest::default())?.id.to_string();
     let mut retakes = Vec::new();
     for _ in 0..n {
-        let _ = client::call(
-            &home,
-            &sbx,
-            &Request::Exec {
-                argv: vec!["sh".into(), "-c".into(), "echo x > /root/r".into()],
-                env: Default::default(),
-                cwd: None,
-                stdin_b64: None,
-            },
-        );
+        let write = ExecRequest { argv: vec!["sh".into(), "-c".into(), "echo x > /root/r".into()], ..Default::default() };
+        let _ = ops.exec(&sbx, write);
         let t = Instant::now();
-        client::call(&home, &sbx, &Request::Retake { mark: mk.clone() })?;
+        ops.retake(&sbx, &mk)?;
         retakes.push(ms(t.elapsed()));
     }
-    kill_all(&home, &[sbx]);
+    kill_all(&ops, &[sbx]);
     let rt = median(&retakes);
     emit(
         &mut figs,
@@ -447,13 +440,13 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     );
 
     // 6. Versus QEMU templating by hand, same QEMU, RAM file and device state; qemu-nbd for the disk.
-    let peer = peer_samples(&engine, &vm, &mark, n)?;
+    let peer = peer_samples(engine, &vm, &mark, n)?;
     let mut clade_fork = Vec::new();
     for _ in 0..n {
         wait_pool(&home, &m, 2)?;
-        let (ready, _) = clade_host::supervisor::start::fork_mark(&engine, &mark, 1)?;
+        let (ready, _) = clade_host::supervisor::start::fork_mark(engine, &mark, 1)?;
         clade_fork.push(ready[0].restore_ms);
-        kill_all(&home, &[ready[0].sandbox.clone()]);
+        kill_all(&ops, &[ready[0].sandbox.clone()]);
     }
     pool::drain(&home, &m);
     let r = median(&clade_fork) / median(&peer);

@@ -37,7 +37,7 @@ impl std::str::FromStr for BackendKind {
 }
 
 /// The resources a template asks for.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shape {
     pub memory_mib: u32,
     pub vcpus: u32,

@@ -63,11 +63,13 @@ impl ErrorKind {
     pub fn of_errno(errno: i32) -> ErrorKind {
         use nix::errno::Errno;
         match Errno::from_raw(errno) {
-            Errno::EEXIST | Errno::ENOTEMPTY => ErrorKind::Conflict,
+            // In use, or there already: the path's state refuses it (renaming `/`, a mount point).
+            Errno::EEXIST | Errno::ENOTEMPTY | Errno::EBUSY => ErrorKind::Conflict,
             Errno::ENOENT => ErrorKind::NotFound,
-            Errno::ENOTDIR | Errno::EISDIR => ErrorKind::Invalid,
-            Errno::EACCES | Errno::EPERM => ErrorKind::Permission,
-            Errno::ENOSPC => ErrorKind::NoSpace,
+            // The caller's path cannot name that (a directory into itself, too long, a loop of links).
+            Errno::ENOTDIR | Errno::EISDIR | Errno::EINVAL | Errno::ENAMETOOLONG | Errno::ELOOP => ErrorKind::Invalid,
+            Errno::EACCES | Errno::EPERM | Errno::EROFS => ErrorKind::Permission,
+            Errno::ENOSPC | Errno::EDQUOT => ErrorKind::NoSpace,
             _ => ErrorKind::Internal,
         }
     }
@@ -205,6 +207,7 @@ mod tests {
         assert_eq!(ErrorKind::of_errno(17), ErrorKind::Conflict);
         assert_eq!(ErrorKind::of_errno(21), ErrorKind::Invalid);
         assert_eq!(ErrorKind::of_errno(28), ErrorKind::NoSpace);
+        assert_eq!(ErrorKind::of_errno(16), ErrorKind::Conflict, "EBUSY: renaming / is the path's state, not a bug");
         assert_eq!(ErrorKind::of_errno(5), ErrorKind::Internal);
     }
 }

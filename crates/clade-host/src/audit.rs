@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clade_ledger::{ManifestId, SandboxState};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use clade_core::engine::Engine;
 
@@ -29,11 +29,11 @@ fn settle() -> Duration {
 }
 
 /// One thing found wrong.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Finding {
     /// lost, unresumable, missing-manifest, orphan-process, stray-supervisor, leftover-mount, leftover-cgroup,
     /// leftover-network, leftover-run-dir, leftover-ram-file.
-    pub kind: &'static str,
+    pub kind: std::borrow::Cow<'static, str>,
     /// The sandbox or mark it concerns.
     pub id: String,
     pub detail: String,
@@ -41,7 +41,7 @@ pub struct Finding {
     pub fixed: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct AuditReport {
     pub sandboxes: usize,
     pub marks: usize,
@@ -82,7 +82,7 @@ pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
                 let young = now_ms().saturating_sub(r.last_active_ms.max(r.created_ms)) < settle().as_millis() as i64;
                 if !(alive || r.state == SandboxState::Starting && young) {
                     rep.findings.push(Finding {
-                        kind: "lost",
+                        kind: "lost".into(),
                         detail: format!(
                             "the ledger says {} but its supervisor ({}) is gone: `clade kill {id}` reaps it",
                             r.state.as_str(),
@@ -105,7 +105,7 @@ pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
                         .map(|mf| format!("its head mark {} names manifest {mf}, which the store lacks", m.id)),
                 };
                 if let Some(why) = missing {
-                    rep.findings.push(Finding { kind: "unresumable", id, detail: why, fixed: false });
+                    rep.findings.push(Finding { kind: "unresumable".into(), id, detail: why, fixed: false });
                 }
             }
             _ => {}
@@ -115,7 +115,7 @@ pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
         for (role, mf) in &m.manifests {
             if !stored(engine, mf) {
                 rep.findings.push(Finding {
-                    kind: "missing-manifest",
+                    kind: "missing-manifest".into(),
                     id: m.id.to_string(),
                     detail: format!("its {role} manifest {mf} is not in the store (`clade store fsck` says more)"),
                     fixed: false,
@@ -131,7 +131,7 @@ pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
         if matches!(known.get(id), Some(SandboxState::Dead) | Some(SandboxState::Failed)) {
             let fixed = fix && signal(*pid, nix::sys::signal::Signal::SIGKILL);
             rep.findings.push(Finding {
-                kind: "stray-supervisor",
+                kind: "stray-supervisor".into(),
                 id: id.clone(),
                 detail: format!("supervisor pid {pid} still runs for a sandbox the ledger calls dead"),
                 fixed,
@@ -193,7 +193,12 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
         if cmd.contains(&needle) && !cmd.contains(" supervise ") {
             let fixed = fix && signal(pid, nix::sys::signal::Signal::SIGKILL);
             let short: String = cmd.chars().take(120).collect();
-            out.push(Finding { kind: "orphan-process", id: id.into(), detail: format!("pid {pid}: {short}"), fixed });
+            out.push(Finding {
+                kind: "orphan-process".into(),
+                id: id.into(),
+                detail: format!("pid {pid}: {short}"),
+                fixed,
+            });
         }
     }
     // Deepest first, so a mount inside another comes off before its parent.
@@ -202,13 +207,18 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
     for m in mounts {
         let fixed = fix && nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).is_ok();
-        out.push(Finding { kind: "leftover-mount", id: id.into(), detail: m.display().to_string(), fixed });
+        out.push(Finding { kind: "leftover-mount".into(), id: id.into(), detail: m.display().to_string(), fixed });
     }
     // Every hierarchy a sandbox has a cgroup in (memory, pids, cpu, devices on v1), either backend.
     for cg in clade_core::cgroup::leftover_dirs(id) {
         if cg.is_dir() && settled(&cg) {
             let fixed = fix && remove_cgroup(&cg);
-            out.push(Finding { kind: "leftover-cgroup", id: id.into(), detail: cg.display().to_string(), fixed });
+            out.push(Finding {
+                kind: "leftover-cgroup".into(),
+                id: id.into(),
+                detail: cg.display().to_string(),
+                fixed,
+            });
         }
     }
     // A ct sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.
@@ -216,18 +226,23 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
     if netns.exists() && settled(&netns) {
         let removed = if fix { clade_ct::net::release_by_id(id) } else { Vec::new() };
         let detail = if removed.is_empty() { netns.display().to_string() } else { removed.join(", ") };
-        out.push(Finding { kind: "leftover-network", id: id.into(), detail, fixed: fix && !netns.exists() });
+        out.push(Finding { kind: "leftover-network".into(), id: id.into(), detail, fixed: fix && !netns.exists() });
     }
     for d in [dir.clone(), run.join(format!("{id}.sup"))] {
         if d.is_dir() && settled(&d) {
             let fixed = fix && std::fs::remove_dir_all(&d).is_ok();
-            out.push(Finding { kind: "leftover-run-dir", id: id.into(), detail: d.display().to_string(), fixed });
+            out.push(Finding {
+                kind: "leftover-run-dir".into(),
+                id: id.into(),
+                detail: d.display().to_string(),
+                fixed,
+            });
         }
     }
     let ram = shm.join("run").join(format!("{id}.ram"));
     if ram.exists() && settled(&ram) {
         let fixed = fix && std::fs::remove_file(&ram).is_ok();
-        out.push(Finding { kind: "leftover-ram-file", id: id.into(), detail: ram.display().to_string(), fixed });
+        out.push(Finding { kind: "leftover-ram-file".into(), id: id.into(), detail: ram.display().to_string(), fixed });
     }
 }
 

@@ -31,8 +31,7 @@ pub fn template_record_with(
     let path = std::path::Path::new(key);
     let spec_path = if path.is_dir() { path.join("template.toml") } else { path.to_path_buf() };
     if spec_path.is_file() {
-        let spec =
-            clade_template::TemplateSpec::load(&spec_path).map_err(|e| invalid(e.to_string()))?;
+        let spec = clade_template::TemplateSpec::load(&spec_path).map_err(|e| invalid(e.to_string()))?;
         let agent = clade_core::host::agent_binary();
         let backends = match backend {
             BackendKind::Vm => clade_template::Backends::VM,
@@ -44,7 +43,9 @@ pub fn template_record_with(
         };
         // The builder wants a `Send + 'static` sink: its lines come back here and go to `say` in order.
         let report = std::thread::scope(|s| {
-            let build = s.spawn(|| clade_template::Builder::new(home.clone()).agent(agent).on_progress(sink).build(&spec, backends));
+            let build = s.spawn(|| {
+                clade_template::Builder::new(home.clone()).agent(agent).on_progress(sink).build(&spec, backends)
+            });
             for line in rx {
                 say(line);
             }
@@ -180,4 +181,13 @@ pub fn build(
         elapsed_ms: t0.elapsed().as_secs_f64() * 1e3,
         provision_log: Some(provision_log.into_inner().unwrap_or_default()),
     })
+}
+
+/// When the mark is a template's base, that template's readiness check (a browser's page loaded after its
+/// hygiene), waited for before a member pauses and before a restored sandbox is announced ready; other marks
+/// have none recorded.
+pub fn base_readiness(engine: &Engine, mark: &clade_ledger::Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
+    let base = engine.ledger().bases().ok()?.into_iter().find(|b| b.mark == mark.id)?;
+    let record = clade_template::find(&engine.home, base.template.as_str()).ok()?;
+    ready_target(&record).map(|t| (t, Duration::from_secs(120)))
 }

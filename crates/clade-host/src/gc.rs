@@ -16,11 +16,11 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use clade_ledger::{CollectOptions, CollectReport};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use clade_core::engine::Engine;
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct GcOutcome {
     pub dry_run: bool,
     /// What retention kept and let go.

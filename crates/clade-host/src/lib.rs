@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admit;
+pub mod api;
 pub mod audit;
 pub mod backends;
 pub mod base;
@@ -28,4 +29,5 @@ pub mod security;
 pub mod siblings;
 pub mod supervisor;
 
+pub use api::SandboxApi;
 pub use ops::Ops;

@@ -61,6 +61,44 @@ pub struct Owner {
     pub at_ms: u64,
 }
 
+/// A push of a suspended sandbox to the blob tier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PushOutcome {
+    pub sandbox: String,
+    pub mark: clade_ledger::MarkId,
+    /// The blob tier's URL.
+    pub blob: String,
+    /// This host's name.
+    pub host: String,
+    pub full_bytes: u64,
+    pub packs: usize,
+    pub packs_uploaded: usize,
+    pub bytes_uploaded: u64,
+    pub push_ms: f64,
+}
+
+/// A pull of a pushed sandbox into this host.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PullOutcome {
+    pub sandbox: String,
+    pub mark: clade_ledger::MarkId,
+    pub blob: String,
+    pub host: String,
+    /// The host that pushed it.
+    pub from: String,
+    pub full_bytes: u64,
+    pub pull_ms: f64,
+    pub blob_bytes: u64,
+}
+
+/// A sandbox in the blob tier and who has it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RoamRow {
+    pub sandbox: String,
+    /// `None` when its owner record is missing (a push cut short before it was written).
+    pub owner: Option<Owner>,
+}
+
 fn record_key(sbx: &str) -> String {
     format!("sandboxes/{sbx}/record.json")
 }
@@ -135,7 +173,7 @@ fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<ManifestId>, Ve
 }
 
 /// Push a suspended sandbox to the blob tier and forget it here.
-pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PushOutcome> {
     check_id(sandbox)?;
     let tier = need_blob(engine)?;
     let me = host_id(engine)?;
@@ -209,11 +247,17 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     }
     let took = start.elapsed();
     engine.op("push", None, Some(&head.id), took, None, serde_json::json!({"sandbox": sandbox, "report": rep}));
-    Ok(serde_json::json!({
-        "sandbox": sandbox, "mark": head.id, "blob": tier, "host": me, "full_bytes": full,
-        "packs": rep.packs, "packs_uploaded": rep.packs_uploaded, "bytes_uploaded": rep.bytes_uploaded,
-        "push_ms": took.as_secs_f64() * 1e3,
-    }))
+    Ok(PushOutcome {
+        sandbox: sandbox.to_string(),
+        mark: head.id,
+        blob: tier,
+        host: me,
+        full_bytes: full,
+        packs: rep.packs,
+        packs_uploaded: rep.packs_uploaded,
+        bytes_uploaded: rep.bytes_uploaded,
+        push_ms: took.as_secs_f64() * 1e3,
+    })
 }
 
 /// [`pull`] when the blob tier holds a pushed record of `sandbox`; `None` when it holds none.
@@ -221,7 +265,7 @@ pub fn pull_if_pushed(
     engine: &Engine,
     sandbox: &str,
     progress: &mut dyn FnMut(&str),
-) -> anyhow::Result<Option<serde_json::Value>> {
+) -> anyhow::Result<Option<PullOutcome>> {
     check_id(sandbox)?;
     if engine.store.blob_get_meta(&record_key(sandbox))?.is_none() {
         return Ok(None);
@@ -230,7 +274,7 @@ pub fn pull_if_pushed(
 }
 
 /// Take a pushed sandbox from the blob tier into this host's ledger, suspended, ready for `clade resume`.
-pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<serde_json::Value> {
+pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
     check_id(sandbox)?;
     let tier = need_blob(engine)?;
     let me = host_id(engine)?;
@@ -289,11 +333,16 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     record_locally(engine, &record, &mark)?;
     let took = start.elapsed();
     engine.op("pull", Some(&id), Some(&mark.id), took, None, serde_json::json!({"from": record.pushed_by}));
-    Ok(serde_json::json!({
-        "sandbox": sandbox, "mark": mark.id, "blob": tier, "host": me, "from": record.pushed_by,
-        "full_bytes": record.full_bytes, "pull_ms": took.as_secs_f64() * 1e3,
-        "blob_bytes": clade_store::Store::blob_fetched().0 - fetched_before,
-    }))
+    Ok(PullOutcome {
+        sandbox: sandbox.to_string(),
+        mark: mark.id,
+        blob: tier,
+        host: me,
+        from: record.pushed_by,
+        full_bytes: record.full_bytes,
+        pull_ms: took.as_secs_f64() * 1e3,
+        blob_bytes: clade_store::Store::blob_fetched().0 - fetched_before,
+    })
 }
 
 /// The sandbox, its branch and head mark in this ledger (the branch and mark may be here already: the
@@ -339,13 +388,13 @@ fn record_locally(engine: &Engine, r: &Record, mark: &Mark) -> anyhow::Result<()
 }
 
 /// The sandboxes in the blob tier, with their owners.
-pub fn list(engine: &Engine) -> anyhow::Result<Vec<serde_json::Value>> {
+pub fn list(engine: &Engine) -> anyhow::Result<Vec<RoamRow>> {
     need_blob(engine)?;
     let mut out = Vec::new();
     for k in engine.store.blob_list_meta("sandboxes")? {
         let Some(sbx) = k.strip_prefix("sandboxes/").and_then(|s| s.strip_suffix("/owner.json")) else { continue };
         let o = read_owner(engine, sbx)?;
-        out.push(serde_json::json!({"sandbox": sbx, "owner": o}));
+        out.push(RoamRow { sandbox: sbx.to_string(), owner: o });
     }
     Ok(out)
 }

@@ -6,27 +6,23 @@
 
 use serde_json::{json, Value};
 
+use crate::api::SandboxApi;
 use crate::ops::Ops;
 
 /// The security audit of `ids` (every running sandbox when empty).
 pub fn audit(ops: &Ops, ids: &[String]) -> anyhow::Result<Value> {
     let ids: Vec<String> = if ids.is_empty() {
-        ops.list()?
-            .into_iter()
-            .filter(|r| r["state"] == "running")
-            .filter_map(|r| r["id"].as_str().map(str::to_string))
-            .collect()
+        ops.list()?.into_iter().filter(|r| r.state == "running").map(|r| r.id).collect()
     } else {
         ids.to_vec()
     };
     let mut rows = Vec::new();
     for id in &ids {
-        let row = ops.get(id)?;
-        let pids: Vec<u32> =
-            row["pids"].as_array().into_iter().flatten().filter_map(|p| p.as_u64().map(|p| p as u32)).collect();
-        let backend = row["backend"].as_str().unwrap_or("?").to_string();
-        let mut r = if row["state"] != "running" || pids.is_empty() {
-            json!({"deviations": [format!("not running (state {}): nothing to audit", row["state"])]})
+        let info = ops.get(id)?;
+        let pids = info.live.map(|l| l.pids).unwrap_or_default();
+        let backend = info.row.backend.as_str();
+        let mut r = if info.row.state != "running" || pids.is_empty() {
+            json!({"deviations": [format!("not running (state {:?}): nothing to audit", info.row.state)]})
         } else if backend == "ct" {
             serde_json::to_value(clade_ct::jail_audit::audit(id, &pids))?
         } else {

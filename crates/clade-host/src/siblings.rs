@@ -9,17 +9,26 @@
 //! `vm` sandboxes are refused: their processes are QEMUs in the host's namespaces by design, and what a guest
 //! holds is inside its own kernel, out of reach of a host-side audit.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use clade_core::backend::{BackendKind, Sandbox};
 use clade_ledger::SandboxId;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use clade_core::engine::Engine;
 use clade_ledger::{Backend as LBackend, SandboxState};
 
 use crate::error::{check_id, conflict, invalid, not_found};
 use crate::supervisor::{client, protocol::Request, start::supervisor_alive};
+
+/// The sibling audit's verdict on two running ct sandboxes (`clade audit A B`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SiblingAudit {
+    /// The checks themselves (namespaces, pids, shared objects), as `clade_ct::audit` reports them.
+    #[serde(flatten)]
+    pub report: BTreeMap<String, serde_json::Value>,
+}
 
 /// What the shared character devices are judged against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,7 +167,7 @@ fn cold_pair(engine: &Engine, sandbox: &str) -> anyhow::Result<(ColdPair, String
 /// The audit of running ct sandboxes `a` and `b`, judged against `control`. `pass` is the control rule with a
 /// control (shared character devices pass only if the control pair shares them too), the strict rule (nothing
 /// shared at all) without one.
-pub fn audit_siblings(engine: &Engine, a: &str, b: &str, control: Control) -> anyhow::Result<serde_json::Value> {
+pub fn audit_siblings(engine: &Engine, a: &str, b: &str, control: Control) -> anyhow::Result<SiblingAudit> {
     if a == b {
         return Err(invalid(format!("audit two different sandboxes (both are {a})")));
     }
@@ -191,9 +200,9 @@ pub fn audit_siblings(engine: &Engine, a: &str, b: &str, control: Control) -> an
     out["shared_besides_char_devices"] = serde_json::json!(report.shared_writable());
     out["pass"] = serde_json::json!(pass);
     out["rule"] = serde_json::json!(if report.pass_rule_2a.is_some() {
-        "2a: nothing shared but character devices, and only those the control pair shares too"
+        "with control: nothing shared but character devices, and only those the control pair shares too"
     } else {
         "literal: nothing shared at all"
     });
-    Ok(out)
+    Ok(serde_json::from_value(out)?)
 }

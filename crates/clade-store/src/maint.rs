@@ -21,7 +21,7 @@ use crate::{fsutil, StoreError};
 type FrameUse = (FrameId, u64, bool);
 
 /// What gc did (or, with `dry_run`, would do).
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct GcReport {
     /// Nothing was deleted.
     pub dry_run: bool,

@@ -20,15 +20,13 @@ pub fn call(home: &CladeHome, sandbox: &str, req: &Request) -> anyhow::Result<se
         // The connection broke without an answer and the supervisor no longer listens: it ended meanwhile (a
         // suspend or kill that ran concurrently, or it died). That is a conflict with the sandbox's state, not
         // a failure of this request's handling.
-        Err(e) if e.downcast_ref::<OpError>().is_none() && supervisor_ends(home, sandbox) => {
-            Err(kinded(
-                ErrorKind::Conflict,
-                format!(
-                    "sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
+        Err(e) if e.downcast_ref::<OpError>().is_none() && supervisor_ends(home, sandbox) => Err(kinded(
+            ErrorKind::Conflict,
+            format!(
+                "sandbox {sandbox}'s supervisor ended while answering ({e:#}): it was suspended or killed \
                          meanwhile, or died; see `clade ls`"
-                ),
-            ))
-        }
+            ),
+        )),
         other => other,
     }
 }

@@ -145,7 +145,7 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         .prepare(backend.as_ref(), &id, &mark, 1)?
         .ok_or_else(|| anyhow!("the {} backend has no warm pool (restores are not split)", backend.kind().as_str()))?;
     // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
-    let warm = engine.warm(prepared, base_readiness(&engine, &mark))?;
+    let warm = engine.warm(prepared, crate::base::base_readiness(&engine, &mark))?;
     let tmp = dir.join(format!("{id}.bind"));
     let listener = super::bind_unix(&tmp)?;
     let published = dir.join(format!("{id}.sock"));
@@ -203,15 +203,6 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         let _ = writeln!(out, "{reply}");
     };
     super::server::serve_restored_then(engine, backend, id, restored, 1, &stop, notify)
-}
-
-/// When the mark is a template's base, that template's readiness check (a browser's page loaded after its
-/// hygiene), waited for before a member pauses and before a restored sandbox is announced ready; other marks
-/// have none recorded.
-pub(crate) fn base_readiness(engine: &Engine, mark: &Mark) -> Option<(clade_agent::ReadyTarget, Duration)> {
-    let base = engine.ledger().bases().ok()?.into_iter().find(|b| b.mark == mark.id)?;
-    let record = clade_template::find(&engine.home, base.template.as_str()).ok()?;
-    crate::base::ready_target(&record).map(|t| (t, Duration::from_secs(120)))
 }
 
 struct RemoveOnDrop(PathBuf);

@@ -84,7 +84,11 @@ impl Procs {
                     return;
                 }
                 Err(e) => {
-                    self.finish(pid, serial, StreamEvent::Error { kind: ErrorKind::Internal, message: format!("process {pid}: {e}") });
+                    self.finish(
+                        pid,
+                        serial,
+                        StreamEvent::Error { kind: ErrorKind::Internal, message: format!("process {pid}: {e}") },
+                    );
                     return;
                 }
             };

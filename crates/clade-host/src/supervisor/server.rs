@@ -65,7 +65,7 @@ pub fn run(
     // A template's base: ready means the template's own readiness (a browser's new clean context loaded after
     // hygiene), not only the agent's hello. A sandbox that does not get there is still served (and says so
     // in the supervisor's log): it runs, and the user can look at it.
-    if let Some((target, timeout)) = super::pool::base_readiness(&engine, &m) {
+    if let Some((target, timeout)) = crate::base::base_readiness(&engine, &m) {
         if let Err(e) = restored.sandbox.agent().wait_ready(target, timeout) {
             eprintln!("clade supervisor: {id}: the template's readiness was not reached: {e}");
         }
@@ -207,7 +207,10 @@ impl Supervisor {
     /// A handle on the running sandbox's agent (cheap: a shared connection).
     fn agent(&self) -> Result<AgentClient, Response> {
         lock(&self.sandbox).as_ref().map(|s| s.agent().clone()).ok_or_else(|| {
-            Response::err(ErrorKind::Conflict, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)")
+            Response::err(
+                ErrorKind::Conflict,
+                "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)",
+            )
         })
     }
 
@@ -327,7 +330,10 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
                 Err(r) => {
                     let _ = send_line(
                         &mut out,
-                        &StreamEvent::Error { kind: r.kind.unwrap_or(ErrorKind::Internal), message: r.error.unwrap_or_default() },
+                        &StreamEvent::Error {
+                            kind: r.kind.unwrap_or(ErrorKind::Internal),
+                            message: r.error.unwrap_or_default(),
+                        },
                     );
                 }
             }
@@ -636,7 +642,13 @@ fn shed_store_memory(sup: &Supervisor) {
 fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
     let mut slot = lock(&sup.sandbox);
     if slot.is_none() {
-        return (Response::err(ErrorKind::Conflict, "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)"), None);
+        return (
+            Response::err(
+                ErrorKind::Conflict,
+                "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)",
+            ),
+            None,
+        );
     }
     match req {
         Request::Mark { label, keep, not_clean } => {

@@ -71,4 +71,3 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
         }
     }
 }
-

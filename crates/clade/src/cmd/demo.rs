@@ -8,13 +8,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
-use base64::Engine as _;
 use clade_core::backend::BackendKind;
-use clade_core::engine::Engine;
 use clade_core::{hygiene, CladeHome};
 
-use clade_host::supervisor::client;
-use clade_host::supervisor::protocol::Request;
+use clade_host::api::{ExecRequest, ForkRequest, MarkRequest, SandboxApi};
+use clade_host::Ops;
 
 #[derive(clap::Args, Default)]
 pub struct Args {
@@ -59,27 +57,15 @@ fn default_template() -> anyhow::Result<PathBuf> {
         .ok_or_else(|| anyhow!("cannot find templates/minimal: run from the repository or pass --template DIR"))
 }
 
-/// Run a shell script in a supervised sandbox; its stdout, or an error with its stderr.
-fn sh(home: &CladeHome, sbx: &str, script: &str) -> anyhow::Result<String> {
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let body = client::call(
-        home,
-        sbx,
-        &Request::Exec {
-            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
-            env: Default::default(),
-            cwd: None,
-            stdin_b64: None,
-        },
-    )?;
-    let out = String::from_utf8_lossy(&b64.decode(body["stdout_b64"].as_str().unwrap_or("")).unwrap_or_default())
-        .into_owned();
-    if body["code"] != 0 {
-        let err = String::from_utf8_lossy(&b64.decode(body["stderr_b64"].as_str().unwrap_or("")).unwrap_or_default())
-            .into_owned();
-        return Err(anyhow!("`{script}` in {sbx} exited {}: {}", body["code"], err.trim()));
+/// Run a shell script in a sandbox; its stdout, or an error with its stderr.
+fn sh(ops: &Ops, sbx: &str, script: &str) -> anyhow::Result<String> {
+    let req = ExecRequest { argv: vec!["/bin/sh".into(), "-c".into(), script.into()], ..Default::default() };
+    let out = ops.exec(sbx, req)?;
+    if out.code != 0 {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(anyhow!("`{script}` in {sbx} exited {}: {}", out.code, err.trim()));
     }
-    Ok(out.trim().to_string())
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// A python process started before the mark holds RNG state that every sibling inherits; the on-restore hook
@@ -139,21 +125,23 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 
 /// Ends every sandbox the demo started, also when a step fails half-way.
 struct Cleanup<'a> {
-    home: &'a CladeHome,
+    ops: &'a Ops,
     ids: Vec<String>,
 }
 
 impl Drop for Cleanup<'_> {
     fn drop(&mut self) {
         for id in &self.ids {
-            let _ = client::call(self.home, id, &Request::Kill);
+            let _ = self.ops.kill(id);
         }
     }
 }
 
 fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t: &mut Timings) -> anyhow::Result<()> {
     let mut n = 0;
-    let mut cleanup = Cleanup { home, ids: Vec::new() };
+    let ops = Ops::open(home)?;
+    let engine = &ops.engine;
+    let mut cleanup = Cleanup { ops: &ops, ids: Vec::new() };
     step(&mut n, &format!("template and base: build `minimal` for {} (cached after the first run)", b.as_str()));
     let start = Instant::now();
     let base = clade_host::base::build(home, &template.display().to_string(), b, false, &|l| println!("{l}"))?;
@@ -163,11 +151,10 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
         if base.cached { "cached" } else { "built now" },
         start.elapsed().as_secs_f64()
     );
-    let engine = Engine::open(home)?;
     let base_mark = engine.resolve_mark(&base.mark, Some(b))?;
     // Measure a plain restore: members a warm pool of this base may have waiting would answer in milliseconds.
     clade_host::supervisor::pool::drain(home, base_mark.id.as_str());
-    let backend = clade_host::backends::open(&engine, b)?;
+    let backend = clade_host::backends::open(engine, b)?;
 
     step(&mut n, "cold start (boot the template's image) versus restore from the base");
     let record = clade_host::base::template_record(home, &template.display().to_string(), b)?;
@@ -181,8 +168,10 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     let cold_ms = ms(start.elapsed());
     cold.kill()?;
     let _ = engine.ledger().set_sandbox_state(&cold_id.id, clade_ledger::SandboxState::Dead, None);
-    let (ready, took) = super::sandbox::fork_mark(&engine, &base_mark, 1)?;
-    let r0 = &ready[0];
+    let start = Instant::now();
+    let forked = ops.fork(&ForkRequest::new(base_mark.id.as_str(), None, 1))?;
+    let took = start.elapsed();
+    let r0 = &forked.sandboxes[0];
     if !r0.ok {
         return Err(anyhow!("restore failed: {}", r0.error.clone().unwrap_or_default()));
     }
@@ -200,26 +189,24 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
 
     step(&mut n, "exec a command, write a file");
     let start = Instant::now();
-    let uname = sh(home, &s, "uname -sr; python3 --version")?;
+    let uname = sh(&ops, &s, "uname -sr; python3 --version")?;
     t.add(b, "exec (uname; python3 --version)", ms(start.elapsed()));
     println!("    {}", uname.replace('\n', " | "));
-    sh(home, &s, "echo 'written before the mark' > /root/note.txt")?;
-    sh(home, &s, RNG_DAEMON)?;
+    sh(&ops, &s, "echo 'written before the mark' > /root/note.txt")?;
+    sh(&ops, &s, RNG_DAEMON)?;
     println!("    /root/note.txt written; a python process holding RNG state started (it will be cloned)");
 
     step(&mut n, "mark (the sandbox keeps running)");
-    let m = client::call(home, &s, &Request::Mark { label: Some("demo".into()), keep: false, not_clean: false })?;
-    let mark_id = m["id"].as_str().unwrap_or_default().to_string();
-    println!(
-        "    mark {mark_id}: pause {} ms, {} KiB new in the store",
-        m["pause_ms"],
-        m["stored_bytes"].as_u64().unwrap_or(0) >> 10
-    );
-    t.add(b, "mark pause", m["pause_ms"].as_f64().unwrap_or(0.0));
+    let m = ops.mark(&s, &MarkRequest { label: Some("demo".into()), ..Default::default() })?;
+    let mark_id = m.id.to_string();
+    let pause = m.pause_ms.unwrap_or(0);
+    println!("    mark {mark_id}: pause {pause} ms, {} KiB new in the store", m.stored_bytes >> 10);
+    t.add(b, "mark pause", pause as f64);
 
     step(&mut n, "fork 5 siblings from the mark: distinct machines, shared memory");
-    let mark = engine.resolve_mark(&mark_id, Some(b))?;
-    let (sibs, took) = super::sandbox::fork_mark(&engine, &mark, 5)?;
+    let start = Instant::now();
+    let sibs = ops.fork(&ForkRequest::new(mark_id.as_str(), None, 5))?.sandboxes;
+    let took = start.elapsed();
     cleanup.ids.extend(sibs.iter().map(|r| r.sandbox.clone()));
     if let Some(bad) = sibs.iter().find(|r| !r.ok) {
         return Err(anyhow!("fork failed: {}", bad.error.clone().unwrap_or_default()));
@@ -230,7 +217,7 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
     let mut seen = std::collections::BTreeSet::new();
     let (mut pss, mut rss) = (0u64, 0u64);
     for r in &sibs {
-        let line = sh(home, &r.sandbox, IDENTITY)?;
+        let line = sh(&ops, &r.sandbox, IDENTITY)?;
         let f: Vec<&str> = line.split_whitespace().collect();
         println!(
             "    {:<38} {:<20} {:<14} {:<10} {}",
@@ -243,9 +230,9 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
         for (i, v) in f.iter().enumerate() {
             seen.insert((i, v.to_string()));
         }
-        let info = client::call(home, &r.sandbox, &Request::Info)?;
-        pss += info["pss"].as_u64().unwrap_or(0);
-        rss += info["rss"].as_u64().unwrap_or(0);
+        let live = ops.get(&r.sandbox)?.live.unwrap_or_default();
+        pss += live.pss;
+        rss += live.rss;
     }
     let distinct = (0..4).all(|i| seen.iter().filter(|(j, _)| *j == i).count() == sibs.len());
     println!("    every column differs between siblings: {}", if distinct { "yes" } else { "NO" });
@@ -261,28 +248,27 @@ fn demo_backend(home: &CladeHome, template: &std::path::Path, b: BackendKind, t:
 
     step(&mut n, "retake a sibling to the mark: its own change disappears");
     let sib = sibs[0].sandbox.clone();
-    sh(home, &sib, "echo 'changed after the fork' > /root/note.txt")?;
-    println!("    before: {}", sh(home, &sib, "cat /root/note.txt")?);
-    let r = client::call(home, &sib, &Request::Retake { mark: mark_id.clone() })?;
-    println!(
-        "    after retake ({:.0} ms): {}",
-        r["retake_ms"].as_f64().unwrap_or(0.0),
-        sh(home, &sib, "cat /root/note.txt")?
-    );
-    t.add(b, "retake to the mark", r["retake_ms"].as_f64().unwrap_or(0.0));
+    sh(&ops, &sib, "echo 'changed after the fork' > /root/note.txt")?;
+    println!("    before: {}", sh(&ops, &sib, "cat /root/note.txt")?);
+    let r = ops.retake(&sib, &mark_id)?;
+    println!("    after retake ({:.0} ms): {}", r.retake_ms, sh(&ops, &sib, "cat /root/note.txt")?);
+    t.add(b, "retake to the mark", r.retake_ms);
 
     step(&mut n, "suspend a sibling (mark, release CPU and memory) and resume it");
     let sib2 = sibs[1].sandbox.clone();
-    sh(home, &sib2, "echo 'state across suspend' > /root/suspended.txt")?;
+    sh(&ops, &sib2, "echo 'state across suspend' > /root/suspended.txt")?;
     let start = Instant::now();
-    client::call(home, &sib2, &Request::Suspend)?;
+    ops.suspend(&sib2)?;
     let suspend_ms = ms(start.elapsed());
     let start = Instant::now();
-    super::sandbox::resume(super::sandbox::SbxArgs { sandbox: sib2.clone(), json: false })?;
+    let resumed = ops.resume(&sib2)?;
     let resume_ms = ms(start.elapsed());
+    if !resumed.ok {
+        return Err(anyhow!("resume of {sib2} failed: {}", resumed.error.unwrap_or_default()));
+    }
     println!(
         "    suspend {suspend_ms:.0} ms, resume {resume_ms:.0} ms; the file: {}",
-        sh(home, &sib2, "cat /root/suspended.txt")?
+        sh(&ops, &sib2, "cat /root/suspended.txt")?
     );
     t.add(b, "suspend", suspend_ms);
     t.add(b, "resume", resume_ms);

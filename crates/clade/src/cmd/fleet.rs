@@ -317,7 +317,10 @@ fn find_costs(home: &CladeHome, a: &SimArgs) -> anyhow::Result<Measured> {
             }
         }
     }
-    Err(anyhow!(OpError::new(ErrorKind::NotFound, clade_fleet::CostError::NoneFound { tried: tried.join("; ") }.to_string())))
+    Err(anyhow!(OpError::new(
+        ErrorKind::NotFound,
+        clade_fleet::CostError::NoneFound { tried: tried.join("; ") }.to_string()
+    )))
 }
 
 /// The suspend, resume and restore entries of the ledger's log, with each sandbox's backend and each mark's bytes.

@@ -1,8 +1,7 @@
 //! Housekeeping: `branches [rm]`, `gc`, `audit`, `completions`. Embedded, or through `clade serve` when
 //! `CLADE_HOST` is set, like the sandbox operations.
 
-use super::sandbox::{face, print, Face};
-use clade_api::client::encode;
+use super::sandbox::{api, print};
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -66,37 +65,25 @@ pub struct CompletionsArgs {
 
 pub fn branches(a: BranchesArgs) -> anyhow::Result<i32> {
     if let Some(BranchCmd::Rm { branch, json }) = a.cmd {
-        let body = match face()? {
-            Face::Local(ops) => ops.delete_branch(&branch)?,
-            Face::Remote(r) => r.call("DELETE", &format!("/v1/branches/{}", encode(&branch)), None)?,
-        };
+        let body = api()?.delete_branch(&branch)?;
         return print(json, &body, |_| format!("branch {branch} deleted; `clade gc` collects its marks"));
     }
-    let rows = match face()? {
-        Face::Local(ops) => serde_json::to_value(ops.branches()?)?,
-        Face::Remote(r) => r.call("GET", "/v1/branches", None)?,
-    };
+    let rows = api()?.branches()?;
     print(a.json, &rows, |rows| {
         let mut s = format!("{:<40} {:>5}  head", "BRANCH", "MARKS");
-        for r in rows.as_array().into_iter().flatten() {
-            s.push_str(&format!(
-                "\n{:<40} {:>5}  {}",
-                r["id"].as_str().unwrap_or(""),
-                r["marks"],
-                r["head_mark"].as_str().unwrap_or("-")
-            ));
+        for r in rows {
+            let head = r.head_mark.as_ref().map_or("-", |m| m.as_str());
+            s.push_str(&format!("\n{:<40} {:>5}  {head}", r.id.as_str(), r.marks));
         }
         s
     })
 }
 
 pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
-    let body = match face()? {
-        Face::Local(ops) => ops.gc(a.dry_run)?,
-        Face::Remote(r) => r.call("POST", "/v1/gc", Some(&serde_json::json!({"dry_run": a.dry_run})))?,
-    };
-    print(a.json, &body, |b| {
-        let dry = if b["dry_run"].as_bool().unwrap_or(false) { "dry run: " } else { "" };
+    let out = api()?.gc(a.dry_run)?;
+    print(a.json, &out, |o| {
+        let b = serde_json::to_value(o).unwrap_or_default();
+        let dry = if o.dry_run { "dry run: " } else { "" };
         let l = &b["ledger"];
         let st = &b["store"];
         let n = |v: &serde_json::Value| v.as_array().map(|a| a.len()).unwrap_or(0);
@@ -127,15 +114,13 @@ pub fn gc(a: GcArgs) -> anyhow::Result<i32> {
 
 pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
     if a.security {
-        let body = match face()? {
-            Face::Local(ops) => clade_host::security::audit(&ops, &a.sandboxes)?,
-            Face::Remote(_) => {
-                return Err(anyhow::anyhow!(clade_core::OpError::new(
-                clade_core::ErrorKind::Invalid,
-                    "the security audit reads the host's /proc: run it on the sandbox's host (unset CLADE_HOST)"
-                )))
-            }
-        };
+        if clade_api::client::Remote::from_env()?.is_some() {
+            return Err(clade_host::error::invalid(
+                "the security audit reads the host's /proc: run it on the sandbox's host (unset CLADE_HOST)",
+            ));
+        }
+        let ops = clade_host::Ops::open(&clade_core::CladeHome::from_env())?;
+        let body = clade_host::security::audit(&ops, &a.sandboxes)?;
         let ok = body["ok"].as_bool().unwrap_or(false);
         print(a.json, &body, clade_host::security::render)?;
         return Ok(if ok { 0 } else { 1 });
@@ -156,28 +141,20 @@ pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
             )))
         }
     }
-    let body = match face()? {
-        Face::Local(ops) => ops.audit(a.fix)?,
-        Face::Remote(r) => r.call("POST", "/v1/audit", Some(&serde_json::json!({"fix": a.fix})))?,
-    };
-    let ok = body["ok"].as_bool().unwrap_or(false);
-    print(a.json, &body, |b| {
-        let findings = b["findings"].as_array().cloned().unwrap_or_default();
+    let report = api()?.audit(a.fix)?;
+    let ok = report.ok;
+    print(a.json, &report, |b| {
+        let findings = &b.findings;
         let mut s = format!(
             "{} sandboxes, {} marks, {} live supervisors: {}",
-            b["sandboxes"],
-            b["marks"],
-            b["live"],
+            b.sandboxes,
+            b.marks,
+            b.live,
             if findings.is_empty() { "nothing wrong".to_string() } else { format!("{} finding(s)", findings.len()) }
         );
-        for f in &findings {
-            let fixed = if f["fixed"].as_bool().unwrap_or(false) { " [fixed]" } else { "" };
-            s.push_str(&format!(
-                "\n  {:<18} {}  {}{fixed}",
-                f["kind"].as_str().unwrap_or("?"),
-                f["id"].as_str().unwrap_or("?"),
-                f["detail"].as_str().unwrap_or("")
-            ));
+        for f in findings {
+            let fixed = if f.fixed { " [fixed]" } else { "" };
+            s.push_str(&format!("\n  {:<18} {}  {}{fixed}", f.kind, f.id, f.detail));
         }
         if !ok && !a.fix {
             s.push_str("\n(`clade audit --fix` takes leftovers down; lost sandboxes end with `clade kill`)");
@@ -191,20 +168,11 @@ pub fn audit(a: AuditArgs) -> anyhow::Result<i32> {
 /// or nothing shared at all without one), 1 when not.
 fn audit_siblings(a: AuditArgs) -> anyhow::Result<i32> {
     let (x, y) = (&a.sandboxes[0], &a.sandboxes[1]);
-    let body = match face()? {
-        Face::Local(ops) => {
-            let control = clade_host::siblings::Control::parse(a.control.clone(), a.no_control)?;
-            if control == clade_host::siblings::Control::Cold && !a.json && x != y {
-                eprintln!("starting two cold sandboxes of the siblings' template as the control pair ...");
-            }
-            ops.audit_siblings(x, y, control)?
-        }
-        Face::Remote(r) => r.call(
-            "POST",
-            "/v1/audit",
-            Some(&serde_json::json!({"siblings": [x, y], "control": a.control, "no_control": a.no_control})),
-        )?,
-    };
+    let control = clade_host::siblings::Control::parse(a.control.clone(), a.no_control)?;
+    if control == clade_host::siblings::Control::Cold && !a.json && x != y {
+        eprintln!("starting two cold sandboxes of the siblings' template as the control pair ...");
+    }
+    let body = serde_json::to_value(api()?.audit_siblings(x, y, control)?)?;
     let pass = body["pass"].as_bool().unwrap_or(false);
     print(a.json, &body, |b| {
         let list = |k: &str| {

@@ -1,8 +1,7 @@
 //! `clade roam ls|push|pull`: sandboxes moving between hosts through the shared blob tier (docs/roam.md).
 //! `clade resume SBX` pulls by itself when the sandbox is not on this host but was pushed.
 
-use super::sandbox::{face, print, Face};
-use clade_api::client::encode;
+use super::sandbox::{api, print};
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -29,49 +28,28 @@ pub fn run(c: Command) -> anyhow::Result<i32> {
     let mut progress = |l: &str| eprintln!("clade: {l}");
     match c {
         Command::Ls { json } => {
-            let rows = match face()? {
-                Face::Local(ops) => serde_json::to_value(ops.roaming()?)?,
-                Face::Remote(r) => r.call("GET", "/v1/roam", None)?,
-            };
+            let rows = api()?.roaming()?;
             print(json, &rows, |rows| {
                 let mut s = format!("{:<40} {:<8} host", "SANDBOX", "STATE");
-                for r in rows.as_array().into_iter().flatten() {
-                    s.push_str(&format!(
-                        "\n{:<40} {:<8} {}",
-                        r["sandbox"].as_str().unwrap_or(""),
-                        r["owner"]["state"].as_str().unwrap_or("?"),
-                        r["owner"]["host"].as_str().unwrap_or("?")
-                    ));
+                for r in rows {
+                    let (state, host) = r.owner.as_ref().map_or(("?", "?"), |o| (o.state.as_str(), o.host.as_str()));
+                    s.push_str(&format!("\n{:<40} {state:<8} {host}", r.sandbox));
                 }
                 s
             })
         }
         Command::Push { sandbox, json } => {
-            let body = match face()? {
-                Face::Local(ops) => ops.push(&sandbox, &mut progress)?,
-                Face::Remote(r) => r.call("POST", &format!("/v1/sandboxes/{}/push", encode(&sandbox)), None)?,
-            };
-            print(json, &body, |b| {
+            let out = api()?.push(&sandbox, &mut progress)?;
+            print(json, &out, |b| {
                 format!(
                     "{sandbox} pushed to {} ({} of {} bytes uploaded) in {:.0} ms",
-                    b["blob"].as_str().unwrap_or("?"),
-                    b["bytes_uploaded"],
-                    b["full_bytes"],
-                    b["push_ms"].as_f64().unwrap_or(0.0)
+                    b.blob, b.bytes_uploaded, b.full_bytes, b.push_ms
                 )
             })
         }
         Command::Pull { sandbox, json } => {
-            let body = match face()? {
-                Face::Local(ops) => ops.pull(&sandbox, &mut progress)?,
-                Face::Remote(r) => r.call("POST", &format!("/v1/sandboxes/{}/pull", encode(&sandbox)), None)?,
-            };
-            print(json, &body, |b| {
-                format!(
-                    "{sandbox} pulled from {}; `clade resume {sandbox}` starts it here",
-                    b["from"].as_str().unwrap_or("?")
-                )
-            })
+            let out = api()?.pull(&sandbox, &mut progress)?;
+            print(json, &out, |b| format!("{sandbox} pulled from {}; `clade resume {sandbox}` starts it here", b.from))
         }
     }
 }

@@ -1,16 +1,16 @@
 //! The sandbox operations: `run`, `fork`, `exec`, `mark`, `retake`, `suspend`, `resume`, `kill`, `ls`, `marks`.
-//! They work embedded (no daemon; [`clade_host::ops`] starts a supervisor process per sandbox), or through
-//! `clade serve` when `CLADE_HOST` is set: the same operation, the same JSON.
+//! Each is one call on a `clade_host::SandboxApi`: embedded (no daemon; `clade_host::Ops` starts a supervisor
+//! process per sandbox), or `clade serve` when `CLADE_HOST` is set (`clade_api::client::Remote`). The same
+//! operation, the same answer type, the same JSON.
 
 use std::io::Write;
 
-use anyhow::anyhow;
 use clade_core::backend::BackendKind;
-use clade_core::{CladeHome, ErrorKind, OpError};
+use clade_core::CladeHome;
 
-pub use clade_host::supervisor::start::fork_mark;
-use clade_host::ops::{ExecRequest, Ops};
-use clade_api::client::{encode, Remote};
+use clade_api::client::Remote;
+use clade_host::api::{ExecRequest, ForkRequest, MarkRequest, SandboxApi};
+use clade_host::Ops;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -95,23 +95,19 @@ pub struct MarksArgs {
     pub json: bool,
 }
 
-/// Where an operation runs: in this process, or in the daemon named by `CLADE_HOST`.
-pub(crate) enum Face {
-    Local(Box<Ops>),
-    Remote(Remote),
-}
-
-pub(crate) fn face() -> anyhow::Result<Face> {
+/// Where operations run: in this process, or in the daemon named by `CLADE_HOST`.
+pub(crate) fn api() -> anyhow::Result<Box<dyn SandboxApi>> {
     Ok(match Remote::from_env()? {
-        Some(r) => Face::Remote(r),
-        None => Face::Local(Box::new(Ops::open(&CladeHome::from_env())?)),
+        Some(r) => Box::new(r),
+        None => Box::new(Ops::open(&CladeHome::from_env())?),
     })
 }
 
-pub(crate) fn print(
+/// An answer: as pretty JSON with `--json`, else as `human` says it.
+pub(crate) fn print<T: serde::Serialize>(
     json: bool,
-    body: &serde_json::Value,
-    human: impl FnOnce(&serde_json::Value) -> String,
+    body: &T,
+    human: impl FnOnce(&T) -> String,
 ) -> anyhow::Result<i32> {
     if json {
         println!("{}", serde_json::to_string_pretty(body)?);
@@ -122,40 +118,22 @@ pub(crate) fn print(
 }
 
 pub fn fork(a: ForkArgs) -> anyhow::Result<i32> {
-    if a.count == 0 {
-        return Err(anyhow!(OpError::new(ErrorKind::Invalid, "--count must be at least 1")));
-    }
-    let out = match face()? {
-        Face::Local(ops) => ops.fork_with(&a.from, a.backend, a.count, a.make_room)?,
-        Face::Remote(r) => r.call(
-            "POST",
-            "/v1/sandboxes",
-            Some(
-                &serde_json::json!({"from": a.from, "backend": a.backend, "count": a.count, "make_room": a.make_room}),
-            ),
-        )?,
-    };
-    let sandboxes = out["sandboxes"].as_array().cloned().unwrap_or_default();
-    let failed = sandboxes.iter().filter(|r| !r["ok"].as_bool().unwrap_or(false)).count();
+    let req = ForkRequest { from: a.from, backend: a.backend, count: a.count, make_room: a.make_room };
+    req.check().map_err(|e| e.context("--count"))?;
+    let out = api()?.fork(&req)?;
+    let failed = out.failed();
     print(a.json, &out, |o| {
         let mut s = String::new();
-        for r in &sandboxes {
-            match r["error"].as_str() {
+        for r in &o.sandboxes {
+            match &r.error {
                 None => s.push_str(&format!(
                     "{}  ready in {:.0} ms (restore {:.0} ms)\n",
-                    r["sandbox"].as_str().unwrap_or("?"),
-                    r["ready_ms"].as_f64().unwrap_or(0.0),
-                    r["restore_ms"].as_f64().unwrap_or(0.0)
+                    r.sandbox, r.ready_ms, r.restore_ms
                 )),
-                Some(e) => s.push_str(&format!("{}  FAILED: {e}\n", r["sandbox"].as_str().unwrap_or("?"))),
+                Some(e) => s.push_str(&format!("{}  FAILED: {e}\n", r.sandbox)),
             }
         }
-        s.push_str(&format!(
-            "{} sandbox(es) from {} in {:.0} ms",
-            sandboxes.len(),
-            o["mark"].as_str().unwrap_or("?"),
-            o["total_ms"].as_f64().unwrap_or(0.0)
-        ));
+        s.push_str(&format!("{} sandbox(es) from {} in {:.0} ms", o.sandboxes.len(), o.mark, o.total_ms));
         s
     })?;
     Ok(if failed == 0 { 0 } else { 1 })
@@ -167,164 +145,97 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
 
 pub fn exec(a: ExecArgs) -> anyhow::Result<i32> {
     let req = ExecRequest { argv: a.argv, ..Default::default() };
-    let out = match face()? {
-        Face::Local(ops) => serde_json::to_value(ops.exec(&a.sandbox, req)?)?,
-        Face::Remote(r) => {
-            r.call("POST", &format!("/v1/sandboxes/{}/exec", encode(&a.sandbox)), Some(&serde_json::to_value(&req)?))?
-        }
-    };
-    let code = out["code"].as_i64().unwrap_or(1) as i32;
+    let out = api()?.exec(&a.sandbox, req)?;
     if a.json {
-        println!("{out}");
+        println!("{}", serde_json::to_string(&out)?);
     } else {
-        std::io::stdout().write_all(out["stdout"].as_str().unwrap_or("").as_bytes())?;
-        std::io::stderr().write_all(out["stderr"].as_str().unwrap_or("").as_bytes())?;
+        std::io::stdout().write_all(&out.stdout)?;
+        std::io::stderr().write_all(&out.stderr)?;
     }
-    Ok(code)
+    Ok(out.code)
 }
 
 pub fn mark(a: MarkArgs) -> anyhow::Result<i32> {
-    let body = match face()? {
-        Face::Local(ops) => ops.mark(&a.sandbox, a.label, a.keep, a.not_clean)?,
-        Face::Remote(r) => r.call(
-            "POST",
-            &format!("/v1/sandboxes/{}/marks", encode(&a.sandbox)),
-            Some(&serde_json::json!({"label": a.label, "keep": a.keep, "not_clean": a.not_clean})),
-        )?,
-    };
-    print(a.json, &body, |b| {
-        format!(
-            "{}  pause {} ms, stored {} KiB",
-            b["id"].as_str().unwrap_or("?"),
-            b["pause_ms"],
-            b["stored_bytes"].as_u64().unwrap_or(0) >> 10
-        )
+    let req = MarkRequest { label: a.label, keep: a.keep, not_clean: a.not_clean };
+    let m = api()?.mark(&a.sandbox, &req)?;
+    print(a.json, &m, |m| {
+        let pause = m.pause_ms.map_or("null".to_string(), |p| p.to_string());
+        format!("{}  pause {pause} ms, stored {} KiB", m.id, m.stored_bytes >> 10)
     })
 }
 
 pub fn retake(a: RetakeArgs) -> anyhow::Result<i32> {
-    let body = match face()? {
-        Face::Local(ops) => ops.retake(&a.sandbox, &a.to)?,
-        Face::Remote(r) => r.call(
-            "POST",
-            &format!("/v1/sandboxes/{}/retake", encode(&a.sandbox)),
-            Some(&serde_json::json!({"to": a.to})),
-        )?,
-    };
-    print(a.json, &body, |b| {
-        format!(
-            "{} is back at {} ({:.0} ms)",
-            a.sandbox,
-            b["mark"].as_str().unwrap_or("?"),
-            b["retake_ms"].as_f64().unwrap_or(0.0)
-        )
-    })
-}
-
-fn simple(
-    a: &SbxArgs,
-    local: impl FnOnce(&Ops) -> anyhow::Result<serde_json::Value>,
-    method: &str,
-    route: &str,
-) -> anyhow::Result<serde_json::Value> {
-    match face()? {
-        Face::Local(ops) => local(&ops),
-        Face::Remote(r) => {
-            let path = format!("/v1/sandboxes/{}{route}", encode(&a.sandbox));
-            r.call(method, &path, None)
-        }
-    }
+    let r = api()?.retake(&a.sandbox, &a.to)?;
+    print(a.json, &r, |r| format!("{} is back at {} ({:.0} ms)", a.sandbox, r.mark, r.retake_ms))
 }
 
 pub fn info(a: SbxArgs) -> anyhow::Result<i32> {
-    let body = simple(&a, |o| o.get(&a.sandbox), "GET", "")?;
-    print(a.json, &body, |b| serde_json::to_string_pretty(b).unwrap_or_default())
+    let info = api()?.get(&a.sandbox)?;
+    print(a.json, &info, |i| serde_json::to_string_pretty(i).unwrap_or_default())
 }
 
 /// A suspend of a sandbox holding at least this much shows progress (it writes about that much).
 const BIG_SUSPEND: u64 = 256 << 20;
 
 pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
-    let rss = match face()? {
-        Face::Local(ops) => ops.get(&a.sandbox).ok(),
-        Face::Remote(r) => r.call("GET", &format!("/v1/sandboxes/{}", encode(&a.sandbox)), None).ok(),
-    }
-    .and_then(|v| v["rss"].as_u64())
-    .unwrap_or(0);
-    let call = || simple(&a, |o| o.suspend(&a.sandbox), "POST", "/suspend");
-    let body = if rss >= BIG_SUSPEND {
+    let api = api()?;
+    let rss = api.get(&a.sandbox).ok().and_then(|i| i.live).map_or(0, |l| l.rss);
+    let call = || api.suspend(&a.sandbox);
+    let m = if rss >= BIG_SUSPEND {
         super::progress::around(&format!("suspending {} ({} MiB resident)", a.sandbox, rss >> 20), call)?
     } else {
         call()?
     };
-    print(a.json, &body, |b| format!("{} suspended at {}", a.sandbox, b["id"].as_str().unwrap_or("?")))
+    print(a.json, &m, |m| format!("{} suspended at {}", a.sandbox, m.id))
 }
 
 pub fn kill(a: SbxArgs) -> anyhow::Result<i32> {
-    let body = simple(&a, |o| o.kill(&a.sandbox), "DELETE", "")?;
-    if body["reaped"].as_u64().unwrap_or(0) > 0 {
-        eprintln!("clade: ended {} process(es) left behind by the dead supervisor of {}", body["reaped"], a.sandbox);
+    let k = api()?.kill(&a.sandbox)?;
+    if let Some(n) = k.reaped.filter(|n| *n > 0) {
+        eprintln!("clade: ended {n} process(es) left behind by the dead supervisor of {}", a.sandbox);
     }
-    print(a.json, &body, |_| format!("{} killed", a.sandbox))
+    print(a.json, &k, |_| format!("{} killed", a.sandbox))
 }
 
 pub fn resume(a: SbxArgs) -> anyhow::Result<i32> {
-    let body = simple(&a, |o| o.resume(&a.sandbox), "POST", "/resume")?;
-    let ok = body["ok"].as_bool().unwrap_or(false);
-    print(a.json, &body, |b| match b["error"].as_str() {
-        None => format!(
-            "{} resumed from {} in {:.0} ms",
-            a.sandbox,
-            b["mark"].as_str().unwrap_or("?"),
-            b["resume_ms"].as_f64().unwrap_or(0.0)
-        ),
+    let r = api()?.resume(&a.sandbox)?;
+    let ok = r.ok;
+    print(a.json, &r, |r| match &r.error {
+        None => format!("{} resumed from {} in {:.0} ms", a.sandbox, r.mark, r.resume_ms),
         Some(e) => format!("{} could not resume: {e}", a.sandbox),
     })?;
     Ok(if ok { 0 } else { 1 })
 }
 
 pub fn ls(a: ListArgs) -> anyhow::Result<i32> {
-    let rows = match face()? {
-        Face::Local(ops) => serde_json::to_value(ops.list()?)?,
-        Face::Remote(r) => r.call("GET", "/v1/sandboxes", None)?,
-    };
+    let rows = api()?.list()?;
     print(a.json, &rows, |rows| {
         let mut s = format!("{:<40} {:<4} {:<10} origin", "SANDBOX", "", "STATE");
-        for r in rows.as_array().into_iter().flatten() {
-            let state = match r["state"].as_str().unwrap_or("") {
+        for r in rows {
+            let state = match r.state.as_str() {
                 "lost" => "lost (supervisor died)",
                 st => st,
             };
-            s.push_str(&format!(
-                "\n{:<40} {:<4} {:<10} {}",
-                r["id"].as_str().unwrap_or(""),
-                r["backend"].as_str().unwrap_or(""),
-                state,
-                r["origin"].as_str().unwrap_or("-")
-            ));
+            let origin = r.origin.as_ref().map_or("-", |m| m.as_str());
+            s.push_str(&format!("\n{:<40} {:<4} {:<10} {origin}", r.id, r.backend.as_str(), state));
         }
         s
     })
 }
 
 pub fn marks(a: MarksArgs) -> anyhow::Result<i32> {
-    let rows = match face()? {
-        Face::Local(ops) => serde_json::to_value(ops.marks(a.sandbox.as_deref())?)?,
-        Face::Remote(r) => match &a.sandbox {
-            Some(s) => r.call("GET", &format!("/v1/sandboxes/{}/marks", encode(s)), None)?,
-            None => r.call("GET", "/v1/marks", None)?,
-        },
-    };
+    let rows = api()?.marks(a.sandbox.as_deref())?;
     print(a.json, &rows, |rows| {
         let mut s = format!("{:<40} {:<3} {:>9} {:>12}  label", "MARK", "", "PAUSE ms", "STORED KiB");
-        for r in rows.as_array().into_iter().flatten() {
+        for r in rows {
+            let pause = r.pause_ms.map_or("null".to_string(), |p| p.to_string());
             s.push_str(&format!(
                 "\n{:<40} {:<3} {:>9} {:>12}  {}",
-                r["id"].as_str().unwrap_or(""),
-                r["backend"].as_str().unwrap_or(""),
-                r["pause_ms"],
-                r["stored_bytes"].as_u64().unwrap_or(0) >> 10,
-                r["label"].as_str().unwrap_or("")
+                r.id.as_str(),
+                r.backend.as_str(),
+                pause,
+                r.stored_bytes >> 10,
+                r.label.as_deref().unwrap_or("")
             ));
         }
         s
