@@ -191,6 +191,18 @@ pub fn agent_binary() -> Option<std::path::PathBuf> {
     exe.ancestors().skip(1).take(3).map(|dir| dir.join("clade-agent")).find(|p| p.is_file())
 }
 
+/// The fields of `/proc/PID/status` (`Uid`, `CapEff`, `Seccomp`, ...), each value's first word; `None` once the
+/// process is gone.
+pub fn proc_status(pid: u32) -> Option<std::collections::BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    Some(
+        text.lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.to_string(), v.split_whitespace().next().unwrap_or("").to_string()))
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod mapped_tests {
     use super::*;

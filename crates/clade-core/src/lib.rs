@@ -9,6 +9,7 @@ pub mod backend;
 pub mod cgroup;
 pub mod engine;
 pub mod error;
+pub mod footprint;
 pub mod home;
 pub mod host;
 pub mod hygiene;

@@ -26,17 +26,7 @@ pub struct JailAudit {
     pub deviations: Vec<String>,
 }
 
-/// The fields of `/proc/PID/status` (`Uid`, `CapEff`, `Seccomp`, ...), each value's first word; `None` once the
-/// process is gone.
-pub fn proc_status(pid: u32) -> Option<BTreeMap<String, String>> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    Some(
-        text.lines()
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.to_string(), v.split_whitespace().next().unwrap_or("").to_string()))
-            .collect(),
-    )
-}
+pub use clade_core::host::proc_status;
 
 const JAIL_FIELDS: [&str; 6] = ["CapBnd", "CapEff", "CapPrm", "CapInh", "Seccomp", "NoNewPrivs"];
 

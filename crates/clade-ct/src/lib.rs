@@ -15,6 +15,7 @@
 pub mod audit;
 pub mod criu;
 pub mod dump;
+pub mod footprint;
 pub mod inroot;
 pub mod jail;
 pub mod jail_audit;

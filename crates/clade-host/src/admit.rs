@@ -17,7 +17,6 @@ use std::collections::BTreeMap;
 
 use anyhow::anyhow;
 use clade_core::admission::{decide, Capacity, Decision, Policy, Request, Running};
-use clade_core::backend::BackendKind;
 use clade_core::engine::{from_ledger, Engine};
 use clade_core::ErrorKind;
 use clade_ledger::{Mark, MarkId, SandboxState};
@@ -58,19 +57,12 @@ pub fn policy() -> Policy {
     }
 }
 
-/// Bytes charged to a `ct` sandbox's memory cgroup (v1 or v2).
-fn ct_memory(id: &str) -> Option<u64> {
-    let v2 = format!("/sys/fs/cgroup/clade/{id}/memory.current");
-    let v1 = format!("/sys/fs/cgroup/memory/clade/{id}/memory.usage_in_bytes");
-    [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
-}
-
-/// vCPUs a sandbox of this mark's shape reserves: a vm's vCPU threads; none for a container.
+/// vCPUs a sandbox of this mark's shape reserves (its backend's footprint says: a vm's vCPU threads; none for
+/// a container).
 fn vcpus_of(engine: &Engine, m: &Mark) -> u32 {
-    match from_ledger(m.backend) {
-        BackendKind::Ct => 0,
-        BackendKind::Vm => engine.mark_state(m).map(|s| s.shape.vcpus).unwrap_or(1),
-    }
+    let fp = crate::backends::footprint(from_ledger(m.backend));
+    let one = clade_core::backend::Shape { memory_mib: 0, vcpus: 1, disk_gib: 0 };
+    engine.mark_state(m).map(|s| fp.reserved_vcpus(&s.shape)).unwrap_or_else(|_| fp.reserved_vcpus(&one))
 }
 
 /// Every running sandbox (supervisor alive), measured.
@@ -87,18 +79,18 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
             marks.entry(o.clone()).or_insert_with(|| engine.ledger().mark(&MarkId::new(o.clone())).ok()).clone()
         });
         let vcpus = mark.as_ref().map(|m| vcpus_of(engine, m)).unwrap_or(0);
-        let (rss, pss, base, shared) = match from_ledger(s.backend) {
-            BackendKind::Ct => {
-                let m = ct_memory(s.id.as_str()).unwrap_or(0);
-                (m, m, None, 0)
-            }
-            BackendKind::Vm => {
-                let info = client::call(&engine.home, s.id.as_str(), &SupRequest::Info).unwrap_or_default();
-                let rss = info["rss"].as_u64().unwrap_or(0);
-                let pss = info["pss"].as_u64().unwrap_or(rss);
-                (rss, pss, origin.clone(), rss.saturating_sub(pss))
-            }
-        };
+        // What its backend charges it (a ct sandbox's memory cgroup), else its processes' PSS from its supervisor,
+        // the pages it maps from its origin mark's RAM file (RSS - PSS) counted once as their shared base.
+        let (rss, pss, base, shared) =
+            match crate::backends::footprint(from_ledger(s.backend)).charged_memory(s.id.as_str()) {
+                Some(m) => (m, m, None, 0),
+                None => {
+                    let info = client::call(&engine.home, s.id.as_str(), &SupRequest::Info).unwrap_or_default();
+                    let rss = info["rss"].as_u64().unwrap_or(0);
+                    let pss = info["pss"].as_u64().unwrap_or(rss);
+                    (rss, pss, origin.clone(), rss.saturating_sub(pss))
+                }
+            };
         out.push(Running {
             id: s.id.as_str().to_string(),
             vcpus,
@@ -114,10 +106,11 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
 }
 
 /// What `count` new sandboxes restored from `mark` will need: their siblings' measured private memory (the
-/// median over running sandboxes of the same origin), else an estimate from the mark (a container: its image
-/// size, at most its shape's memory; a vm: an eighth of its RAM private, the RAM file as the shared base).
+/// median over running sandboxes of the same origin), else its backend's estimate from the mark
+/// (`Footprint::memory_estimate`: a container, its image size at most its shape's memory; a vm, an eighth of
+/// its RAM private and the RAM file as the shared base).
 pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], allow_suspend: bool) -> Request {
-    let kind = from_ledger(mark.backend);
+    let fp = crate::backends::footprint(from_ledger(mark.backend));
     let shape_bytes = engine.mark_state(mark).map(|s| u64::from(s.shape.memory_mib) << 20).unwrap_or(512 << 20);
     let siblings: Vec<u64> = {
         let l = engine.ledger();
@@ -133,10 +126,9 @@ pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], al
         v
     };
     let measured = siblings.get(siblings.len() / 2).copied().filter(|b| *b > 0);
-    let (private, base, base_bytes) = match kind {
-        BackendKind::Ct => (measured.unwrap_or_else(|| mark.logical_bytes.min(shape_bytes)), None, 0),
-        BackendKind::Vm => (measured.unwrap_or(shape_bytes / 8), Some(mark.id.as_str().to_string()), shape_bytes),
-    };
+    let (estimate, base_bytes) = fp.memory_estimate(mark.logical_bytes, shape_bytes);
+    let private = measured.unwrap_or(estimate);
+    let base = (base_bytes > 0).then(|| mark.id.as_str().to_string());
     let n = u64::from(count.max(1));
     Request {
         vcpus: vcpus_of(engine, mark) * count.max(1),

@@ -150,9 +150,8 @@ pub fn audit(engine: &Engine, fix: bool) -> anyhow::Result<AuditReport> {
             gone.insert(id);
         }
     }
-    let shm = home.shm_dir();
     for id in &gone {
-        leftovers_of(&run, &shm, id, fix, true, &mut rep.findings);
+        leftovers_of(home, id, fix, true, &mut rep.findings);
     }
     rep.ok = rep.findings.iter().all(|f| f.fixed);
     Ok(rep)
@@ -177,17 +176,21 @@ fn stored(engine: &Engine, m: &ManifestId) -> bool {
 /// run dirs, RAM file): `clade kill` of a sandbox whose supervisor died, which the ledger now calls dead.
 pub fn take_down(home: &clade_core::CladeHome, id: &str) -> Vec<Finding> {
     let mut out = Vec::new();
-    leftovers_of(&home.run_dir(), &home.shm_dir(), id, true, false, &mut out);
+    leftovers_of(home, id, true, false, &mut out);
     out
 }
 
-/// What a gone sandbox `id` still holds on the host; taken down with `fix`. `shm` is the host's guest-RAM
-/// directory (per-sandbox RAM files of cold vm sandboxes in `run/`, lazy RAM mounts in `lazy/`). With `settle`,
-/// cgroups, run dirs and RAM files younger than the settle time are left alone (a sandbox may be starting).
-fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: &mut Vec<Finding>) {
+/// What a gone sandbox `id` still holds on the host; taken down with `fix`: its processes, mounts (under its run
+/// dir and each backend's mount roots), cgroups and run dirs, then what only its backend knows (each backend's
+/// `Footprint::leftovers`: a ct sandbox's network, a cold vm sandbox's RAM file). With `settle`, what is younger
+/// than the settle time is left alone (a sandbox may be starting).
+fn leftovers_of(home: &clade_core::CladeHome, id: &str, fix: bool, settle: bool, out: &mut Vec<Finding>) {
     let settled = |p: &Path| !settle || settled(p);
+    let run = home.run_dir();
     let dir = run.join(id);
-    let lazy = shm.join("lazy").join(id);
+    let footprints = crate::backends::footprints();
+    let mut roots = vec![dir.clone()];
+    roots.extend(footprints.iter().flat_map(|f| f.mount_roots(home, id)));
     let needle = format!("{}/", dir.display());
     for (pid, cmd) in processes() {
         if cmd.contains(&needle) && !cmd.contains(" supervise ") {
@@ -203,7 +206,7 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
     }
     // Deepest first, so a mount inside another comes off before its parent.
     let mut mounts: Vec<PathBuf> =
-        mount_points().into_iter().filter(|m| m.starts_with(&dir) || m.starts_with(&lazy)).collect();
+        mount_points().into_iter().filter(|m| roots.iter().any(|r| m.starts_with(r))).collect();
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
     for m in mounts {
         let fixed = fix && nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).is_ok();
@@ -221,12 +224,10 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
             });
         }
     }
-    // A ct sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.
-    let netns = clade_ct::net::netns_path_of(id);
-    if netns.exists() && settled(&netns) {
-        let removed = if fix { clade_ct::net::release_by_id(id) } else { Vec::new() };
-        let detail = if removed.is_empty() { netns.display().to_string() } else { removed.join(", ") };
-        out.push(Finding { kind: "leftover-network".into(), id: id.into(), detail, fixed: fix && !netns.exists() });
+    for fp in footprints {
+        for l in fp.leftovers(home, id, fix, &settled) {
+            out.push(Finding { kind: l.kind.into(), id: id.into(), detail: l.detail, fixed: l.fixed });
+        }
     }
     for d in [dir.clone(), run.join(format!("{id}.sup"))] {
         if d.is_dir() && settled(&d) {
@@ -238,11 +239,6 @@ fn leftovers_of(run: &Path, shm: &Path, id: &str, fix: bool, settle: bool, out: 
                 fixed,
             });
         }
-    }
-    let ram = shm.join("run").join(format!("{id}.ram"));
-    if ram.exists() && settled(&ram) {
-        let fixed = fix && std::fs::remove_file(&ram).is_ok();
-        out.push(Finding { kind: "leftover-ram-file".into(), id: id.into(), detail: ram.display().to_string(), fixed });
     }
 }
 

@@ -4,8 +4,8 @@
 //! 2. the manifests nothing names any more are unpublished from the store, the root RAM files of vm marks
 //!    that went are unlinked (a running sibling's `MAP_PRIVATE` mapping keeps its pages: unlinking only drops
 //!    the name), and the store's gc frees the packs no live manifest, tree or lease uses;
-//! 3. the host caches laid out from trees no mark names any more (the `ct` backend's uppers and CRIU images
-//!    under `$CLADE_HOME/cache/ct-uppers|ct-images/<tree>`) are removed;
+//! 3. the host caches laid out from trees no mark names any more (each backend's `Footprint::tree_caches`:
+//!    the `ct` backend's uppers and CRIU images under `$CLADE_HOME/cache/<kind>/<tree>`) are removed;
 //! 4. the ledger forgets the marks being collected (from now on they are unknown: 404).
 //!
 //! A run killed after step 1 leaves marks "being collected" with their manifests still published; the
@@ -55,14 +55,15 @@ pub fn gc(engine: &Engine, dry_run: bool) -> anyhow::Result<GcOutcome> {
     let mut ram_files_deleted = 0;
     let mut ram_bytes_freed = 0;
     for m in &unreferenced {
-        // Root RAM files of vm marks (`ram/<manifest>.ram`; see clade-vm's backend).
-        let ram = engine.home.shm_dir().join("ram").join(format!("{m}.ram"));
-        if let Ok(meta) = std::fs::metadata(&ram) {
-            if !dry_run {
-                std::fs::remove_file(&ram)?;
+        // Host files derived from the manifest (a vm mark's root RAM file).
+        for f in crate::backends::footprints().iter().flat_map(|fp| fp.derived_files(&engine.home, m)) {
+            if let Ok(meta) = std::fs::metadata(&f) {
+                if !dry_run {
+                    std::fs::remove_file(&f)?;
+                }
+                ram_files_deleted += 1;
+                ram_bytes_freed += meta.len();
             }
-            ram_files_deleted += 1;
-            ram_bytes_freed += meta.len();
         }
         if dry_run {
             manifests_deleted += 1;
@@ -147,8 +148,6 @@ fn sweep_pools(engine: &clade_core::engine::Engine, dry_run: bool) -> usize {
     ended
 }
 
-/// The per-host caches a `ct` restore lays out from a mark's trees, named by the tree's id.
-const TREE_CACHES: [&str; 2] = ["ct-uppers", "ct-images"];
 /// A half-laid-out cache (`<tree>.tmp<pid>-<n>`) older than this belongs to a restore that died.
 const TEMP_AGE: Duration = Duration::from_secs(3600);
 
@@ -157,7 +156,8 @@ const TEMP_AGE: Duration = Duration::from_secs(3600);
 /// restore copying from it at that moment fails cleanly, and none can start (its mark is gone or collecting).
 fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> anyhow::Result<(usize, u64)> {
     let (mut dirs, mut bytes) = (0, 0);
-    for kind in TREE_CACHES {
+    // The per-host caches restores lay out from a mark's trees, named by the tree's id (ct uppers and images).
+    for kind in crate::backends::footprints().iter().flat_map(|fp| fp.tree_caches()) {
         let Ok(rd) = std::fs::read_dir(cache.join(kind)) else { continue };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();

@@ -15,17 +15,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
-use clade_core::engine::Engine;
+use clade_core::engine::{from_ledger, Engine};
 use clade_ledger::{BranchId, Mark, NewBranch, NewMark, NewSandbox, RetentionPolicy, SandboxId, SandboxState};
 use clade_store::{ManifestId, TreeId};
 use serde::{Deserialize, Serialize};
 
+use crate::backends::footprint;
 use crate::error::{check_id, conflict, invalid, not_found};
-
-/// The mark role whose value is the ct overlay's lower directories (`a:b`), not a store id.
-const ROLE_ROOTFS: &str = "rootfs";
-/// A mark's network mode (`loopback`, `egress`): a word, not stored data; it travels in the mark's record.
-const ROLE_NETWORK: &str = "network";
 
 /// What another host's ledger needs to resume the sandbox.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -149,11 +145,13 @@ fn write_owner(engine: &Engine, sbx: &str, host: &str, state: &str) -> anyhow::R
     Ok(())
 }
 
-/// Split a mark's roles into store manifests and trees (the rootfs and network roles are neither).
+/// Split a mark's roles into store manifests and trees (its backend's layer and word roles are neither: a
+/// ct mark's overlay lowers and network mode).
 fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<ManifestId>, Vec<TreeId>, u64)> {
+    let fp = footprint(from_ledger(mark.backend));
     let (mut mans, mut trees, mut bytes) = (Vec::new(), Vec::new(), 0u64);
     for (role, v) in &mark.manifests {
-        if role == ROLE_ROOTFS || role == ROLE_NETWORK {
+        if fp.layers_role() == Some(role.as_str()) || fp.word_roles().contains(&role.as_str()) {
             continue;
         }
         let s = v.as_str();
@@ -196,11 +194,13 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         .head(&rec.branch)?
         .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to push")))?;
     let (mans, mut trees, mut full) = roots_of(engine, &head)?;
-    // Lower layers in this home travel as trees; installed paths elsewhere must exist on every host.
+    // Layers in this home (a ct mark's overlay lowers) travel as trees; installed paths elsewhere must exist on
+    // every host.
+    let fp = footprint(from_ledger(head.backend));
     let mut lowers = Vec::new();
-    if let Some(l) = head.manifests.get(ROLE_ROOTFS) {
+    if let Some(l) = fp.layers_role().and_then(|role| head.manifests.get(role)) {
         for path in l.as_str().split(':').filter(|p| !p.is_empty()) {
-            let tree = if let Some(t) = clade_ct::lower::tree_of(path) {
+            let tree = if let Some(t) = fp.layer_tree(path) {
                 // Already a tree (the sandbox came from another host before).
                 trees.push(t);
                 full += engine.store.tree(&t)?.manifests().map(|m| m.size).sum::<u64>();
@@ -311,13 +311,16 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     }
     progress(&format!("pull: {sandbox} (mark {}) from {tier}, pushed by {}", record.mark.id, record.pushed_by));
     let mut mark = record.mark.clone();
-    if !record.lowers.is_empty() {
-        // Layers that lived in the pushing home are named as trees: a restore here mounts them lazily
-        // (clade_ct::lower), fetching only the files the sandbox reads.
+    let fp = footprint(from_ledger(record.backend));
+    if let (false, Some(role)) = (record.lowers.is_empty(), fp.layers_role()) {
+        // Layers that lived in the pushing home are named as trees: a restore here mounts them lazily (the ct
+        // backend's lower layers), fetching only the files the sandbox reads.
         let mut names = Vec::new();
         for l in &record.lowers {
             match &l.tree {
-                Some(t) => names.push(format!("{}{t}", clade_ct::lower::TREE_PREFIX)),
+                Some(t) => names.push(
+                    fp.tree_layer(&t.parse().map_err(|_| anyhow::anyhow!("the record's tree {t} is no tree id"))?),
+                ),
                 None if Path::new(&l.path).is_dir() => names.push(l.path.clone()),
                 None => {
                     return Err(not_found(format!(
@@ -328,7 +331,7 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
             }
         }
         progress(&format!("pull: lower layers {}", names.join(":")));
-        mark.manifests.insert(ROLE_ROOTFS.into(), clade_ledger::ManifestId::new(names.join(":")));
+        mark.manifests.insert(role.into(), clade_ledger::ManifestId::new(names.join(":")));
     }
     record_locally(engine, &record, &mark)?;
     let took = start.elapsed();

@@ -1,8 +1,8 @@
 //! `clade audit --security [SBX...]`: for each running sandbox, what the host's kernel says about its jail,
-//! checked against the policy (docs/security.md). ct: every process's capability sets, seccomp mode and
-//! `no_new_privs`, its id map, cgroup namespace, masked and read-only paths and cgroup limits
-//! (`clade_ct::jail_audit`). vm: the QEMU process's uid, capabilities, seccomp mode, `-sandbox` flags, root
-//! directory and mount namespace. Any deviation makes the command exit 1.
+//! checked against the policy (docs/security.md) by its backend's footprint (`clade_core::footprint`). ct: every
+//! process's capability sets, seccomp mode and `no_new_privs`, its id map, cgroup namespace, masked and
+//! read-only paths and cgroup limits. vm: the QEMU process's uid, capabilities, seccomp mode, `-sandbox` flags,
+//! root directory and mount namespace. Any deviation makes the command exit 1.
 
 use serde_json::{json, Value};
 
@@ -23,10 +23,8 @@ pub fn audit(ops: &Ops, ids: &[String]) -> anyhow::Result<Value> {
         let backend = info.row.backend.as_str();
         let mut r = if info.row.state != "running" || pids.is_empty() {
             json!({"deviations": [format!("not running (state {:?}): nothing to audit", info.row.state)]})
-        } else if backend == "ct" {
-            serde_json::to_value(clade_ct::jail_audit::audit(id, &pids))?
         } else {
-            vm_audit(pids[0])
+            crate::backends::footprint(info.row.backend).jail_audit(id, &pids)
         };
         r["id"] = json!(id);
         r["backend"] = json!(backend);
@@ -34,50 +32,6 @@ pub fn audit(ops: &Ops, ids: &[String]) -> anyhow::Result<Value> {
     }
     let ok = rows.iter().all(|r| r["deviations"].as_array().is_none_or(|d| d.is_empty()));
     Ok(json!({"ok": ok, "sandboxes": rows}))
-}
-
-/// The vm backend's jail as seen on its QEMU process.
-fn vm_audit(qemu: u32) -> Value {
-    let st = clade_ct::jail_audit::proc_status(qemu).unwrap_or_default();
-    let get = |k: &str| st.get(k).cloned().unwrap_or_default();
-    let cmdline: Vec<String> = std::fs::read(format!("/proc/{qemu}/cmdline"))
-        .unwrap_or_default()
-        .split(|b| *b == 0)
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let flag = |name: &str| cmdline.iter().position(|a| a == name).and_then(|i| cmdline.get(i + 1)).cloned();
-    let sandbox = flag("-sandbox").unwrap_or_default();
-    let root = std::fs::read_link(format!("/proc/{qemu}/root")).map(|p| p.display().to_string()).unwrap_or_default();
-    let own_mnt =
-        std::fs::read_link(format!("/proc/{qemu}/ns/mnt")).ok() != std::fs::read_link("/proc/self/ns/mnt").ok();
-    let mut dev = Vec::new();
-    if get("Uid") == "0" || get("Uid").is_empty() {
-        dev.push(format!("QEMU {qemu} runs as uid {:?}", get("Uid")));
-    }
-    for k in ["CapEff", "CapPrm"] {
-        if get(k) != "0000000000000000" {
-            dev.push(format!("QEMU {qemu}: {k} {}", get(k)));
-        }
-    }
-    if get("Seccomp") != "2" {
-        dev.push(format!("QEMU {qemu}: seccomp mode {:?}", get("Seccomp")));
-    }
-    for want in ["on", "obsolete=deny", "spawn=deny", "resourcecontrol=deny"] {
-        if !sandbox.split(',').any(|f| f == want) {
-            dev.push(format!("QEMU {qemu}: -sandbox lacks {want} ({sandbox:?})"));
-        }
-    }
-    if root == "/" || root.is_empty() {
-        dev.push(format!("QEMU {qemu} is not chrooted"));
-    }
-    if !own_mnt {
-        dev.push(format!("QEMU {qemu} shares the host's mount namespace"));
-    }
-    json!({
-        "qemu_pid": qemu, "uid": get("Uid"), "cap_eff": get("CapEff"), "cap_bnd": get("CapBnd"),
-        "seccomp": get("Seccomp"), "no_new_privs": get("NoNewPrivs"), "sandbox_flags": sandbox, "root": root,
-        "own_mount_namespace": own_mnt, "deviations": dev,
-    })
 }
 
 /// The human form of [`audit`]'s answer.

@@ -9,6 +9,7 @@ pub mod agent_link;
 pub mod backend;
 pub mod boot;
 pub mod disks;
+pub mod footprint;
 pub mod initramfs;
 #[allow(unsafe_code)]
 pub mod jail;

@@ -632,9 +632,10 @@ fn shed_store_memory_when_due(sup: &Supervisor) {
 /// store while it runs, so the whole index goes (~200 MB on a store of a few GB, loaded again by the next
 /// mark); a vm sandbox's disk server keeps reading frames, so only the writers' dedup table goes.
 fn shed_store_memory(sup: &Supervisor) {
-    match sup.backend.kind() {
-        clade_core::backend::BackendKind::Ct => sup.engine.store.release_index(),
-        clade_core::backend::BackendKind::Vm => sup.engine.store.release_dedup(),
+    if crate::backends::footprint(sup.backend.kind()).reads_store_while_running() {
+        sup.engine.store.release_dedup();
+    } else {
+        sup.engine.store.release_index();
     }
 }
 
