@@ -78,7 +78,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         line.clear();
     }
     std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2b/bench_first_command.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b/bench_first_command.py");
     let out = Command::new(home.root().join("py/bin/python"))
         .arg(&script)
         .arg(a.n.to_string())

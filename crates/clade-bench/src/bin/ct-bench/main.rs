@@ -291,12 +291,21 @@ fn run() -> Result<(), String> {
     )?;
     let store = clade_store::Store::open(&home.store_dir(), Default::default()).map_err(|e| e.to_string())?;
     let criu = cfg.criu.clone();
+    // The peer is plain CRIU by hand on a root container, as the reference setup was: its sandbox is started
+    // unjailed (CRIU by hand cannot dump a sandbox in its own user namespace without clade's netns and id-map
+    // handling). The jail's own cost is `--only jail`.
+    let peer = Bench {
+        backend: CtBackend::new(home.clone(), store.clone(), CtConfig { jail: false, ..cfg.clone() })
+            .map_err(|e| e.to_string())?,
+        home: home.clone(),
+        seq: Default::default(),
+    };
     let backend = CtBackend::new(home.clone(), store, cfg).map_err(|e| e.to_string())?;
     let b = Bench { backend, home: home.clone(), seq: Default::default() };
     let mut result = Ok(());
     for w in &workloads {
         eprintln!("ct-bench: workload {} ({} starts per arm)", w.name, n);
-        result = bench(&b, w, &criu, n, gap, &counts);
+        result = bench(&b, &peer, w, &criu, n, gap, &counts);
         if result.is_err() {
             break;
         }
@@ -305,7 +314,15 @@ fn run() -> Result<(), String> {
     result
 }
 
-fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, counts: &[usize]) -> Result<(), String> {
+fn bench(
+    b: &Bench,
+    peer_bench: &Bench,
+    w: &Workload,
+    criu: &std::path::Path,
+    n: usize,
+    gap: u64,
+    counts: &[usize],
+) -> Result<(), String> {
     let wl = w.name;
     let fig = |what: &str| format!("ct {wl}: {what}");
     // The mark: a cold sandbox at agent-ready, marked, then marked again `gap` seconds later (dedup).
@@ -357,7 +374,7 @@ fn bench(b: &Bench, w: &Workload, criu: &std::path::Path, n: usize, gap: u64, co
     );
 
     // The peer's checkpoint: another cold session at agent-ready, dumped by plain CRIU as seed 000 did.
-    let (mut ps, _) = b.cold(w)?;
+    let (mut ps, _) = peer_bench.cold(w)?;
     let peer = peer::Peer::dump(&b.home, criu, &mut ps)?;
     let _ = Box::new(ps).kill();
     eprintln!("ct-bench: {wl}: peer dump by hand {:.0} ms, {} MiB of images", peer.dump_ms, peer.image_bytes >> 20);
