@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -27,10 +29,6 @@ struct Entry {
 pub struct Procs {
     table: Mutex<HashMap<u32, Entry>>,
     serial: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Procs {
@@ -61,7 +59,7 @@ impl Procs {
         };
         let listing =
             ProcListing { pid, argv: spec.argv, env: spec.env, cwd: spec.cwd, tag: spec.tag, pty: spec.pty.is_some() };
-        lock(&self.table).insert(pid, Entry { serial, listing, subs });
+        self.table.lock().insert(pid, Entry { serial, listing, subs });
         // Output already sent by the agent waits in `proc`'s channel: nothing is lost before the pump runs.
         let me = self.clone();
         std::thread::Builder::new()
@@ -92,7 +90,7 @@ impl Procs {
                     return;
                 }
             };
-            let mut t = lock(&self.table);
+            let mut t = self.table.lock();
             match t.get_mut(&pid) {
                 Some(e) if e.serial == serial => e.subs.retain(|s| s.send(ev.clone()).is_ok()),
                 _ => return, // forgotten (the sandbox was retaken): nobody listens any more
@@ -101,7 +99,7 @@ impl Procs {
     }
 
     fn finish(&self, pid: u32, serial: u64, last: StreamEvent) {
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         if t.get(&pid).is_some_and(|e| e.serial == serial) {
             if let Some(e) = t.remove(&pid) {
                 for s in e.subs {
@@ -113,7 +111,7 @@ impl Procs {
 
     /// Attach a listener to a running process (`None`: no such process, or it has exited).
     pub fn connect(&self, pid: u32) -> Option<Receiver<StreamEvent>> {
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         let e = t.get_mut(&pid)?;
         let (tx, rx) = mpsc::channel();
         e.subs.push(tx);
@@ -121,18 +119,18 @@ impl Procs {
     }
 
     pub fn contains(&self, pid: u32) -> bool {
-        lock(&self.table).contains_key(&pid)
+        self.table.lock().contains_key(&pid)
     }
 
     pub fn list(&self) -> Vec<ProcListing> {
-        let mut v: Vec<_> = lock(&self.table).values().map(|e| e.listing.clone()).collect();
+        let mut v: Vec<_> = self.table.lock().values().map(|e| e.listing.clone()).collect();
         v.sort_by_key(|p| p.pid);
         v
     }
 
     /// The sandbox ended or was replaced: every stream ends with `why`, the table empties.
     pub fn forget_all(&self, why: &str) {
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         for (_, e) in t.drain() {
             for s in e.subs {
                 let _ = s.send(StreamEvent::Error { kind: ErrorKind::Internal, message: why.to_string() });

@@ -6,7 +6,9 @@ use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
@@ -169,10 +171,6 @@ enum End {
     Failed(String),
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -206,7 +204,7 @@ impl Supervisor {
 
     /// A handle on the running sandbox's agent (cheap: a shared connection).
     fn agent(&self) -> Result<AgentClient, Response> {
-        lock(&self.sandbox).as_ref().map(|s| s.agent().clone()).ok_or_else(|| {
+        self.sandbox.lock().as_ref().map(|s| s.agent().clone()).ok_or_else(|| {
             Response::err(
                 ErrorKind::Conflict,
                 "the sandbox is not running (suspended or ending meanwhile; see `clade ls`)",
@@ -215,18 +213,18 @@ impl Supervisor {
     }
 
     fn ended(&self) -> Option<End> {
-        lock(&self.end).clone()
+        self.end.lock().clone()
     }
 
     /// Whether the sandbox ended on its own; checked between requests, without waiting for one that holds it.
     fn check_exited(&self) -> Option<String> {
-        let mut g = self.sandbox.try_lock().ok()?;
+        let mut g = self.sandbox.try_lock()?;
         g.as_mut()?.exited()
     }
 
     /// Record how the sandbox ends and wake the accept loop.
     fn set_end(&self, e: End) {
-        *lock(&self.end) = Some(e);
+        *self.end.lock() = Some(e);
         let _ = (&self.wake.0).write_all(b"x");
     }
 
@@ -248,7 +246,7 @@ impl Supervisor {
             }
         };
         self.procs.forget_all("the sandbox ended");
-        if let Some(s) = lock(&self.sandbox).take() {
+        if let Some(s) = self.sandbox.lock().take() {
             let _ = s.kill();
         }
         let _ = self.engine.ledger().set_supervisor(&self.id, None, None);
@@ -478,7 +476,7 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
     match req {
         Request::Info => {
             let rec = sup.engine.ledger().sandbox(&sup.id).ok();
-            let pids = lock(&sup.sandbox).as_ref().map(|s| s.pids()).unwrap_or_default();
+            let pids = sup.sandbox.lock().as_ref().map(|s| s.pids()).unwrap_or_default();
             let mem: Vec<_> = pids.iter().filter_map(|p| clade_core::host::pss_rss(*p)).collect();
             let hello = agent.hello().ok();
             Response::ok(serde_json::json!({
@@ -621,7 +619,7 @@ fn shed_store_memory_when_due(sup: &Supervisor) {
     if at == 0 || now_ms() < at {
         return;
     }
-    let Ok(_alone) = sup.gate.try_write() else { return };
+    let Some(_alone) = sup.gate.try_write() else { return };
     if sup.shed_store_at_ms.compare_exchange(at, 0, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
         shed_store_memory(sup);
     }
@@ -641,7 +639,7 @@ fn shed_store_memory(sup: &Supervisor) {
 
 /// Ops that change the whole sandbox; the caller holds the gate alone.
 fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
-    let mut slot = lock(&sup.sandbox);
+    let mut slot = sup.sandbox.lock();
     if slot.is_none() {
         return (
             Response::err(
