@@ -205,3 +205,31 @@ fn pause_for_tests() {
         std::thread::sleep(Duration::from_millis(ms));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_caches_keep_what_a_mark_names_and_young_temps() {
+        let dir = tempfile::tempdir().unwrap();
+        let uppers = dir.path().join("ct-uppers");
+        for d in ["live", "dead", "live.tmp7-1", "dead.tmp7-2", ".gc-half"] {
+            std::fs::create_dir_all(uppers.join(d)).unwrap();
+            std::fs::write(uppers.join(d).join("f"), b"1234").unwrap();
+        }
+        // A temp of a restore that died an hour ago, beside one still being laid out.
+        let old = nix::sys::time::TimeVal::new(1_000_000, 0);
+        nix::sys::stat::utimes(&uppers.join("dead.tmp7-2"), &old, &old).unwrap();
+        let live: BTreeSet<String> = ["live".to_string()].into();
+        assert_eq!(sweep_tree_caches(dir.path(), &live, true).unwrap(), (3, 12), "dry run: dead, old temp, aside");
+        assert_eq!(std::fs::read_dir(&uppers).unwrap().count(), 5, "a dry run removes nothing");
+        assert_eq!(sweep_tree_caches(dir.path(), &live, false).unwrap(), (3, 12));
+        let mut left: Vec<String> = std::fs::read_dir(&uppers)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec!["live", "live.tmp7-1"]);
+    }
+}
