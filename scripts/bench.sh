@@ -63,7 +63,8 @@ minimal_bases() {
 for w in "${what[@]}"; do
   case "$w" in
     store) if [ $quick = 1 ]; then run store $bin/store-bench --size-mib 256; else run store $bin/store-bench; fi
-      # The named input too: the largest guest RAM file a vm base left on this host's RAM tmpfs.
+      # The input the store's bars are meant for too: the largest guest RAM file a vm base left on this host's
+      # RAM tmpfs.
       ram=$(ls -S "${CLADE_SHM:-/dev/shm/clade}"/ram/*.ram 2>/dev/null | head -n1 || true)
       if [ $quick = 1 ]; then echo "=== bench store-ram: skipped by --quick" >&2
       elif [ -z "$ram" ]; then echo "=== bench store-ram: skipped (no vm base RAM file yet: run ./x bench vm first)" >&2

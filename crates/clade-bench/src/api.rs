@@ -1,4 +1,4 @@
-//! `clade-bench api` (`./x bench api`): issue 9's figures for the daemon, on the `ct` backend, one run.
+//! `clade-bench api` (`./x bench api`): the daemon's figures (docs/api.md), on the `ct` backend, one run.
 //!
 //! 1. Overhead: `exec true` through `clade serve` (HTTP over its unix socket, the CLI's own client) against the
 //!    same through the embedded library call ([`Ops::exec`]), interleaved, same sandbox. Bar: p50 ratio <= 1.5.

@@ -1,5 +1,7 @@
-//! `clade-bench browser --backend ct|vm` (run by `./x bench browser`): the seeds' headline measurement
-//! (issue 10) with the `browser` template (seed 000's agent session) on one backend, one run, arms interleaved:
+//! `clade-bench browser --backend ct|vm` (run by `./x bench browser`): clade's headline measurement (an agent's
+//! warm browser session: is a restore with hygiene at most half a cold start, at no more memory per sibling?)
+//! with the `browser` template (Xvfb, openbox, Chromium with a page, the screen server) on one backend, one
+//! run, arms interleaved:
 //!
 //! * time to agent-ready, cold versus restored from the template's base with hygiene, where agent-ready is the
 //!   template's own readiness URL answered inside the sandbox (the screenshot differs from the blank desktop in
@@ -164,7 +166,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
 
     // 1. Time to agent-ready, interleaved: cold, restore, cold, restore, ...
     let (mut cold, mut rest, mut rest_only, mut hyg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // One untimed start of each arm first (warm page cache, as seed 000 measured; the first restore of a mark
+    // One untimed start of each arm first (the figures are for a warm page cache; the first restore of a mark
     // on a host also lays its state out of the store).
     run.cold()?.0.kill()?;
     run.restore()?.0.kill()?;
@@ -196,7 +198,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             name: name("restore with hygiene p50 / cold p50, to agent-ready (screenshot + title)"),
             value: r50 / c50,
             unit: "x".into(),
-            bar: "<= 0.5x (seeds' floor; seed 000 measured 0.57x)".into(),
+            bar: "<= 0.5x (clade's floor; plain CRIU with hygiene measured 0.57x before clade)".into(),
             pass: r50 / c50 <= 0.5,
             samples: rest.clone(),
             detail: detail.clone(),
@@ -291,7 +293,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             name: name("host memory per added restored sibling / per added cold sandbox (PSS slope)"),
             value: rs / cs,
             unit: "x".into(),
-            bar: "<= 1.0x (seed 000: 1.038x)".into(),
+            bar: "<= 1.0x (plain CRIU before clade: 1.038x)".into(),
             pass: rs / cs <= 1.0,
             samples: ys.clone(),
             detail: serde_json::json!({"ctx": ctx, "restored_counts": xs, "restored_sum_pss_bytes": ys, "cold_counts": cxs,
@@ -313,7 +315,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             name: name("mark pause of an agent-ready sandbox (worse of two marks)"),
             value: pause,
             unit: "ms".into(),
-            bar: "<= 200 ms (seed 000's dump: 810 ms)".into(),
+            bar: "<= 200 ms (plain CRIU's dump before clade: 810 ms)".into(),
             pass: pause <= 200.0,
             samples: vec![ms(m1.pause), ms(m2.pause)],
             detail: serde_json::json!({"ctx": ctx, "logical_bytes": [m1.logical_bytes, m2.logical_bytes]}),

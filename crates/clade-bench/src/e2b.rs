@@ -1,7 +1,8 @@
 //! `clade-bench e2b` (`./x bench e2b`): Sandbox.create() to the first `commands.run('echo hi')` result
 //! through the official e2b Python SDK against this clade's E2B API, on a warm base, against the same through
-//! clade's own library (`Ops::fork` of the base, then `Ops::exec`). p50 of each and their ratio (issue 11's bar:
-//! at most 2x). Needs the template's base built on the backend and the SDK in `$CLADE_HOME/py`.
+//! clade's own library (`Ops::fork` of the base, then `Ops::exec`). p50 of each and their ratio (the bar: the
+//! SDK's path at most 2x the library's; docs/e2b.md). Needs the template's base built on the backend and the
+//! SDK in `$CLADE_HOME/py`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -1,4 +1,4 @@
-//! `clade-bench roam` (`./x bench roam`): issue 12's first figure. A sandbox of a template's base runs on
+//! `clade-bench roam` (`./x bench roam`): roaming's figure (docs/roam.md). A sandbox of a template's base runs on
 //! host A (this `$CLADE_HOME`), does some work, is suspended and pushed to a blob tier (a real moto S3 server on
 //! loopback); host B (a fresh home that shares nothing but that tier, so its caches are cold) resumes it by name and
 //! the sandbox works for 10 s. Reported per backend: resume time on B, the bytes B fetched from the blob tier (its

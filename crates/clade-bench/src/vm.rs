@@ -1,4 +1,4 @@
-//! The `vm` figures of issue 7, one run, side by side:
+//! The `vm` figures (docs/vm.md), one run, side by side:
 //! cold boot vs fork from the warm pool (to ready, hygiene included), fork of 10 with a pool of 10, host memory
 //! per added idle sibling and PSS/RSS, the mark pause of a 512 MiB guest and its stored bytes against what it
 //! dirtied, retake end to end, and clade's fork against QEMU templating done by hand (a shell script starting the
@@ -238,9 +238,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             name: "vm sum PSS / sum RSS at 3 siblings, whole QEMU processes".into(),
             value: at3,
             unit: "ratio".into(),
-            // Issue 7's 0.40 is held against the guest RAM figure below (engrams' measure); this one carries
+            // The 0.40 bar is held against the guest RAM figure below (engrams' measure); this one carries
             // QEMU's own per-process memory (under TCG its translation cache) and is reported beside it.
-            bar: "reported (issue 7's <= 0.40 is judged on the guest RAM figure, engrams' measure)".into(),
+            bar: "reported (the <= 0.40 bar is judged on the guest RAM figure, engrams' measure)".into(),
             pass: true,
             samples: vec![at3],
             detail: serde_json::json!({"accel": accel, "sum_pss_bytes": whole3.0, "sum_rss_bytes": whole3.1}),
@@ -328,11 +328,12 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         },
     );
 
-    // 4b. Agent hello round trip: over virtio-serial into a restored guest, against issue 5's "ct figure on the same
-    // machine": a real ct sandbox of the same template (the agent in its namespaces, reached through the unix
-    // socket in its /run), and, for reference, the same agent binary as a plain host process. All connections
-    // are up at once and the arms alternate in blocks (200 warm-up round trips each first), so a burst of host
-    // load lands on every arm: a block of one right after the other is the side-by-side the ratio needs.
+    // 4b. Agent hello round trip: over virtio-serial into a restored guest, against the ct figure on the same
+    // machine (the bar: at most 5x it): a real ct sandbox of the same template (the agent in its namespaces,
+    // reached through the unix socket in its /run), and, for reference, the same agent binary as a plain host
+    // process. All connections are up at once and the arms alternate in blocks (200 warm-up round trips each
+    // first), so a burst of host load lands on every arm: a block of one right after the other is the
+    // side-by-side the ratio needs.
     {
         // The template's own base (its declared shape), not the 512 MiB variant of arm 4: on that one the same
         // round trip measured 1.2-1.6x slower with a 3-6x longer tail (docs/agent.md).

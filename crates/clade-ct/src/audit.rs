@@ -26,11 +26,13 @@ pub struct AuditReport {
     pub shared_char_devices: Vec<String>,
     /// Nothing at all shared, character devices included (the strict rule).
     pub pass_literal: bool,
-    /// The control rule, when a cold-pair control was given.
+    /// Character devices the control pair shares, when a cold-pair control was given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub control_shared_char_devices: Option<Vec<String>>,
+    /// The control rule, when a cold-pair control was given: nothing shared but character devices, and only
+    /// those the control pair shares too.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pass_rule_2a: Option<bool>,
+    pub pass_control_rule: Option<bool>,
 }
 
 impl AuditReport {
@@ -171,7 +173,7 @@ pub fn audit_with_control(a: &[u32], b: &[u32], cold_a: &[u32], cold_b: &[u32]) 
     let control = audit(cold_a, cold_b);
     let ctl: BTreeSet<&String> = control.shared_char_devices.iter().collect();
     let introduced = r.shared_char_devices.iter().any(|d| !ctl.contains(d));
-    r.pass_rule_2a = Some(r.shared_writable() == 0 && !introduced && !a.is_empty() && !b.is_empty());
+    r.pass_control_rule = Some(r.shared_writable() == 0 && !introduced && !a.is_empty() && !b.is_empty());
     r.control_shared_char_devices = Some(control.shared_char_devices);
     r
 }

@@ -193,13 +193,13 @@ pub fn audit_siblings(engine: &Engine, a: &str, b: &str, control: Control) -> an
             (r, ControlInfo { kind: "cold pair", template: Some(template), sandboxes: vec![] })
         }
     };
-    let pass = report.pass_rule_2a.unwrap_or(report.pass_literal);
+    let pass = report.pass_control_rule.unwrap_or(report.pass_literal);
     let mut out = serde_json::to_value(&report)?;
     out["sandboxes"] = serde_json::json!([a, b]);
     out["control"] = serde_json::to_value(&info)?;
     out["shared_besides_char_devices"] = serde_json::json!(report.shared_writable());
     out["pass"] = serde_json::json!(pass);
-    out["rule"] = serde_json::json!(if report.pass_rule_2a.is_some() {
+    out["rule"] = serde_json::json!(if report.pass_control_rule.is_some() {
         "with control: nothing shared but character devices, and only those the control pair shares too"
     } else {
         "literal: nothing shared at all"

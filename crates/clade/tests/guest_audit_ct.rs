@@ -45,7 +45,7 @@ fn guest_audit_ct_siblings_against_a_cold_pair() {
     // The default: a cold pair of the siblings' template as the control, ended before the answer.
     let v = json_of(h, &["audit", a, b, "--json"], 0);
     assert_eq!(v["pass"], true, "{v}");
-    assert_eq!(v["pass_rule_2a"], true, "{v}");
+    assert_eq!(v["pass_control_rule"], true, "{v}");
     assert_eq!(v["control"]["kind"], "cold pair", "{v}");
     assert_eq!(v["control"]["template"], "ctbox", "{v}");
     assert_eq!(v["shared_besides_char_devices"], 0, "{v}");
@@ -61,12 +61,12 @@ fn guest_audit_ct_siblings_against_a_cold_pair() {
     assert_eq!(lit["pass"], chars == 0, "{lit}");
     assert_eq!(code, if chars == 0 { 0 } else { 1 }, "{lit}");
     assert_eq!(lit["control"]["kind"], "none");
-    assert!(lit.get("pass_rule_2a").is_none(), "{lit}");
+    assert!(lit.get("pass_control_rule").is_none(), "{lit}");
 
     // A control pair named by the caller (two more restored siblings).
     let g = json_of(h, &["audit", a, b, "--control", &ids[2], &ids[3], "--json"], 0);
     assert_eq!(g["control"]["kind"], "given");
-    assert_eq!(g["pass_rule_2a"], true, "{g}");
+    assert_eq!(g["pass_control_rule"], true, "{g}");
 
     // Both siblings open a device the control pair does not (a process holding /dev/zero): the control rule fails,
     // naming it, and the exit code says so.

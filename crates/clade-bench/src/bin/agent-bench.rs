@@ -1,4 +1,4 @@
-//! `agent-bench`: the agent's figures from issue 5, as ratios measured side by side in one run.
+//! `agent-bench`: the agent's figures (docs/agent.md), as ratios measured side by side in one run.
 //!
 //! It starts `clade-agent serve` on a unix socket (the `ct` channel) as a plain process and again as
 //! as a process inside `unshare -p -m -n -u -i --fork` (a namespaced process), and

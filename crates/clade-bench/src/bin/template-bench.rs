@@ -50,7 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ratio_packs_over_files": disk.stored_bytes as f64 / r.rootfs_bytes as f64,
     }));
 
-    // Issue 6's two bars as report figures (name, value, unit, bar, pass).
+    // The template builder's two bars (docs/templates.md) as report figures (name, value, unit, bar, pass).
     let ratio = disk.new_bytes as f64 / r.rootfs_bytes as f64;
     line(serde_json::json!({
         "name": format!("template {}: second build of an unchanged spec (cache hit)", spec.name),

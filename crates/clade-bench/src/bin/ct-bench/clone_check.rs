@@ -1,4 +1,4 @@
-//! Seed 000's clone check, for the browser: the page's next `Math.random()` draws and the in-sandbox Python
+//! The clone check, for the browser: the page's next `Math.random()` draws and the in-sandbox Python
 //! server's next `random.random()` draws in two siblings of one mark.
 //!
 //! Restored without hygiene, two siblings draw the same numbers: a restore is a clone, V8's and Python's
@@ -74,7 +74,7 @@ pub fn run(b: &Bench, w: &Workload, mark: &MarkState) -> Result<(), String> {
         ),
         f64::from(u8::from(pass)),
         "pass",
-        "pass: with hygiene every draw differs; the control pair without hygiene draws the same (seed 000's clone check)",
+        "pass: with hygiene every draw differs; the control pair without hygiene draws the same (a restore without hygiene is a clone)",
         pass,
         &[f64::from(u8::from(hygiene_differs)), f64::from(u8::from(control_equal))],
         json!({"with_hygiene": [h0, h1], "with_hygiene_targets": [ht0, ht1], "without_hygiene": [c0, c1],

@@ -1,20 +1,21 @@
-//! ct-bench: the `ct` backend's figures (issue 8), every arm side by side in one run, printed as JSON lines: one
+//! ct-bench: the `ct` backend's figures (docs/ct.md), every arm side by side in one run, printed as JSON lines: one
 //! per sample as it is taken, then one per figure with its bar and PASS computed from the samples (`name`,
 //! `value`, `unit`, `bar`, `pass`, `samples`, `detail`, the same fields as the other benches).
 //!
 //! Workloads:
 //! * `minimal`: the test rootfs with a Python HTTP server that first builds `--payload-mib` MiB of
 //!   deterministic state (the warm-up a restore skips). Agent-ready = the server answers on its port.
-//! * `browser` (`--browser TEMPLATE_JSON`, a built `templates/browser`): seed 000's session, Xvfb, openbox,
+//! * `browser` (`--browser TEMPLATE_JSON`, a built `templates/browser`): an agent's desktop session, Xvfb, openbox,
 //!   D-Bus, Chromium with a page, the in-sandbox screen server. Agent-ready = the template's readiness URL
 //!   answers 200 inside the sandbox: the screenshot differs from the blank desktop in more than 10% of pixels
 //!   AND the page has a title.
 //!
 //! Arms, interleaved one sandbox at a time: cold start to agent-ready; restore of a mark with hygiene to
 //! agent-ready; and the peer (`peer.rs`): the same session dumped and restored with plain CRIU by hand, as
-//! seed 000 did (no store, no hygiene, no cached kernel probe, no KSM). Then, for the browser, seed 000's clone
-//! check (`clone_check.rs`); lazy vs eager, the warm pool, the memory slope over `--mem-counts` with the sibling
-//! audit (rule 2a against a cold pair).
+//! one would without clade (no store, no hygiene, no cached kernel probe, no KSM). Then, for the browser, the
+//! clone check (`clone_check.rs`: do two siblings draw different random numbers?); lazy vs eager, the warm pool,
+//! the memory slope over `--mem-counts` with the sibling audit (the control rule: nothing shared but character
+//! devices, and only those a cold pair shares too).
 //!
 //! `--only jail`: the jail's cost, jail on vs off side by side (jail.rs).
 //!
@@ -355,7 +356,7 @@ fn bench(
         fig("mark pause (CRIU frozen time, worse of two marks)"),
         pause,
         "ms",
-        "<= 200 ms (seed 000's dump: 810 ms)",
+        "<= 200 ms (plain CRIU's dump of the browser session before clade: 810 ms)",
         pause <= 200.0,
         &pauses,
         json!({"logical_bytes": m1.logical_bytes}),
@@ -373,7 +374,7 @@ fn bench(
                 "xlabel": format!("mark: 1 the first, 2 the second ({gap} s later)"), "ylabel": "stored MiB"}}),
     );
 
-    // The peer's checkpoint: another cold session at agent-ready, dumped by plain CRIU as seed 000 did.
+    // The peer's checkpoint: another cold session at agent-ready, dumped by plain CRIU by hand (peer.rs).
     let (mut ps, _) = peer_bench.cold(w)?;
     let peer = peer::Peer::dump(&b.home, criu, &mut ps)?;
     let _ = Box::new(ps).kill();
@@ -383,7 +384,7 @@ fn bench(
     // without hygiene (the peer's work).
     let (mut cold, mut rest, mut rest_only, mut hyg, mut peers) = (vec![], vec![], vec![], vec![], vec![]);
     let mut plain = Vec::new();
-    // One untimed start of each arm first, as seed 000 measured with a warm page cache: the first restore of
+    // One untimed start of each arm first (the figures are for a warm page cache): the first restore of
     // a mark on a host also lays its images and upper out of the store (once per mark and host).
     let _ = Box::new(b.cold(w)?.0).kill();
     let _ = Box::new(b.restore(w, &m2)?.0).kill();
@@ -419,7 +420,7 @@ fn bench(
         fig("restore with hygiene p50 / cold p50, to agent-ready"),
         r50 / c50,
         "x",
-        "<= 0.33x (seed 000: 0.57x)",
+        "<= 0.33x (plain CRIU with hygiene before clade: 0.57x)",
         r50 / c50 <= 0.33,
         &rest,
         lat.clone(),
@@ -435,7 +436,7 @@ fn bench(
     );
     let n50 = pct(&plain, 0.5);
     figure(
-        fig("clade restore p50 / plain CRIU restore by hand p50 (peer: seed 000's way), both to agent-ready without hygiene"),
+        fig("clade restore p50 / plain CRIU restore by hand p50 (peer: no store, no caches, no KSM), both to agent-ready without hygiene"),
         n50 / p50,
         "x",
         "<= 1.0x",
@@ -540,7 +541,7 @@ fn bench(
             fig("host memory per added restored sibling / per added cold sandbox (PSS slope)"),
             rs / cs,
             "x",
-            "<= 1.0x (seed 000: 1.038x)",
+            "<= 1.0x (plain CRIU before clade: 1.038x)",
             rs / cs <= 1.0,
             &rys,
             json!({"counts": xs, "cold_sum_pss_bytes": cys, "restored_sum_pss_bytes": rys, "cold_mib_per_sandbox": cs / 1048576.0,
@@ -550,9 +551,9 @@ fn bench(
     }
     match audit {
         Some(a) => {
-            let pass = a.pass_rule_2a == Some(true);
+            let pass = a.pass_control_rule == Some(true);
             figure(
-                fig("sibling audit, rule 2a (two restored siblings, cold-pair control)"),
+                fig("sibling audit, control rule (two restored siblings, cold-pair control)"),
                 f64::from(u8::from(pass)),
                 "pass",
                 "pass: nothing writable shared; character devices only as the cold pair shares them",

@@ -1,11 +1,12 @@
-//! The peer arm: the same session checkpointed and restored with plain CRIU by hand, the way seed 000 did it,
-//! so the report can state clade / peer. What the peer does not have, on purpose: clade's store (images are
+//! The peer arm: the same session checkpointed and restored with plain CRIU by hand, the way one would without
+//! clade, so the report can state clade / peer. What the peer does not have, on purpose: clade's store (images are
 //! read from a plain directory), hygiene (clones keep hostname, machine-id and RNG state), the cached kernel
 //! probe (each `criu` probes the kernel again), hard-linked image caches, cgroups and KSM.
 //!
-//! Dump: `criu dump` of the running sandbox's init with the seed's flags, the overlay upper copied by the
+//! Dump: `criu dump` of the running sandbox's init with the usual flags for such a session (external mounts,
+//! established TCP, file locks, a ghost limit), the overlay upper copied by the
 //! `post-dump` action while frozen. Restore, per sample: a shell script makes a fresh upper on tmpfs, mounts an
-//! overlay whose lower layers are the checkpoint's upper (read-only, as the seed kept it) over the template,
+//! overlay whose lower layers are the checkpoint's upper (kept read-only as a checkpoint layer) over the template,
 //! in a private mount namespace (`unshare -m`), and runs `criu restore --root ... --restore-detached`.
 //! Agent-ready is polled from the host inside the restored network namespace (the same readiness URL the
 //! clade arms' agent checks from inside).
