@@ -26,9 +26,9 @@ use clade_core::CladeHome;
 use clade_ledger::{Mark, SandboxState};
 
 use super::{median, percentile, Figure};
+use clade_api::client::Remote;
 use clade_host::api::{ExecRequest, ForkRequest, SandboxApi};
 use clade_host::Ops;
-use clade_api::client::Remote;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -509,7 +509,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         .iter()
         .filter(|id| {
             ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id.as_str())).is_ok_and(|r| {
-                r.state == SandboxState::Running && r.supervisor_pid.is_some_and(clade_host::supervisor::start::supervisor_alive)
+                r.state == SandboxState::Running
+                    && r.supervisor_pid.is_some_and(clade_host::supervisor::start::supervisor_alive)
             })
         })
         .cloned()

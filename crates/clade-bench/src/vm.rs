@@ -172,10 +172,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let fork10 = *curve.last().unwrap_or(&f64::NAN);
     let ids: Vec<String> = ready.iter().map(|r| r.sandbox.clone()).collect();
     let all_ok = ready.len() == 10 && ready.iter().all(|r| r.ok);
-    let hellos = ids
-        .iter()
-        .filter(|id| ops.get(id).ok().and_then(|i| i.live).is_some_and(|l| !l.hello.is_null()))
-        .count();
+    let hellos =
+        ids.iter().filter(|id| ops.get(id).ok().and_then(|i| i.live).is_some_and(|l| !l.hello.is_null())).count();
     emit(
         &mut figs,
         Figure {
@@ -419,7 +417,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let mk = ops.mark(&sbx, &MarkRequest::default())?.id.to_string();
     let mut retakes = Vec::new();
     for _ in 0..n {
-        let write = ExecRequest { argv: vec!["sh".into(), "-c".into(), "echo x > /root/r".into()], ..Default::default() };
+        let write =
+            ExecRequest { argv: vec!["sh".into(), "-c".into(), "echo x > /root/r".into()], ..Default::default() };
         let _ = ops.exec(&sbx, write);
         let t = Instant::now();
         ops.retake(&sbx, &mk)?;
