@@ -6,13 +6,14 @@
 
 use crate::proto::*;
 use crate::wire::{self, Chan, Kind, ReadOutcome, DATA_CHUNK, FLAG_END};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Errors of the host-side client.
@@ -132,10 +133,6 @@ const STREAM_DEPTH: usize = 16;
 /// Default wait for a reply.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl AgentClient {
     /// Connects to an agent's unix socket (`ct`: `/proc/<pid>/root/run/clade/agent.sock`; `vm`: the
     /// virtio-serial chardev's socket).
@@ -195,7 +192,7 @@ impl AgentClient {
     }
 
     fn send(&self, kind: Kind, chan: Chan, flags: u8, id: u32, body: &[u8]) -> Result<()> {
-        let mut w = lock(&self.inner.writer);
+        let mut w = self.inner.writer.lock();
         if body.len() < 64 * 1024 {
             w.write_all(&wire::encode(kind, chan, flags, id, body))?;
         } else {
@@ -207,7 +204,7 @@ impl AgentClient {
 
     fn register(&self, p: Pending) -> Result<u32> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut routes = lock(&self.inner.shared.routes);
+        let mut routes = self.inner.shared.routes.lock();
         if let Some(why) = &routes.closed {
             return Err(ClientError::Closed(why.clone()));
         }
@@ -216,7 +213,7 @@ impl AgentClient {
     }
 
     fn unregister(&self, id: u32) {
-        lock(&self.inner.shared.routes).pending.remove(&id);
+        self.inner.shared.routes.lock().pending.remove(&id);
     }
 
     fn send_request(&self, id: u32, req: &Request) -> Result<()> {
@@ -229,7 +226,7 @@ impl AgentClient {
     }
 
     fn closed_err(&self) -> ClientError {
-        let why = lock(&self.inner.shared.routes).closed.clone();
+        let why = self.inner.shared.routes.lock().closed.clone();
         ClientError::Closed(why.unwrap_or_else(|| "reader stopped".into()))
     }
 
@@ -572,9 +569,9 @@ impl AgentClient {
     /// Sends a raw frame (for tests of the agent's bad-input handling) and waits for the reply to `id`.
     pub fn raw_call(&self, frame: &[u8], id: u32, wait: Duration) -> Result<Reply> {
         let (tx, rx) = mpsc::channel();
-        lock(&self.inner.shared.routes).pending.insert(id, Pending::Plain(tx));
+        self.inner.shared.routes.lock().pending.insert(id, Pending::Plain(tx));
         {
-            let mut w = lock(&self.inner.writer);
+            let mut w = self.inner.writer.lock();
             w.write_all(frame)?;
             w.flush()?;
         }
@@ -659,7 +656,7 @@ fn reader_loop(mut r: impl Read, shared: Arc<Shared>) {
         let f = match wire::read_frame(&mut r) {
             Ok(ReadOutcome::Frame(f)) => f,
             Ok(ReadOutcome::Bad(e)) => {
-                if let Some(p) = lock(&shared.routes).pending.remove(&e.id()) {
+                if let Some(p) = shared.routes.lock().pending.remove(&e.id()) {
                     let err = Err(AgentError::BadFrame { detail: e.to_string() });
                     deliver(p, err);
                 }
@@ -673,7 +670,7 @@ fn reader_loop(mut r: impl Read, shared: Arc<Shared>) {
             (Kind::Reply, _) => {
                 let resp: Response = serde_json::from_slice(&f.body)
                     .unwrap_or_else(|e| Err(AgentError::BadFrame { detail: format!("undecodable reply: {e}") }));
-                let mut routes = lock(&shared.routes);
+                let mut routes = shared.routes.lock();
                 let Some(p) = routes.pending.remove(&id) else { continue };
                 if let (Pending::Exec(_, ptx), Ok(Reply::Started { pid })) = (&p, &resp) {
                     routes.procs.insert(*pid, ptx.clone());
@@ -682,7 +679,7 @@ fn reader_loop(mut r: impl Read, shared: Arc<Shared>) {
                 deliver(p, resp);
             }
             (Kind::Data, Chan::File) => {
-                let tx = match lock(&shared.routes).pending.get(&id) {
+                let tx = match shared.routes.lock().pending.get(&id) {
                     Some(Pending::Stream(tx)) => tx.clone(),
                     _ => continue,
                 };
@@ -692,14 +689,14 @@ fn reader_loop(mut r: impl Read, shared: Arc<Shared>) {
                 if f.body.is_empty() {
                     continue;
                 }
-                if let Some(tx) = lock(&shared.routes).procs.get(&id) {
+                if let Some(tx) = shared.routes.lock().procs.get(&id) {
                     let ev = if chan == Chan::Stdout { ProcEvent::Stdout(f.body) } else { ProcEvent::Stderr(f.body) };
                     let _ = tx.send(ev);
                 }
             }
             (Kind::Event, _) => {
                 if let Ok(Event::Exit { pid, status }) = serde_json::from_slice::<Event>(&f.body) {
-                    if let Some(tx) = lock(&shared.routes).procs.remove(&pid) {
+                    if let Some(tx) = shared.routes.lock().procs.remove(&pid) {
                         let _ = tx.send(ProcEvent::Exit(status));
                     }
                 }
@@ -707,7 +704,7 @@ fn reader_loop(mut r: impl Read, shared: Arc<Shared>) {
             _ => {}
         }
     };
-    let mut routes = lock(&shared.routes);
+    let mut routes = shared.routes.lock();
     routes.closed = Some(why);
     routes.pending.clear();
     routes.procs.clear();

@@ -1,6 +1,7 @@
 //! The sandbox model shared by both backends: the `Backend` trait, marks, restore, fork, suspend,
 //! retake, and the hygiene policy that makes every sibling a distinct machine. Also the host facts
-//! (`host`) and the `$CLADE_HOME` layout (`home`) every layer above the store agrees on.
+//! (`host`), the `$CLADE_HOME` layout (`home`) and the clock reading (`time::now_ms`) every layer above the
+//! store agrees on.
 
 #![forbid(unsafe_code)]
 
@@ -13,6 +14,7 @@ pub mod footprint;
 pub mod home;
 pub mod host;
 pub mod hygiene;
+pub mod time;
 
 pub use home::CladeHome;
 

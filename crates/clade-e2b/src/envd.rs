@@ -25,7 +25,7 @@ use crate::api::header_str;
 use crate::connect::{self, Code, RpcError};
 use crate::host::{Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status};
 use crate::state::{random_hex, rfc3339_ns};
-use crate::{lock, App};
+use crate::App;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -144,7 +144,7 @@ impl Users {
 }
 
 async fn users_of<H: Host>(app: &Arc<App<H>>, id: &str) -> Arc<Users> {
-    if let Some(u) = lock(&app.users).get(id) {
+    if let Some(u) = app.users.lock().get(id) {
         return u.clone();
     }
     let i = id.to_string();
@@ -158,7 +158,7 @@ async fn users_of<H: Host>(app: &Arc<App<H>>, id: &str) -> Arc<Users> {
     let (pw, gr) = app.blocking(move |h| (read(h, "/etc/passwd"), read(h, "/etc/group"))).await.unwrap_or_default();
     let u = Arc::new(Users::parse(&pw, &gr));
     if !u.users.is_empty() {
-        lock(&app.users).insert(id.to_string(), u.clone());
+        app.users.lock().insert(id.to_string(), u.clone());
     }
     u
 }
@@ -907,14 +907,14 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
             connect::unary(match Watcher::start(&app, &id, &p, r.recursive).await {
                 Ok(w) => {
                     let wid = random_hex(8);
-                    lock(&app.watchers).insert(wid.clone(), w);
+                    app.watchers.lock().insert(wid.clone(), w);
                     Ok(json!({"watcherId": wid}))
                 }
                 Err(e) => Err(e),
             })
         }
         "GetWatcherEvents" => {
-            let w = lock(&app.watchers).remove(&r.watcher_id);
+            let w = app.watchers.lock().remove(&r.watcher_id);
             let Some(mut w) = w else {
                 return connect::unary(Err(RpcError::new(
                     Code::NotFound,
@@ -922,11 +922,11 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
                 )));
             };
             let evs = w.poll(&app).await;
-            lock(&app.watchers).insert(r.watcher_id.clone(), w);
+            app.watchers.lock().insert(r.watcher_id.clone(), w);
             connect::unary(evs.map(|evs| json!({"events": evs.iter().map(|e| e.json(&users)).collect::<Vec<_>>()})))
         }
         "RemoveWatcher" => {
-            lock(&app.watchers).remove(&r.watcher_id);
+            app.watchers.lock().remove(&r.watcher_id);
             connect::unary(Ok(json!({})))
         }
         other => {

@@ -15,8 +15,10 @@ pub mod state;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 pub use host::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
@@ -76,10 +78,6 @@ impl<H: Host> App<H> {
             .await
             .map_err(|e| HostError::Internal(format!("a host call failed: {e}")))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Ends sandboxes whose timeout passed (pausing those created with auto-pause), every `every`.

@@ -14,9 +14,9 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -170,7 +170,7 @@ impl State {
             // Plaintext tokens of an older clade leave the disk now, not at the next change.
             state.save(&saved);
         }
-        *state.lock() = saved;
+        *state.inner.lock() = saved;
         Ok(state)
     }
 
@@ -197,10 +197,6 @@ impl State {
         !given.is_empty() && same_secret(given.as_bytes(), r.token.as_bytes())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Saved> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn save(&self, s: &Saved) {
         let Some(p) = &self.path else { return };
         if let Err(e) = write_private(p, &serde_json::to_vec_pretty(s).unwrap_or_default()) {
@@ -210,21 +206,21 @@ impl State {
     }
 
     pub fn get(&self, id: &str) -> Option<Record> {
-        self.lock().sandboxes.get(id).cloned()
+        self.inner.lock().sandboxes.get(id).cloned()
     }
 
     pub fn all(&self) -> Vec<Record> {
-        self.lock().sandboxes.values().cloned().collect()
+        self.inner.lock().sandboxes.values().cloned().collect()
     }
 
     pub fn put(&self, r: Record) {
-        let mut s = self.lock();
+        let mut s = self.inner.lock();
         s.sandboxes.insert(r.id.clone(), r);
         self.save(&s);
     }
 
     pub fn update(&self, id: &str, f: impl FnOnce(&mut Record)) -> Option<Record> {
-        let mut s = self.lock();
+        let mut s = self.inner.lock();
         let r = s.sandboxes.get_mut(id)?;
         f(r);
         let out = r.clone();
@@ -233,26 +229,26 @@ impl State {
     }
 
     pub fn remove(&self, id: &str) {
-        let mut s = self.lock();
+        let mut s = self.inner.lock();
         if s.sandboxes.remove(id).is_some() {
             self.save(&s);
         }
     }
 
     pub fn put_snapshot(&self, r: SnapshotRecord) {
-        let mut s = self.lock();
+        let mut s = self.inner.lock();
         s.snapshots.insert(r.id.clone(), r);
         self.save(&s);
     }
 
     pub fn snapshots(&self) -> Vec<SnapshotRecord> {
-        let mut v: Vec<_> = self.lock().snapshots.values().cloned().collect();
+        let mut v: Vec<_> = self.inner.lock().snapshots.values().cloned().collect();
         v.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
         v
     }
 
     pub fn remove_snapshot(&self, id: &str) -> bool {
-        let mut s = self.lock();
+        let mut s = self.inner.lock();
         let had = s.snapshots.remove(id).is_some();
         if had {
             self.save(&s);

@@ -20,7 +20,9 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::source::{BlockSource, Change, Changes, Extent, SnapshotError, Snapshotter, BLOCK, BLOCK_U64};
 
@@ -66,16 +68,12 @@ struct Overlay {
     count: AtomicUsize,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl Overlay {
     fn new() -> Self {
         Overlay { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(), count: AtomicUsize::new(0) }
     }
     fn shard(&self, idx: u64) -> MutexGuard<'_, HashMap<u64, Block>> {
-        lock(&self.shards[((idx >> 4) as usize) % SHARDS])
+        self.shards[((idx >> 4) as usize) % SHARDS].lock()
     }
     fn set(&self, idx: u64, block: Block) {
         if self.shard(idx).insert(idx, block).is_none() {
@@ -401,7 +399,7 @@ impl Export {
     /// committed first. Take it while the guest is paused or right after a flush.
     pub fn freeze(&self) -> Result<usize, ExportError> {
         let snapshotter = self.snapshotter.as_ref().ok_or(ExportError::NoSnapshotter)?;
-        let _one = lock(&self.committing);
+        let _one = self.committing.lock();
         self.commit_locked(snapshotter)?;
         let mut st = self.state.write().unwrap_or_else(PoisonError::into_inner);
         let overlay = std::mem::replace(&mut st.overlay, Overlay::new());
@@ -416,7 +414,7 @@ impl Export {
     /// are serialized.
     pub fn commit(&self) -> Result<String, ExportError> {
         let snapshotter = self.snapshotter.as_ref().ok_or(ExportError::NoSnapshotter)?;
-        let _one = lock(&self.committing);
+        let _one = self.committing.lock();
         self.commit_locked(snapshotter)
     }
 
@@ -431,7 +429,7 @@ impl Export {
         };
         // The frozen layer is never written again: locking its shards only excludes readers briefly.
         let new_base = {
-            let guards: Vec<_> = frozen.shards.iter().map(|s| lock(s)).collect();
+            let guards: Vec<_> = frozen.shards.iter().map(Mutex::lock).collect();
             let mut blocks: Vec<(u64, Change<'_>)> = Vec::with_capacity(frozen.count.load(Ordering::Relaxed));
             for g in &guards {
                 for (&idx, b) in g.iter() {

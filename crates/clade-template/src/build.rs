@@ -10,8 +10,9 @@
 //! complete: a failed build leaves the cache exactly as it was.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use clade_core::time::now_ms;
 use serde::{Deserialize, Serialize};
 
 use crate::chroot::Scratch;
@@ -113,10 +114,6 @@ pub struct Builder {
     ledger: bool,
     keep_image: bool,
     progress: Option<ProgressFn>,
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 struct Steps<'a> {

@@ -8,6 +8,7 @@
 use crate::{fsops, netreset, procs, ready, sys, Agent};
 use clade_agent::wire::{self, BufOutcome, Chan, Header, Kind, WireError};
 use clade_agent::{AgentError, Event, Reply, Request, Response, WIRE_VERSION};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Write};
@@ -15,7 +16,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// The writing half of a connection, shared by every thread that answers on it.
 pub struct Conn {
@@ -36,7 +37,7 @@ impl Conn {
     /// stream takes it, else pread + write through `buf`. Returns the file bytes sent; if the file
     /// ended early the frame is padded with zeros (to keep the stream in step) and the count says so.
     pub fn file_chunk(&self, id: u32, f: &File, off: u64, n: usize, buf: &mut [u8]) -> std::io::Result<usize> {
-        let mut w = self.w.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.w.lock();
         w.write_all(&wire::encode_header(Kind::Data, Chan::File, 0, id, n))?;
         let mut sent = 0usize;
         if let (Some(fd), true) = (&self.fd, self.sendfile_ok.load(Ordering::Relaxed)) {
@@ -79,7 +80,7 @@ impl Conn {
     /// Writes already-encoded frame bytes. Errors are dropped: the host went away, and the agent carries
     /// on (a new connection gets fresh replies).
     pub fn raw(&self, bytes: &[u8]) {
-        let mut w = self.w.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.w.lock();
         if w.write_all(bytes).and_then(|_| w.flush()).is_err() {
             // ignored on purpose, see above
         }

@@ -9,13 +9,14 @@ use crate::Agent;
 use clade_agent::wire::{encode_header, Chan, Kind, FLAG_END};
 use clade_agent::{AgentError, Event, ExecSpec, ExitStatus, ProcInfo, Reply, Response};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const KEEP_EXITED: usize = 256;
@@ -32,10 +33,6 @@ struct Entry {
     cv: Condvar,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The table of processes the agent started.
 #[derive(Default)]
 pub struct Procs {
@@ -44,13 +41,13 @@ pub struct Procs {
 
 impl Procs {
     fn get(&self, pid: u32) -> Result<Arc<Entry>, AgentError> {
-        lock(&self.map).get(&pid).cloned().ok_or(AgentError::NoSuchProcess { pid })
+        self.map.lock().get(&pid).cloned().ok_or(AgentError::NoSuchProcess { pid })
     }
 
     fn insert(&self, e: Arc<Entry>) {
-        let mut map = lock(&self.map);
+        let mut map = self.map.lock();
         map.insert(e.pid, e);
-        let exited: Vec<u32> = map.values().filter(|e| lock(&e.exit).is_some()).map(|e| e.pid).collect();
+        let exited: Vec<u32> = map.values().filter(|e| e.exit.lock().is_some()).map(|e| e.pid).collect();
         if exited.len() > KEEP_EXITED {
             for pid in &exited[..exited.len() - KEEP_EXITED] {
                 map.remove(pid);
@@ -59,26 +56,27 @@ impl Procs {
     }
 
     pub fn list(&self) -> Vec<ProcInfo> {
-        lock(&self.map)
+        self.map
+            .lock()
             .values()
             .map(|e| ProcInfo {
                 pid: e.pid,
                 argv: e.argv.clone(),
                 tag: e.tag.clone(),
                 pty: e.master.is_some(),
-                exit: *lock(&e.exit),
+                exit: *e.exit.lock(),
             })
             .collect()
     }
 
     pub fn wait(&self, pid: u32) -> Response {
         let e = self.get(pid)?;
-        let mut exit = lock(&e.exit);
+        let mut exit = e.exit.lock();
         loop {
             if let Some(s) = *exit {
                 return Ok(Reply::Exited(s));
             }
-            exit = e.cv.wait(exit).unwrap_or_else(|p| p.into_inner());
+            e.cv.wait(&mut exit);
         }
     }
 
@@ -88,7 +86,7 @@ impl Procs {
             let _ = (&**m).write_all(data);
             return;
         }
-        let mut stdin = lock(&e.stdin);
+        let mut stdin = e.stdin.lock();
         if let Some(f) = stdin.as_mut() {
             if f.write_all(data).is_err() {
                 *stdin = None;
@@ -105,14 +103,14 @@ impl Procs {
             // A PTY has no separate stdin: EOF is the terminal's ^D.
             (&**m).write_all(&[4]).map_err(|err| AgentError::os("writing EOF to the pty", &err))?;
         } else {
-            *lock(&e.stdin) = None;
+            *e.stdin.lock() = None;
         }
         Ok(Reply::Done)
     }
 
     pub fn signal(&self, pid: u32, signal: i32) -> Response {
         let e = self.get(pid)?;
-        if lock(&e.exit).is_some() {
+        if e.exit.lock().is_some() {
             return Err(AgentError::NoSuchProcess { pid });
         }
         let sig = nix::sys::signal::Signal::try_from(signal)
@@ -241,12 +239,12 @@ impl Started {
         let cell = Arc::new(Mutex::new(Some(self)));
         let c2 = cell.clone();
         let spawned = std::thread::Builder::new().name(format!("proc-{pid}")).spawn(move || {
-            if let Some(s) = lock(&c2).take() {
+            if let Some(s) = c2.lock().take() {
                 s.run();
             }
         });
         if spawned.is_err() {
-            if let Some(s) = lock(&cell).take() {
+            if let Some(s) = cell.lock().take() {
                 s.run();
             }
         }
@@ -310,8 +308,8 @@ impl Started {
             Some(s) => s,
             None => self.agent.reaper.wait(pid, None).unwrap_or(ExitStatus { code: None, signal: None }),
         };
-        *lock(&self.entry.stdin) = None;
-        *lock(&self.entry.exit) = Some(status);
+        *self.entry.stdin.lock() = None;
+        *self.entry.exit.lock() = Some(status);
         self.entry.cv.notify_all();
         self.conn.event(pid, &Event::Exit { pid, status });
     }

@@ -10,9 +10,10 @@ use clade_agent::ExitStatus;
 use nix::errno::Errno;
 use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
+use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command};
-use std::sync::{Condvar, Mutex, RwLock};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 #[derive(Default)]
@@ -30,16 +31,12 @@ pub struct Reaper {
     spawn_lock: RwLock<()>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Reaper {
     /// Spawns `cmd` and registers its pid so its exit status is kept for [`Reaper::wait`].
     pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Child> {
         let _g = self.spawn_lock.read().unwrap_or_else(|p| p.into_inner());
         let child = cmd.spawn()?;
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.wanted.insert(child.id() as i32);
         st.children += 1;
         drop(st);
@@ -50,19 +47,19 @@ impl Reaper {
     /// Waits for a registered child's exit; `None` after `timeout`.
     pub fn wait(&self, pid: u32, timeout: Option<Duration>) -> Option<ExitStatus> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         loop {
             if let Some(s) = st.exited.remove(&(pid as i32)) {
                 return Some(s);
             }
             match deadline {
-                None => st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+                None => self.cv.wait(&mut st),
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return None;
                     }
-                    st = self.cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+                    self.cv.wait_for(&mut st, left);
                 }
             }
         }
@@ -70,7 +67,7 @@ impl Reaper {
 
     /// Forgets a child whose status nobody will collect (e.g. after a timeout and a kill).
     pub fn forget(&self, pid: u32) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if st.exited.remove(&(pid as i32)).is_none() {
             st.wanted.remove(&(pid as i32));
         }
@@ -90,12 +87,9 @@ impl Reaper {
                 Err(Errno::EINTR) => {}
                 Err(_) => {
                     // No children at all (ECHILD): sleep until a spawn says there is one.
-                    let st = lock(&self.state);
+                    let mut st = self.state.lock();
                     let seen = st.children;
-                    let _ = self
-                        .cv
-                        .wait_timeout_while(st, Duration::from_millis(500), |s| s.children == seen)
-                        .map_err(|_| ());
+                    self.cv.wait_while_for(&mut st, |s| s.children == seen, Duration::from_millis(500));
                 }
             }
         }
@@ -107,7 +101,7 @@ impl Reaper {
             WaitStatus::Signaled(_, sig, _) => ExitStatus { code: None, signal: Some(sig as i32) },
             _ => return,
         };
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if st.wanted.remove(&pid.as_raw()) {
             st.exited.insert(pid.as_raw(), status);
             drop(st);

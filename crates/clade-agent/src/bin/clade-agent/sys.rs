@@ -125,7 +125,7 @@ pub fn register_restore_signal(agent: &Agent, pid: u32, signal: i32) -> Response
     if nix::sys::signal::Signal::try_from(signal).is_err() {
         return Err(AgentError::BadRequest { detail: format!("{signal} is not a signal number") });
     }
-    let mut regs = agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner());
+    let mut regs = agent.restore_signals.lock();
     regs.retain(|(p, _)| *p != pid);
     regs.push((pid, signal));
     Ok(Reply::Done)
@@ -277,7 +277,7 @@ fn run_hooks(agent: &Agent, dir: &Path, env: &[(&str, &str)], scripts: &mut Vec<
 }
 
 fn signal_registered(agent: &Agent, rep: &mut IdentityReport) {
-    let mut targets: Vec<(u32, i32)> = agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut targets: Vec<(u32, i32)> = agent.restore_signals.lock().clone();
     // Programs in the sandbox register themselves with a file named by their pid holding a signal number.
     if let Ok(rd) = fs::read_dir(agent.sys_path("/run/clade/restore-signal.d")) {
         for e in rd.flatten() {
@@ -297,7 +297,7 @@ fn signal_registered(agent: &Agent, rep: &mut IdentityReport) {
             }
         }
     }
-    agent.restore_signals.lock().unwrap_or_else(|p| p.into_inner()).retain(|(p, _)| !gone.contains(p));
+    agent.restore_signals.lock().retain(|(p, _)| !gone.contains(p));
 }
 
 fn set_cloexec(fd: &OwnedFd) -> io::Result<()> {
