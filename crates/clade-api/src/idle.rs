@@ -8,11 +8,11 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use clade_core::time::now_ms;
 use clade_host::SandboxApi;
 
 #[derive(Default, Serialize, Deserialize)]
@@ -29,10 +29,6 @@ pub struct Idle {
     path: PathBuf,
     default_s: u64,
     entries: Mutex<BTreeMap<String, Entry>>,
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 impl Idle {

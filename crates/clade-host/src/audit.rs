@@ -338,8 +338,9 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Milliseconds since the epoch, as the ledger counts them.
 fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    clade_core::time::now_ms() as i64
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clade_core::engine::{from_ledger, Engine};
+use clade_core::time::now_ms;
 use clade_ledger::{BranchId, Mark, NewBranch, NewMark, NewSandbox, RetentionPolicy, SandboxId, SandboxState};
 use clade_store::{ManifestId, TreeId};
 use serde::{Deserialize, Serialize};
@@ -100,10 +101,6 @@ fn record_key(sbx: &str) -> String {
 }
 fn owner_key(sbx: &str) -> String {
     format!("sandboxes/{sbx}/owner.json")
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 /// This home's host id (`$CLADE_HOME/host-id`, made once).

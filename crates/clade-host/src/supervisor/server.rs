@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use base64::Engine as _;
 use clade_agent::client::{AgentClient, ClientError};
 use clade_agent::proto::{AgentError, ExecSpec, FileType};
 use clade_core::backend::{Backend, MarkOptions, Sandbox};
 use clade_core::engine::{Engine, EngineError};
+use clade_core::time::now_ms;
 use clade_core::{CladeHome, ErrorKind};
 use clade_ledger::{MarkId, SandboxId, SandboxState};
 
@@ -169,10 +170,6 @@ enum End {
     Signal,
     /// The sandbox ended on its own (its QEMU died): why, in the backend's and QEMU's words.
     Failed(String),
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 impl Supervisor {
