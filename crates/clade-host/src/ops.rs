@@ -332,8 +332,6 @@ impl SandboxApi for Ops {
         crate::siblings::audit_siblings(&self.engine, a, b, control)
     }
 
-    /// Start a command and stream its events as they come: `Pid`, output chunks, then `Exit`. Dropping the
-    /// iterator detaches; the process keeps running.
     fn exec_stream(&self, sandbox: &str, req: ExecRequest) -> anyhow::Result<ExecEvents> {
         check_id(sandbox)?;
         req.check()?;
@@ -347,15 +345,12 @@ impl SandboxApi for Ops {
         Ok(Box::new(std::iter::once(Ok(ExecEvent::Pid(pid))).chain(events)))
     }
 
-    /// A file of the sandbox as a stream: its size, and a reader of its bytes.
     fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, Box<dyn std::io::Read + Send>)> {
         check_id(sandbox)?;
         let (size, r) = client::read_stream(self.home(), sandbox, path).map_err(|e| self.explain(sandbox, e))?;
         Ok((size, Box::new(r)))
     }
 
-    /// Write a file of the sandbox from a stream (created or replaced whole: a failed upload leaves the old
-    /// file); the bytes written.
     fn write_file_from(
         &self,
         sandbox: &str,
