@@ -50,8 +50,12 @@ pub struct Ledger {
 fn private_files(path: &Path, sidecars: bool) -> Result<()> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let err = |p: &Path, source| LedgerError::Private { path: p.to_owned(), source };
-    if !sidecars {
-        // create(true) without truncate: an existing ledger is opened as it is, a missing one made empty and 0600.
+    // A missing ledger is made empty and 0600. An existing one is never opened here: closing any descriptor of
+    // a file drops every POSIX lock this process holds on it, so opening and closing the ledger beside a
+    // connection already open in this process (a second `Ledger::open`, as base building does inside the
+    // daemon) took that connection's SQLite locks away, and it then read a WAL another process was
+    // checkpointing (SQLITE_IOERR_SHORT_READ, "file truncated?").
+    if !sidecars && std::fs::symlink_metadata(path).is_err() {
         std::fs::OpenOptions::new().append(true).create(true).mode(0o600).open(path).map_err(|e| err(path, e))?;
     }
     let mut files = vec![path.to_owned()];

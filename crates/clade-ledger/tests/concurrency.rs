@@ -145,3 +145,27 @@ fn many_connections_creating_the_same_new_file_at_once() {
     }
     assert_eq!(Ledger::open(&path).unwrap().branches().unwrap().len(), 4);
 }
+
+/// Opening the ledger a second time in one process (base building does it inside the daemon) must not take the
+/// first connection's locks away: closing any descriptor of a file drops every POSIX lock the process holds on
+/// it. Without its shared lock, another process's connection that closes last checkpoints and truncates the WAL
+/// under the first connection, whose next read fails (SQLITE_IOERR_SHORT_READ) or misses committed rows.
+#[test]
+fn a_second_open_in_one_process_keeps_the_first_connections_locks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let first = Ledger::open(&path).unwrap();
+    let b = first.create_branch(&NewBranch::default()).unwrap();
+    add(&first, &b.id, 0);
+    let second = Ledger::open(&path).unwrap();
+    assert_eq!(second.marks(&b.id).unwrap().len(), 1);
+    for round in 0..3 {
+        let out = Command::new(env!("CARGO_BIN_EXE_ledger-writer"))
+            .args([path.to_str().unwrap(), b.id.as_str(), "20"])
+            .output()
+            .expect("run the second process");
+        assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        let seen = first.marks(&b.id).unwrap_or_else(|e| panic!("round {round}: the first connection: {e}"));
+        assert_eq!(seen.len(), 1 + 20 * (round + 1), "round {round}: the first connection sees every commit");
+    }
+}
