@@ -296,3 +296,21 @@ fn privileged_guest_jail_agent_socket_link_to_a_host_socket_is_not_followed() {
     assert!(listener.accept().is_err(), "the supervisor connected to the host socket the sandbox pointed at");
     Box::new(sb).kill().expect("kill");
 }
+
+/// Whether the kernel tracks dirty pages, as `clade doctor` reports it (incremental ct marks need it). The test
+/// that boots Debian's kernel in a vm and runs this suite there (clade-vm's `guest_ct_in_vm`) sets
+/// `CLADE_EXPECT_SOFT_DIRTY=1`: that kernel has `CONFIG_MEM_SOFT_DIRTY`, so the probe must see it (the positive
+/// control). Elsewhere the probe must agree with the kernel's config where `/proc/config.gz` publishes it.
+#[test]
+fn guest_dirty_page_tracking_is_probed_right() {
+    let probed = clade_core::host::tracks_dirty_pages().expect("/proc/self/pagemap is readable");
+    if std::env::var("CLADE_EXPECT_SOFT_DIRTY").as_deref() == Ok("1") {
+        assert!(probed, "this kernel has CONFIG_MEM_SOFT_DIRTY, but the probe did not see a dirtied page");
+        return;
+    }
+    let config = std::process::Command::new("sh").args(["-c", "zcat /proc/config.gz 2>/dev/null"]).output();
+    match config.ok().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).filter(|c| !c.is_empty()) {
+        Some(c) => assert_eq!(probed, c.contains("CONFIG_MEM_SOFT_DIRTY=y"), "probe vs /proc/config.gz"),
+        None => eprintln!("skip: no /proc/config.gz to compare the probe ({probed}) with"),
+    }
+}
