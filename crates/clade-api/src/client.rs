@@ -95,13 +95,17 @@ impl Remote {
         body: Option<&serde_json::Value>,
     ) -> anyhow::Result<serde_json::Value> {
         let bytes = body.map(serde_json::to_vec).transpose()?;
-        let (status, resp) = self.raw(method, path, bytes.as_deref(), "application/json")?;
-        let v: serde_json::Value =
-            if resp.is_empty() { serde_json::Value::Null } else { serde_json::from_slice(&resp)? };
-        if (200..300).contains(&status) {
-            return Ok(v);
+        let resp = self.raw_ok(method, path, bytes.as_deref(), "application/json")?;
+        Ok(if resp.is_empty() { serde_json::Value::Null } else { serde_json::from_slice(&resp)? })
+    }
+
+    /// [`Remote::raw`], a non-2xx status as an error of the kind it means.
+    fn raw_ok(&self, method: &str, path: &str, body: Option<&[u8]>, ctype: &str) -> anyhow::Result<Vec<u8>> {
+        let (status, resp) = self.raw(method, path, body, ctype)?;
+        if !(200..300).contains(&status) {
+            return Err(http_error(status, &resp));
         }
-        Err(http_error(status, &resp))
+        Ok(resp)
     }
 
     /// One request with a raw body; returns the status and the whole (de-chunked) answer.
@@ -233,10 +237,7 @@ impl SandboxApi for Remote {
 
     fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, Box<dyn Read + Send>)> {
         let route = format!("/v1/sandboxes/{}/files?path={}", seg(sandbox), encode(path));
-        let (status, data) = self.raw("GET", &route, None, "application/octet-stream")?;
-        if !(200..300).contains(&status) {
-            return Err(http_error(status, &data));
-        }
+        let data = self.raw_ok("GET", &route, None, "application/octet-stream")?;
         Ok((data.len() as u64, Box::new(std::io::Cursor::new(data))))
     }
 
@@ -247,10 +248,7 @@ impl SandboxApi for Remote {
         if let Some(m) = mode {
             route.push_str(&format!("&mode={m:o}"));
         }
-        let (status, resp) = self.raw("PUT", &route, Some(&data), "application/octet-stream")?;
-        if !(200..300).contains(&status) {
-            return Err(http_error(status, &resp));
-        }
+        let resp = self.raw_ok("PUT", &route, Some(&data), "application/octet-stream")?;
         let v: serde_json::Value = serde_json::from_slice(&resp)?;
         v["bytes"].as_u64().ok_or_else(|| anyhow!("clade serve's answer to a file write has no byte count"))
     }
@@ -402,10 +400,7 @@ impl Remote {
     /// An NDJSON answer's events (read whole, then yielded); an `{"error"}` line is an error of its kind.
     fn events(&self, method: &str, path: &str, body: Option<&impl Serialize>) -> anyhow::Result<ExecEvents> {
         let body = body.map(serde_json::to_vec).transpose()?;
-        let (status, resp) = self.raw(method, path, body.as_deref(), "application/json")?;
-        if !(200..300).contains(&status) {
-            return Err(http_error(status, &resp));
-        }
+        let resp = self.raw_ok(method, path, body.as_deref(), "application/json")?;
         let events: Vec<anyhow::Result<ExecEvent>> = resp
             .split(|b| *b == b'\n')
             .filter(|l| !l.is_empty())

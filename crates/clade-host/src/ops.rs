@@ -17,7 +17,7 @@ use clade_core::{CladeHome, ErrorKind};
 use clade_ledger::{Branch, SandboxId, SandboxState};
 
 pub use crate::api::*;
-pub use crate::error::check_id;
+use crate::error::check_id;
 use crate::error::{conflict, kinded, not_found};
 use crate::supervisor::client;
 use crate::supervisor::protocol::Request;
@@ -141,8 +141,7 @@ impl SandboxApi for Ops {
         check_id(sandbox)?;
         req.check()?;
         let b64 = base64::engine::general_purpose::STANDARD;
-        let body = client::call(
-            self.home(),
+        let body = self.sup_call(
             sandbox,
             &Request::Exec {
                 argv: req.argv,
@@ -150,8 +149,7 @@ impl SandboxApi for Ops {
                 cwd: req.cwd,
                 stdin_b64: req.stdin.map(|s| b64.encode(s.as_bytes())),
             },
-        )
-        .map_err(|e| self.explain(sandbox, e))?;
+        )?;
         let stdout = b64.decode(body["stdout_b64"].as_str().unwrap_or("")).unwrap_or_default();
         let stderr = b64.decode(body["stderr_b64"].as_str().unwrap_or("")).unwrap_or_default();
         let signal = body["signal"].as_i64().map(|s| s as i32);
@@ -163,22 +161,17 @@ impl SandboxApi for Ops {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
         let req = Request::Mark { label: req.label.clone(), keep: req.keep, not_clean: req.not_clean };
-        let body = client::call(self.home(), sandbox, &req).map_err(|e| self.explain(sandbox, e))?;
-        answer(body, "mark")
+        answer(self.sup_call(sandbox, &req)?, "mark")
     }
 
     fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<RetakeOutcome> {
-        check_id(sandbox)?;
-        let body = client::call(self.home(), sandbox, &Request::Retake { mark: to.into() })
-            .map_err(|e| self.explain(sandbox, e))?;
-        answer(body, "retake")
+        answer(self.sup_call(sandbox, &Request::Retake { mark: to.into() })?, "retake")
     }
 
     fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        let body = client::call(self.home(), sandbox, &Request::Suspend).map_err(|e| self.explain(sandbox, e))?;
-        answer(body, "suspend")
+        answer(self.sup_call(sandbox, &Request::Suspend)?, "suspend")
     }
 
     /// Bring a suspended sandbox back from its branch's head, under its own id.
