@@ -65,7 +65,7 @@ fn emit(figs: &mut Vec<Figure>, f: Figure) {
 }
 
 /// The ct base: the template's when built (the base is built if missing), else one of the ct test rootfs.
-fn base_mark(home: &CladeHome, ops: &Ops, template: &str) -> anyhow::Result<(Mark, String)> {
+pub(crate) fn base_mark(home: &CladeHome, ops: &Ops, template: &str) -> anyhow::Result<(Mark, String)> {
     if let Ok(m) = ops.engine.resolve_mark(template, Some(BackendKind::Ct)) {
         return Ok((m, format!("template {template}")));
     }

@@ -13,6 +13,7 @@ mod figure;
 mod html;
 mod report;
 mod roam;
+mod scale;
 mod vm;
 
 pub use figure::{median, percentile, slope, Figure};
@@ -39,6 +40,9 @@ enum Command {
     Roam(roam::Args),
     /// The daemon's figures: HTTP overhead, concurrent clients on ct, a restart under load (`./x bench api`).
     Api(api::Args),
+    /// Many siblings on one host: bulk fork, host memory per idle sibling, a thousand idle, kill all
+    /// (`./x bench scale`).
+    Scale(scale::Args),
     /// Gather bench/out into report.json and a self-contained report.html (run by `./x bench`).
     Report(report::Args),
 }
@@ -51,6 +55,7 @@ fn main() {
         Command::E2b(a) => e2b::run(a),
         Command::Roam(a) => roam::run(a),
         Command::Api(a) => api::run(a),
+        Command::Scale(a) => scale::run(a),
         Command::Report(a) => report::run(a),
     };
     match out {

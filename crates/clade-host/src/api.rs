@@ -328,6 +328,20 @@ pub struct BranchRow {
     pub created_ms: UnixMillis,
 }
 
+/// What `kill_all` ended, and what it could not.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct KillAllOutcome {
+    pub killed: Vec<String>,
+    pub failed: Vec<KillFailure>,
+    pub took_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KillFailure {
+    pub sandbox: String,
+    pub error: String,
+}
+
 /// A deleted branch.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Deleted {
@@ -373,6 +387,33 @@ pub trait SandboxApi: Send + Sync {
     fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome>;
     /// End a sandbox.
     fn kill(&self, sandbox: &str) -> anyhow::Result<KillOutcome>;
+    /// End every sandbox not dead, several at once (each kill mostly waits on its supervisor's teardown).
+    fn kill_all(&self) -> anyhow::Result<KillAllOutcome> {
+        let start = std::time::Instant::now();
+        let ids: Vec<String> = self.list()?.into_iter().map(|r| r.id).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let out = parking_lot::Mutex::new(KillAllOutcome::default());
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        let workers = ids.len().min((cores * 4).clamp(4, 32));
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(id) = ids.get(i) else { return };
+                    match self.kill(id) {
+                        Ok(_) => out.lock().killed.push(id.clone()),
+                        // Ended meanwhile by someone else: not a failure of this call.
+                        Err(e) if crate::error::kind(&e) == clade_core::ErrorKind::NotFound => {}
+                        Err(e) => out.lock().failed.push(KillFailure { sandbox: id.clone(), error: format!("{e:#}") }),
+                    }
+                });
+            }
+        });
+        let mut out = out.into_inner();
+        out.killed.sort();
+        out.took_ms = start.elapsed().as_secs_f64() * 1e3;
+        Ok(out)
+    }
     /// The marks of one sandbox's branch, or of every branch.
     fn marks(&self, sandbox: Option<&str>) -> anyhow::Result<Vec<MarkRow>>;
     /// One mark, by id or label (or a template's base on `backend`).

@@ -127,6 +127,13 @@ impl Ledger {
         &self.path
     }
 
+    /// Give back the memory this connection caches (SQLite's page cache, the prepared statements): a long-lived
+    /// idle holder (a supervisor, one per sandbox) keeps only the open connection.
+    pub fn shrink(&self) {
+        self.conn.flush_prepared_statement_cache();
+        let _ = self.conn.execute_batch("PRAGMA shrink_memory");
+    }
+
     /// "Now" by the ledger's clock.
     pub fn now_ms(&self) -> UnixMillis {
         self.clock.now_ms()

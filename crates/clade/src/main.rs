@@ -58,8 +58,8 @@ enum Command {
     /// Move suspended sandboxes between hosts through the shared blob tier (`CLADE_BLOB`).
     #[command(subcommand)]
     Roam(cmd::roam::Command),
-    /// End a sandbox.
-    Kill(cmd::sandbox::SbxArgs),
+    /// End a sandbox, or (`--all`) every sandbox not dead.
+    Kill(cmd::sandbox::KillArgs),
     /// List sandboxes (a sandbox whose supervisor died is reported as lost).
     Ls(cmd::sandbox::ListArgs),
     /// List marks (all, or one sandbox's branch).
@@ -83,6 +83,9 @@ enum Command {
     /// The per-sandbox supervisor (started by run, fork and resume).
     #[command(hide = true)]
     Supervise(cmd::supervise::Args),
+    /// The zygote that forks supervisors (started on first use; docs/scale.md).
+    #[command(hide = true)]
+    Spawner(cmd::supervise::SpawnerArgs),
 }
 
 /// `clade completions bash | head` closes the pipe early; `println!` (or clap's generator) then panics on
@@ -135,6 +138,7 @@ fn main() {
         Command::Fleet(c) => cmd::fleet::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Supervise(a) => cmd::supervise::run(a),
+        Command::Spawner(a) => cmd::supervise::spawner(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -8,6 +8,8 @@ pub mod pool;
 pub mod procs;
 pub mod protocol;
 pub mod server;
+#[allow(unsafe_code)]
+pub mod spawner;
 pub mod start;
 
 use std::path::{Path, PathBuf};

@@ -72,7 +72,7 @@ pub fn spawn_member(home: &CladeHome, mark: &str) -> anyhow::Result<()> {
     let dir = pool_dir(home, mark);
     std::fs::create_dir_all(&dir)?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("pool.log"))?;
-    let pid = super::spawn_detached(home, &["--pool", "--mark", mark, "--sandbox", "-"], log)?;
+    let pid = super::spawner::spawn(home, &["--pool", "--mark", mark, "--sandbox", "-"], log)?;
     std::fs::write(dir.join(format!("{pid}.starting")), pid.to_string())?;
     Ok(())
 }

@@ -107,6 +107,9 @@ pub fn serve_restored_then(
     let r = ready_of(&id, &restored);
     write_ready(&ready, &r);
     ready_hook();
+    // The restore's buffers are free now: hand their pages back, as an idle supervisor keeps little.
+    engine.ledger().shrink();
+    super::spawner::trim_heap();
     let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
     if sup.engine.store.index_loaded() {
         // The restore read the store (a mark not laid out on this host yet): give the index back once idle.
@@ -252,7 +255,27 @@ impl Supervisor {
     }
 }
 
+/// How often an idle supervisor looks at its sandbox without being woken. Signals wake it at once: the
+/// sandbox's end (SIGCHLD: its init or QEMU is this process's child) and SIGTERM/SIGINT. A thousand idle
+/// supervisors waking every 200 ms cost ~5% of a core before (docs/scale.md).
+const IDLE_TICK_MS: u16 = 2_000;
+
 fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> End {
+    let _ = sup.wake.1.set_nonblocking(true);
+    let mut wakers = Vec::new();
+    for sig in [signal_hook::consts::SIGCHLD, signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Ok(w) = sup.wake.0.try_clone() {
+            wakers.extend(signal_hook::low_level::pipe::register(sig, w).ok());
+        }
+    }
+    let end = serve_woken(sup, listener, stop);
+    for id in wakers {
+        signal_hook::low_level::unregister(id);
+    }
+    end
+}
+
+fn serve_woken(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> End {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     loop {
         if let Some(e) = sup.ended() {
@@ -267,12 +290,14 @@ fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> E
         shed_store_memory_when_due(sup);
         let mut fds =
             [PollFd::new(listener.as_fd(), PollFlags::POLLIN), PollFd::new(sup.wake.1.as_fd(), PollFlags::POLLIN)];
-        match poll(&mut fds, PollTimeout::from(200u16)) {
+        match poll(&mut fds, PollTimeout::from(IDLE_TICK_MS)) {
             Ok(0) | Err(_) => continue,
             Ok(_) => {}
         }
         if fds[1].revents().is_some_and(|r| !r.is_empty()) {
-            continue; // the end was set: checked at the top
+            let mut sink = [0u8; 64];
+            while (&sup.wake.1).read(&mut sink).is_ok_and(|n| n > 0) {}
+            continue; // an end was set or a signal came: checked at the top
         }
         let Ok((stream, _)) = listener.accept() else { continue };
         if sup.ended().is_some() {

@@ -15,14 +15,14 @@ use crate::error::conflict;
 /// How long a start or resume may take before the caller gives up (a cold vm start under TCG is seconds).
 pub const READY_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// Start a supervisor for `sandbox` restoring `mark`, detached ([`super::spawn_detached`]).
+/// Start a supervisor for `sandbox` restoring `mark`, (forked by the zygote, [`super::spawner`]).
 pub fn spawn_supervisor(home: &CladeHome, sandbox: &SandboxId, mark: &Mark, generation: u64) -> anyhow::Result<u32> {
     let dir = sup_dir(home, sandbox.as_str());
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let _ = std::fs::remove_file(ready_file(home, sandbox.as_str()));
     let log = std::fs::File::create(super::log_file(home, sandbox.as_str()))?;
     let generation = generation.to_string();
-    super::spawn_detached(
+    super::spawner::spawn(
         home,
         &["--sandbox", sandbox.as_str(), "--mark", mark.id.as_str(), "--generation", &generation],
         log,

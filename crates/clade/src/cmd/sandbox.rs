@@ -82,6 +82,17 @@ pub struct SbxArgs {
 }
 
 #[derive(clap::Args)]
+pub struct KillArgs {
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub sandbox: Option<String>,
+    /// Every sandbox not dead (several at once).
+    #[arg(long)]
+    pub all: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
 pub struct ListArgs {
     #[arg(long)]
     pub json: bool,
@@ -189,12 +200,24 @@ pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
     print(a.json, &m, |m| format!("{} suspended at {}", a.sandbox, m.id))
 }
 
-pub fn kill(a: SbxArgs) -> anyhow::Result<i32> {
-    let k = api()?.kill(&a.sandbox)?;
+pub fn kill(a: KillArgs) -> anyhow::Result<i32> {
+    let Some(sandbox) = a.sandbox else {
+        let k = api()?.kill_all()?;
+        let failed = !k.failed.is_empty();
+        print(a.json, &k, |k| {
+            let mut s = format!("{} killed in {:.0} ms", k.killed.len(), k.took_ms);
+            for f in &k.failed {
+                s.push_str(&format!("\n{}: not killed: {}", f.sandbox, f.error));
+            }
+            s
+        })?;
+        return Ok(if failed { 1 } else { 0 });
+    };
+    let k = api()?.kill(&sandbox)?;
     if let Some(n) = k.reaped.filter(|n| *n > 0) {
-        eprintln!("clade: ended {n} process(es) left behind by the dead supervisor of {}", a.sandbox);
+        eprintln!("clade: ended {n} process(es) left behind by the dead supervisor of {sandbox}");
     }
-    print(a.json, &k, |_| format!("{} killed", a.sandbox))
+    print(a.json, &k, |_| format!("{sandbox} killed"))
 }
 
 pub fn resume(a: SbxArgs) -> anyhow::Result<i32> {

@@ -1,0 +1,293 @@
+//! `clade-bench scale` (`./x bench scale`): many siblings of one mark on one host, on `ct` (docs/scale.md).
+//!
+//! 1. Bulk fork: 100 siblings of the `minimal` base, all agent-ready, through [`Ops::fork`]; supervisors forked
+//!    by the zygote against the same started with `exec` (`CLADE_SPAWNER=0`), alternating rounds. Bar: <= 400 ms.
+//! 2. Host-side memory per added idle sibling: the PSS of the supervisors (and the zygote) after 20 siblings
+//!    and after 100, the slope per added sibling; zygote against exec side by side. Bar: <= 0.25 MiB.
+//! 3. A thousand idle siblings (`--siblings`; `--quick` 200), forked 100 at a time: the host's total PSS (every
+//!    process's) added, right after and once KSM has had a minute, every sibling answering an exec, `ls` and
+//!    `kill_all` timed. Bars: total PSS <= 6 GiB, every exec answered, kill of all <= 10 s.
+//!
+//! The bench needs a host with no sandbox running (it ends all of them at the end): it refuses otherwise.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clade_core::CladeHome;
+use clade_host::api::{ExecRequest, ForkRequest, SandboxApi};
+use clade_host::Ops;
+use serde_json::json;
+
+use super::{median, percentile, Figure};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The template whose ct base is forked.
+    #[arg(long, default_value = "minimal")]
+    pub template: String,
+    /// Idle siblings held at once in the last part (default 1000; --quick 200).
+    #[arg(long)]
+    pub siblings: Option<u32>,
+    /// Short run: 200 idle siblings, one round per fork figure, 20 s for KSM.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the figures go as JSON.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn emit(figs: &mut Vec<Figure>, f: Figure) {
+    println!("{}", serde_json::to_string(&f).unwrap_or_default());
+    figs.push(f);
+}
+
+fn pss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("Pss:").map(|v| v.trim().trim_end_matches(" kB").trim().to_string()))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Every process's PSS on this host, summed (KiB).
+fn host_pss_kib() -> u64 {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()))
+        .map(pss_kib)
+        .sum()
+}
+
+fn mem_available_kib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("MemAvailable:").map(|v| v.trim().trim_end_matches(" kB").trim().to_string())
+            })
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Pids of this home's supervisor zygotes.
+fn zygotes(home: &CladeHome) -> Vec<u32> {
+    let needle = home.run_dir().join("spawner-").to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()))
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).replace('\0', " ").contains(&needle))
+        })
+        .collect()
+}
+
+fn set_spawner(on: bool) {
+    // The bench is single-threaded here (no fork or kill in flight), which is what set_var asks.
+    if on {
+        std::env::remove_var("CLADE_SPAWNER");
+    } else {
+        std::env::set_var("CLADE_SPAWNER", "0");
+    }
+}
+
+fn fork(ops: &Ops, mark: &str, count: u32) -> anyhow::Result<(f64, Vec<u32>, Vec<String>)> {
+    let out = ops.fork(&ForkRequest { from: mark.into(), backend: None, count, make_room: false })?;
+    if let Some(bad) = out.sandboxes.iter().find(|s| !s.ok) {
+        bail!("a sibling did not start: {}", bad.error.clone().unwrap_or_default());
+    }
+    Ok((
+        out.total_ms,
+        out.sandboxes.iter().map(|s| s.pid).collect(),
+        out.sandboxes.iter().map(|s| s.sandbox.clone()).collect(),
+    ))
+}
+
+fn kill_all(ops: &Ops) -> anyhow::Result<f64> {
+    let k = ops.kill_all()?;
+    if let Some(f) = k.failed.first() {
+        bail!("{} sandbox(es) not killed, first {}: {}", k.failed.len(), f.sandbox, f.error);
+    }
+    Ok(k.took_ms)
+}
+
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let home = CladeHome::from_env();
+    let ops = Ops::open(&home)?;
+    let running = ops.list()?.len();
+    if running > 0 {
+        bail!(
+            "{running} sandbox(es) are running under {}: the scale bench ends every sandbox; kill them first \
+             (clade kill --all) or point CLADE_HOME elsewhere",
+            home.root().display()
+        );
+    }
+    let mark = super::api::base_mark(&home, &ops, &a.template)?.0;
+    let mark = mark.id.as_str().to_string();
+    let rounds = if a.quick { 1 } else { 3 };
+    let mut figs = Vec::new();
+
+    // 1 and 2: zygote vs exec, alternating.
+    let (mut fork_z, mut fork_x, mut per_z, mut per_x) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut supervisor_kib = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for zygote in [true, false] {
+            set_spawner(zygote);
+            let (ms, _, _) = fork(&ops, &mark, 100)?;
+            kill_all(&ops)?;
+            let (_, pids20, _) = fork(&ops, &mark, 20)?;
+            std::thread::sleep(Duration::from_millis(300));
+            let extra = || zygotes(&home).into_iter().map(pss_kib).sum::<u64>();
+            let p20: u64 = pids20.iter().map(|p| pss_kib(*p)).sum::<u64>() + extra();
+            let (_, pids80, _) = fork(&ops, &mark, 80)?;
+            std::thread::sleep(Duration::from_millis(300));
+            let all: Vec<u32> = pids20.iter().chain(&pids80).copied().collect();
+            let p100: u64 = all.iter().map(|p| pss_kib(*p)).sum::<u64>() + extra();
+            let per = (p100 as f64 - p20 as f64) / 80.0 / 1024.0;
+            let avg = all.iter().map(|p| pss_kib(*p)).sum::<u64>() as f64 / all.len() as f64;
+            kill_all(&ops)?;
+            if zygote {
+                fork_z.push(ms);
+                per_z.push(per);
+                supervisor_kib.0.push(avg);
+            } else {
+                fork_x.push(ms);
+                per_x.push(per);
+                supervisor_kib.1.push(avg);
+            }
+            eprintln!("bench scale: zygote={zygote}: fork 100 in {ms:.0} ms; {per:.3} MiB per added sibling");
+        }
+    }
+    set_spawner(true);
+    let (fz, fx) = (median(&fork_z), median(&fork_x));
+    emit(
+        &mut figs,
+        Figure {
+            name: "ct_fork_100_siblings_ms".into(),
+            value: fz,
+            unit: "ms".into(),
+            bar: "<= 400 ms (100 `minimal` siblings, all agent-ready)".into(),
+            pass: fz <= 400.0,
+            samples: fork_z.clone(),
+            detail: json!({"exec_supervisors_ms": fork_x, "exec_median_ms": fx, "zygote_vs_exec": fz / fx,
+                "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "mark": mark}),
+        },
+    );
+    let (pz, px) = (median(&per_z), median(&per_x));
+    emit(
+        &mut figs,
+        Figure {
+            name: "ct_host_pss_per_idle_sibling_mib".into(),
+            value: pz,
+            unit: "MiB".into(),
+            bar: "<= 0.25 MiB host-side PSS per added idle sibling (supervisors and zygote, slope 20 -> 100)".into(),
+            pass: pz <= 0.25,
+            samples: per_z.clone(),
+            detail: json!({"exec_supervisors_mib": per_x, "exec_median_mib": px, "zygote_vs_exec": pz / px,
+                "avg_supervisor_pss_kib_zygote": median(&supervisor_kib.0),
+                "avg_supervisor_pss_kib_exec": median(&supervisor_kib.1)}),
+        },
+    );
+
+    // 3: many idle siblings.
+    let n = a.siblings.unwrap_or(if a.quick { 200 } else { 1000 });
+    let (pss0, avail0) = (host_pss_kib(), mem_available_kib());
+    let mut ids = Vec::new();
+    let mut batches = Vec::new();
+    let t0 = Instant::now();
+    while ids.len() < n as usize {
+        let count = (n as usize - ids.len()).min(100) as u32;
+        let (ms, _, got) = fork(&ops, &mark, count).with_context(|| format!("after {} siblings", ids.len()))?;
+        batches.push(ms);
+        ids.extend(got);
+        eprintln!("bench scale: {} idle siblings ({ms:.0} ms for the last {count})", ids.len());
+    }
+    let forked_s = t0.elapsed().as_secs_f64();
+    let pss_now = host_pss_kib().saturating_sub(pss0);
+    let settle = if a.quick { 20 } else { 60 };
+    eprintln!("bench scale: waiting {settle} s for KSM to merge identical pages");
+    std::thread::sleep(Duration::from_secs(settle));
+    let pss_settled = host_pss_kib().saturating_sub(pss0);
+    let used = avail0.saturating_sub(mem_available_kib());
+    let gib = |k: u64| k as f64 / (1024.0 * 1024.0);
+    emit(
+        &mut figs,
+        Figure {
+            name: "ct_idle_siblings_total_pss_gib".into(),
+            value: gib(pss_settled),
+            unit: "GiB".into(),
+            bar: format!("<= 6 GiB for {n} idle `minimal` siblings (every process's PSS added, after {settle} s)"),
+            pass: gib(pss_settled) <= 6.0 * f64::from(n) / 1000.0,
+            samples: vec![gib(pss_now), gib(pss_settled)],
+            detail: json!({"siblings": n, "pss_right_after_gib": gib(pss_now), "mem_available_drop_gib": gib(used),
+                "per_sibling_mib": pss_settled as f64 / 1024.0 / f64::from(n), "fork_batches_ms": batches,
+                "fork_all_s": forked_s}),
+        },
+    );
+    // Every sibling answers an exec (8 at a time).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let lat = std::sync::Mutex::new(Vec::new());
+    let failed = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(id) = ids.get(i) else { return };
+                let t = Instant::now();
+                match ops.exec(id, ExecRequest { argv: vec!["true".into()], ..Default::default() }) {
+                    Ok(o) if o.code == 0 => {
+                        lat.lock().unwrap_or_else(|p| p.into_inner()).push(t.elapsed().as_secs_f64() * 1e3)
+                    }
+                    Ok(o) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: exit {}", o.code)),
+                    Err(e) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: {e:#}")),
+                }
+            });
+        }
+    });
+    let (lat, failed) = (lat.into_inner().unwrap_or_default(), failed.into_inner().unwrap_or_default());
+    emit(
+        &mut figs,
+        Figure {
+            name: "ct_idle_siblings_exec_answered".into(),
+            value: lat.len() as f64,
+            unit: "siblings".into(),
+            bar: format!("all {n} answer `exec true`"),
+            pass: lat.len() == n as usize,
+            samples: vec![],
+            detail: json!({"p50_ms": median(&lat), "p99_ms": percentile(&lat, 0.99), "failed": failed.iter().take(5).collect::<Vec<_>>()}),
+        },
+    );
+    let t = Instant::now();
+    let listed = ops.list()?.len();
+    let list_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    let cli = std::process::Command::new(clade_host::supervisor::clade_exe()?).args(["ls", "--json"]).output()?;
+    let cli_ms = t.elapsed().as_secs_f64() * 1e3;
+    let kill_ms = kill_all(&ops)?;
+    let left = ops.list()?.len();
+    emit(
+        &mut figs,
+        Figure {
+            name: "ct_kill_all_idle_siblings_s".into(),
+            value: kill_ms / 1e3,
+            unit: "s".into(),
+            bar: format!("<= 10 s to kill all {n}, none left"),
+            pass: kill_ms <= 10_000.0 && left == 0,
+            samples: vec![kill_ms / 1e3],
+            detail: json!({"left": left, "listed": listed, "list_ms": list_ms, "cli_ls_ms": cli_ms,
+                "cli_ls_ok": cli.status.success()}),
+        },
+    );
+    if let Some(p) = a.out {
+        std::fs::write(&p, serde_json::to_vec_pretty(&figs)?)?;
+    }
+    Ok(if figs.iter().all(|f| f.pass) { 0 } else { 1 })
+}
