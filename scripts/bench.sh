@@ -16,6 +16,8 @@
 #   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade-bench/src/roam.rs)
 #   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade-bench/src/api.rs)
 #   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade-bench/src/e2b.rs)
+#   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs
+#          exec), a thousand idle siblings, kill of all; needs no sandbox running (crates/clade-bench/src/scale.rs)
 # Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
@@ -27,12 +29,12 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|template|vm|ct|browser|e2b|roam|fleet|api) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, template, vm, ct, browser, fleet, e2b, roam, api; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|template|vm|ct|browser|e2b|roam|fleet|api|scale) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, template, vm, ct, browser, fleet, e2b, roam, api, scale; --quick)" >&2; exit 2 ;;
   esac
 done
 # store after browser: its second run takes the largest guest RAM file a vm base left (the browser's, 2 GiB).
-[ ${#what[@]} -gt 0 ] || what=(nbd agent template vm ct browser store fleet roam api e2b)
+[ ${#what[@]} -gt 0 ] || what=(nbd agent template vm ct browser store fleet roam api e2b scale)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -91,6 +93,8 @@ for w in "${what[@]}"; do
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
       minimal_bases
       run roam $bin/clade-bench roam --rounds $r --out "$out/roam.json" ;;
+    scale) minimal_bases
+      if [ $quick = 1 ]; then run scale $bin/clade-bench scale --quick --out "$out/scale.json"; else run scale $bin/clade-bench scale --out "$out/scale.json"; fi ;;
     api) if [ $quick = 1 ]; then run api $bin/clade-bench api --quick --out "$out/api.json"; else run api $bin/clade-bench api --out "$out/api.json"; fi ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # the e2b SDK comes from ./x setup
       minimal_bases

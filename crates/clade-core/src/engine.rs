@@ -181,6 +181,17 @@ impl Engine {
     }
 
     /// As [`Engine::new_sandbox`], with an id chosen by the caller (a warm-pool member names itself).
+    /// Record `ids.len()` sandboxes of `origin` (each on a branch of its own) in one transaction: all or none.
+    pub fn new_sandboxes(
+        &self,
+        kind: BackendKind,
+        origin: Option<&Mark>,
+        ids: &[Option<SandboxId>],
+    ) -> Result<Vec<clade_ledger::SandboxRecord>> {
+        let l = self.ledger();
+        Ok(l.batch(|l| ids.iter().map(|id| record_sandbox(l, kind, origin, id.clone())).collect())?)
+    }
+
     pub fn new_sandbox_with_id(
         &self,
         kind: BackendKind,
@@ -188,20 +199,7 @@ impl Engine {
         id: Option<SandboxId>,
     ) -> Result<clade_ledger::SandboxRecord> {
         let l = self.ledger();
-        let branch = l.create_branch(&NewBranch {
-            id: None,
-            name: None,
-            parent_mark: origin.map(|m| m.id.clone()),
-            policy: RetentionPolicy::KEEP_ALL,
-        })?;
-        Ok(l.create_sandbox(&NewSandbox {
-            id,
-            backend: to_ledger(kind),
-            branch: branch.id,
-            origin_mark: origin.map(|m| m.id.clone()),
-            supervisor_pid: None,
-            host: None,
-        })?)
+        Ok(l.batch(|l| record_sandbox(l, kind, origin, id))?)
     }
 
     /// Restore `mark` as sandbox `sbx` (generation `generation`), apply hygiene when the mark is clean, and
@@ -274,19 +272,22 @@ impl Engine {
         hygiene.clock_error_ns = clock.error_ns;
         hygiene.clock_steps += clock.steps;
         let total = start.elapsed();
-        self.op(
-            "restore",
-            Some(sbx),
-            Some(&mark.id),
-            total,
-            None,
-            serde_json::json!({"pool": true, "claim_ms": total.as_secs_f64() * 1e3, "warm_ms": w.warmed.as_secs_f64() * 1e3, "hygiene": hygiene}),
-        );
-        {
-            let l = self.ledger();
+        // One commit for the three (a fork claims many members at once, each writing to the one ledger).
+        let l = self.ledger();
+        l.batch(|l| {
+            self.op(
+                "restore",
+                Some(sbx),
+                Some(&mark.id),
+                total,
+                None,
+                serde_json::json!({"pool": true, "claim_ms": total.as_secs_f64() * 1e3, "warm_ms": w.warmed.as_secs_f64() * 1e3, "hygiene": hygiene}),
+            );
             l.set_sandbox_origin(sbx, Some(&mark.id))?;
             l.set_sandbox_state(sbx, SandboxState::Running, None)?;
-        }
+            Ok(())
+        })?;
+        drop(l);
         Ok(Restored { sandbox, hygiene, restore: w.restore, total })
     }
 
@@ -414,4 +415,27 @@ impl Engine {
         n.error = error.map(String::from);
         let _ = self.ledger().record_op(&n);
     }
+}
+
+/// A sandbox of `origin` on a branch of its own (in the caller's transaction when it runs inside a batch).
+fn record_sandbox(
+    l: &Ledger,
+    kind: BackendKind,
+    origin: Option<&Mark>,
+    id: Option<SandboxId>,
+) -> clade_ledger::Result<clade_ledger::SandboxRecord> {
+    let branch = l.create_branch(&NewBranch {
+        id: None,
+        name: None,
+        parent_mark: origin.map(|m| m.id.clone()),
+        policy: RetentionPolicy::KEEP_ALL,
+    })?;
+    l.create_sandbox(&NewSandbox {
+        id,
+        backend: to_ledger(kind),
+        branch: branch.id,
+        origin_mark: origin.map(|m| m.id.clone()),
+        supervisor_pid: None,
+        host: None,
+    })
 }

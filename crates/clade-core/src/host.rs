@@ -69,8 +69,14 @@ pub fn boot_id() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
-/// The cgroup hierarchy mounted at /sys/fs/cgroup: `v2`, `v1` (or hybrid), or none.
+/// The cgroup hierarchy mounted at /sys/fs/cgroup: `v2`, `v1` (or hybrid), or none. Read once per process
+/// (it does not change while a host runs; /proc/self/mounts grows with every sandbox's mounts).
 pub fn cgroup_version() -> Option<&'static str> {
+    static VERSION: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *VERSION.get_or_init(probe_cgroup_version)
+}
+
+fn probe_cgroup_version() -> Option<&'static str> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
     let mut v1 = false;
     for line in mounts.lines() {

@@ -49,7 +49,7 @@ impl Ledger {
 
     pub fn template(&self, id: &TemplateId) -> Result<Template> {
         found(
-            self.conn_ref().query_row(
+            self.conn_ref()?.query_row(
                 &format!("SELECT {TEMPLATE_COLS} FROM templates WHERE id = ?1"),
                 [id],
                 template_row,
@@ -62,7 +62,7 @@ impl Ledger {
     /// The newest template recorded under `name`.
     pub fn template_by_name(&self, name: &str) -> Result<Option<Template>> {
         Ok(self
-            .conn_ref()
+            .conn_ref()?
             .query_row(
                 &format!(
                     "SELECT {TEMPLATE_COLS} FROM templates WHERE name = ?1 \
@@ -75,7 +75,7 @@ impl Ledger {
     }
 
     pub fn templates(&self) -> Result<Vec<Template>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!("SELECT {TEMPLATE_COLS} FROM templates ORDER BY created_ms, rowid"))?;
         let rows = st.query_map([], template_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -114,7 +114,7 @@ impl Ledger {
     /// The base new sandboxes of `template` on `backend` start from, if it was built.
     pub fn base_for(&self, template: &TemplateId, backend: Backend) -> Result<Option<Base>> {
         Ok(self
-            .conn_ref()
+            .conn_ref()?
             .query_row(
                 &format!("SELECT {BASE_COLS} FROM bases WHERE template = ?1 AND backend = ?2"),
                 params![template, backend],
@@ -124,7 +124,7 @@ impl Ledger {
     }
 
     pub fn bases(&self) -> Result<Vec<Base>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!("SELECT {BASE_COLS} FROM bases ORDER BY template, backend"))?;
         let rows = st.query_map([], base_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)

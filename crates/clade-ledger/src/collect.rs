@@ -116,7 +116,7 @@ impl Ledger {
     pub fn collecting(&self, id_or_label: &str) -> Result<Option<UnixMillis>> {
         use rusqlite::OptionalExtension;
         Ok(self
-            .conn_ref()
+            .conn_ref()?
             .query_row(
                 "SELECT since_ms FROM collecting WHERE mark = ?1 OR label = ?1 ORDER BY since_ms DESC LIMIT 1",
                 [id_or_label],
@@ -128,7 +128,7 @@ impl Ledger {
     /// Manifests of marks being collected that no mark or lease names any more: what the store must
     /// unpublish to finish the collections so far (including one killed before it did).
     pub fn collecting_manifests(&self) -> Result<Vec<ManifestId>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(
             "SELECT DISTINCT j.value FROM collecting, json_each(collecting.manifests) AS j \
              WHERE NOT EXISTS (SELECT 1 FROM mark_manifests WHERE manifest = j.value) \
@@ -148,7 +148,8 @@ impl Ledger {
     pub fn collect(&self, opts: &CollectOptions) -> Result<CollectReport> {
         let started = std::time::Instant::now();
         let now = self.now_ms();
-        let tx = rusqlite::Transaction::new_unchecked(self.conn_ref(), rusqlite::TransactionBehavior::Immediate)?;
+        let conn_guard = self.conn_ref()?;
+        let tx = rusqlite::Transaction::new_unchecked(&conn_guard, rusqlite::TransactionBehavior::Immediate)?;
         let mut report = CollectReport {
             dry_run: opts.dry_run,
             now_ms: now,

@@ -87,7 +87,7 @@ impl Ledger {
 
     /// Every lease, expired or not, oldest first.
     pub fn leases(&self) -> Result<Vec<Lease>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!("SELECT {COLS} FROM leases ORDER BY created_ms, rowid"))?;
         let rows = st.query_map([], row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)

@@ -7,6 +7,7 @@
 //! `SQLITE_BUSY` mid-transaction). `synchronous = FULL`: a collection's deletions must survive a
 //! power cut, or the ledger could name manifests the store already deleted.
 
+use std::cell::{Ref, RefCell};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,9 +40,14 @@ impl Default for LedgerOptions {
 /// The ledger: one connection to one SQLite file.
 #[derive(Debug)]
 pub struct Ledger {
-    conn: Connection,
+    /// None after [`Ledger::close_idle`]: opened again by the next call.
+    conn: RefCell<Option<Connection>>,
     path: PathBuf,
     clock: Arc<dyn Clock>,
+    busy_timeout: Duration,
+    migrations: Vec<schema::Migration>,
+    /// Inside [`Ledger::batch`]: calls join its transaction.
+    batch_depth: std::cell::Cell<u32>,
 }
 
 /// The ledger file is its owner's alone (0600): created so before SQLite opens it (SQLite would make it 0644
@@ -103,35 +109,48 @@ impl Ledger {
             std::fs::create_dir_all(dir).map_err(|source| LedgerError::Io { path: dir.to_owned(), source })?;
         }
         private_files(&path, false)?;
-        let open_err = |source| LedgerError::Open { path: path.clone(), source };
-        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(&path, flags).map_err(open_err)?;
-        conn.busy_timeout(options.busy_timeout).map_err(open_err)?;
-        // Read-only checks first: a newer or foreign file is refused before anything writes to it.
-        schema::check(&conn, &path, migrations.len() as i64)?;
-        let mode = wal_mode(&conn, options.busy_timeout).map_err(open_err)?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            return Err(LedgerError::Invalid(format!(
-                "ledger {} could not be put in WAL mode (got {mode}); put it on a local filesystem",
-                path.display()
-            )));
-        }
-        // SQLite gives -wal and -shm its main file's mode; these were made (or were left by an older clade) now.
-        private_files(&path, true)?;
-        conn.execute_batch("PRAGMA foreign_keys = ON; PRAGMA synchronous = FULL;").map_err(open_err)?;
-        schema::migrate(&conn, &path, migrations)?;
-        Ok(Self { conn, path, clock: options.clock })
+        let conn = connect(&path, options.busy_timeout, migrations)?;
+        Ok(Self {
+            conn: RefCell::new(Some(conn)),
+            path,
+            clock: options.clock,
+            busy_timeout: options.busy_timeout,
+            migrations: migrations.to_vec(),
+            batch_depth: std::cell::Cell::new(0),
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Give back the memory this connection caches (SQLite's page cache, the prepared statements): a long-lived
-    /// idle holder (a supervisor, one per sandbox) keeps only the open connection.
-    pub fn shrink(&self) {
-        self.conn.flush_prepared_statement_cache();
-        let _ = self.conn.execute_batch("PRAGMA shrink_memory");
+    /// Close the connection until the next call needs it (which opens it again, ~1 ms): an idle long-lived
+    /// holder (a supervisor, one per sandbox) gives back what SQLite keeps per connection (its lookaside,
+    /// page cache, schema, statements: ~70 KiB each; docs/scale.md). Closing through SQLite is safe beside
+    /// other connections of this process on the same file: SQLite defers closing a descriptor while any of its
+    /// connections holds a lock on that file. Does nothing while a call is using the connection.
+    pub fn close_idle(&self) {
+        if self.batch_depth.get() > 0 {
+            return;
+        }
+        if let Ok(mut c) = self.conn.try_borrow_mut() {
+            c.take();
+        }
+    }
+
+    /// SQLite's `quick_check` of the file: Ok, or what it found.
+    pub fn quick_check(&self) -> Result<()> {
+        let found: Vec<String> = {
+            let conn = self.conn_ref()?;
+            let mut st = conn.prepare("PRAGMA quick_check")?;
+            let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+            rows.collect::<rusqlite::Result<_>>()?
+        };
+        if found.len() == 1 && found[0] == "ok" {
+            Ok(())
+        } else {
+            Err(LedgerError::Invalid(format!("ledger {} fails its check: {}", self.path.display(), found.join("; "))))
+        }
     }
 
     /// "Now" by the ledger's clock.
@@ -141,27 +160,127 @@ impl Ledger {
 
     /// The file's schema version (equal to [`schema::SCHEMA_VERSION`] once open).
     pub fn schema_version(&self) -> Result<i64> {
-        Ok(self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
+        Ok(self.conn_ref()?.query_row("PRAGMA user_version", [], |r| r.get(0))?)
     }
 
     /// The connection, for single-statement reads (each is its own consistent snapshot).
-    pub(crate) fn conn_ref(&self) -> &Connection {
-        &self.conn
+    pub(crate) fn conn_ref(&self) -> Result<Ref<'_, Connection>> {
+        BUSY_TIMEOUT.with(|t| t.set(self.busy_timeout));
+        if self.conn.borrow().is_none() {
+            let c = connect(&self.path, self.busy_timeout, &self.migrations)?;
+            *self.conn.borrow_mut() = Some(c);
+        }
+        Ref::filter_map(self.conn.borrow(), Option::as_ref)
+            .map_err(|_| LedgerError::Invalid("the ledger connection was closed while in use".into()))
     }
 
-    /// Runs `f` in one `BEGIN IMMEDIATE` transaction; commits if it returns `Ok`.
-    pub(crate) fn write<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
-        let tx = Transaction::new_unchecked(&self.conn, TransactionBehavior::Immediate)?;
+    /// Runs `f` in one `BEGIN IMMEDIATE` transaction; commits if it returns `Ok`. Inside [`Ledger::batch`], `f`
+    /// runs in the batch's transaction.
+    pub(crate) fn write<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let conn = self.conn_ref()?;
+        if self.batch_depth.get() > 0 {
+            return f(&conn);
+        }
+        let tx = Transaction::new_unchecked(&conn, TransactionBehavior::Immediate)?;
         let out = f(&tx)?;
         tx.commit()?;
         Ok(out)
     }
 
-    /// Runs `f` in one read transaction, so it sees one consistent snapshot.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
-        let tx = Transaction::new_unchecked(&self.conn, TransactionBehavior::Deferred)?;
+    /// Runs `f` in one read transaction, so it sees one consistent snapshot (inside a batch, the batch's).
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let conn = self.conn_ref()?;
+        if self.batch_depth.get() > 0 {
+            return f(&conn);
+        }
+        let tx = Transaction::new_unchecked(&conn, TransactionBehavior::Deferred)?;
         f(&tx)
     }
+
+    /// Runs several ledger calls as one transaction: all of them are written, or (an error) none. Many
+    /// siblings recorded at once pay one commit and one turn at the file's write lock instead of one each
+    /// (a fork of 100 made 200 commits before; docs/scale.md).
+    pub fn batch<T>(&self, f: impl FnOnce(&Ledger) -> Result<T>) -> Result<T> {
+        if self.batch_depth.get() > 0 {
+            return f(self);
+        }
+        {
+            let conn = self.conn_ref()?;
+            conn.execute_batch("BEGIN IMMEDIATE")?;
+        }
+        self.batch_depth.set(1);
+        let out = f(self);
+        self.batch_depth.set(0);
+        let conn = self.conn_ref()?;
+        match out {
+            Ok(v) => match conn.execute_batch("COMMIT") {
+                Ok(()) => Ok(v),
+                Err(e) => {
+                    let _ = conn.execute_batch("ROLLBACK");
+                    Err(e.into())
+                }
+            },
+            Err(e) => {
+                let _ = conn.execute_batch("ROLLBACK");
+                Err(e)
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The busy timeout of the ledger this thread is calling into (set before every call), and when the
+    /// current wait for the write lock began.
+    static BUSY_TIMEOUT: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::from_secs(30)) };
+    static BUSY_SINCE: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// SQLite's busy handler: wait for another connection's write lock in short steps (100 us, then 500 us,
+/// then 2 ms) until the ledger's busy timeout. SQLite's own handler sleeps 1, 2, 5, 10 ... 100 ms: with a
+/// hundred supervisors writing at once (a fork of 100), waiters slept while the lock stood free and half the
+/// host's CPU idled (docs/scale.md). `n` is how many times SQLite has called it for this one wait.
+fn wait_while_busy(n: i32) -> bool {
+    let now = std::time::Instant::now();
+    let since = BUSY_SINCE.with(|s| {
+        if n == 0 || s.get().is_none() {
+            s.set(Some(now));
+        }
+        s.get().unwrap_or(now)
+    });
+    if now.duration_since(since) >= BUSY_TIMEOUT.with(|t| t.get()) {
+        BUSY_SINCE.with(|s| s.set(None));
+        return false;
+    }
+    let step = match n {
+        0..=19 => Duration::from_micros(100),
+        20..=199 => Duration::from_micros(500),
+        _ => Duration::from_millis(2),
+    };
+    std::thread::sleep(step);
+    true
+}
+
+/// One connection to the ledger file: checked (a newer or foreign file is refused before anything writes to it),
+/// in WAL mode, migrated.
+fn connect(path: &Path, busy_timeout: Duration, migrations: &[schema::Migration]) -> Result<Connection> {
+    let open_err = |source| LedgerError::Open { path: path.to_owned(), source };
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags).map_err(open_err)?;
+    BUSY_TIMEOUT.with(|t| t.set(busy_timeout));
+    conn.busy_handler(Some(wait_while_busy)).map_err(open_err)?;
+    schema::check(&conn, path, migrations.len() as i64)?;
+    let mode = wal_mode(&conn, busy_timeout).map_err(open_err)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(LedgerError::Invalid(format!(
+            "ledger {} could not be put in WAL mode (got {mode}); put it on a local filesystem",
+            path.display()
+        )));
+    }
+    // SQLite gives -wal and -shm its main file's mode; these were made (or were left by an older clade) now.
+    private_files(path, true)?;
+    conn.execute_batch("PRAGMA foreign_keys = ON; PRAGMA synchronous = FULL;").map_err(open_err)?;
+    schema::migrate(&conn, path, migrations)?;
+    Ok(conn)
 }
 
 /// Switches the file to WAL. The switch needs the file to itself for a moment and SQLite reports

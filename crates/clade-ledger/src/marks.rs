@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use rusqlite::{params, OptionalExtension, Row, Transaction};
+use rusqlite::{params, OptionalExtension, Row};
 
 use crate::error::{LedgerError, Result};
 use crate::ids::{BranchId, ManifestId, MarkId};
@@ -62,7 +62,7 @@ fn get_mark(tx: &rusqlite::Connection, id: &MarkId) -> Result<Mark> {
     Ok(m)
 }
 
-fn live_branch(tx: &Transaction<'_>, id: &BranchId) -> Result<Branch> {
+fn live_branch(tx: &rusqlite::Connection, id: &BranchId) -> Result<Branch> {
     let b = get_branch(tx, id)?;
     if b.deleted_ms.is_some() {
         return Err(LedgerError::Invalid(format!(
@@ -113,19 +113,19 @@ impl Ledger {
     }
 
     pub fn branch(&self, id: &BranchId) -> Result<Branch> {
-        get_branch(self.conn_ref(), id)
+        get_branch(&*self.conn_ref()?, id)
     }
 
     pub fn branch_by_name(&self, name: &str) -> Result<Option<Branch>> {
         Ok(self
-            .conn_ref()
+            .conn_ref()?
             .query_row(&format!("SELECT {BRANCH_COLS} FROM branches WHERE name = ?1"), [name], branch_row)
             .optional()?)
     }
 
     /// Branches not deleted, oldest first.
     pub fn branches(&self) -> Result<Vec<Branch>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!(
             "SELECT {BRANCH_COLS} FROM branches WHERE deleted_ms IS NULL ORDER BY created_ms, rowid"
         ))?;

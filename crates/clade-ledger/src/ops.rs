@@ -58,7 +58,7 @@ impl Ledger {
 
     /// Log entries matching `q`, newest first.
     pub fn ops(&self, q: &OpQuery) -> Result<Vec<OpRecord>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!(
             "SELECT {COLS} FROM ops WHERE (?1 IS NULL OR op = ?1) AND (?2 IS NULL OR sandbox = ?2) \
              AND (?3 IS NULL OR started_ms >= ?3) ORDER BY started_ms DESC, id DESC LIMIT ?4"

@@ -67,12 +67,12 @@ impl Ledger {
     }
 
     pub fn sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
-        get(self.conn_ref(), id)
+        get(&*self.conn_ref()?, id)
     }
 
     /// Every sandbox, or those in `state`, oldest first.
     pub fn sandboxes(&self, state: Option<SandboxState>) -> Result<Vec<Sandbox>> {
-        let conn = self.conn_ref();
+        let conn = self.conn_ref()?;
         let mut st = conn.prepare(&format!(
             "SELECT {COLS} FROM sandboxes WHERE ?1 IS NULL OR state = ?1 ORDER BY created_ms, rowid"
         ))?;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use clade_core::backend::Backend;
-use clade_core::engine::{from_ledger, Engine};
+use clade_core::engine::Engine;
 use clade_core::CladeHome;
 use clade_ledger::{Mark, SandboxId};
 
@@ -109,9 +109,8 @@ pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
     None
 }
 
-/// Claim a taken member: record the sandbox, tell the member to run, wait for its `Ready`.
-pub fn claim(engine: &Engine, mark: &Mark, id: &SandboxId, mut s: UnixStream) -> anyhow::Result<Ready> {
-    engine.new_sandbox_with_id(from_ledger(mark.backend), Some(mark), Some(id.clone()))?;
+/// Claim a taken member whose sandbox is recorded already: tell it to run, wait for its `Ready`.
+pub fn claim(id: &SandboxId, mut s: UnixStream) -> anyhow::Result<Ready> {
     s.set_read_timeout(Some(CLAIM_TIMEOUT))?;
     s.write_all(b"{\"op\":\"claim\"}\n")?;
     let mut line = String::new();

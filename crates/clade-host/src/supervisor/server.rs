@@ -108,7 +108,7 @@ pub fn serve_restored_then(
     write_ready(&ready, &r);
     ready_hook();
     // The restore's buffers are free now: hand their pages back, as an idle supervisor keeps little.
-    engine.ledger().shrink();
+    engine.ledger().close_idle();
     super::spawner::trim_heap();
     let sup = Arc::new(Supervisor::new(engine, backend, id, restored.sandbox, generation, &home));
     if sup.engine.store.index_loaded() {
@@ -277,6 +277,8 @@ fn serve(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> E
 
 fn serve_woken(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool) -> End {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    // True at the start too: the first quiet tick after the restore trims what the start left.
+    let mut served = true;
     loop {
         if let Some(e) = sup.ended() {
             return e;
@@ -291,7 +293,15 @@ fn serve_woken(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool
         let mut fds =
             [PollFd::new(listener.as_fd(), PollFlags::POLLIN), PollFd::new(sup.wake.1.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(IDLE_TICK_MS)) {
-            Ok(0) | Err(_) => continue,
+            Ok(0) => {
+                if std::mem::take(&mut served) {
+                    // Quiet for a tick after requests: what they cached goes back (docs/scale.md).
+                    sup.engine.ledger().close_idle();
+                    super::spawner::trim_heap();
+                }
+                continue;
+            }
+            Err(_) => continue,
             Ok(_) => {}
         }
         if fds[1].revents().is_some_and(|r| !r.is_empty()) {
@@ -300,6 +310,7 @@ fn serve_woken(sup: &Arc<Supervisor>, listener: &UnixListener, stop: &AtomicBool
             continue; // an end was set or a signal came: checked at the top
         }
         let Ok((stream, _)) = listener.accept() else { continue };
+        served = true;
         if sup.ended().is_some() {
             continue;
         }

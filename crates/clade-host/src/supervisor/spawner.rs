@@ -180,15 +180,17 @@ pub fn serve(sock: &Path, supervise: fn(&[String]) -> i32) -> anyhow::Result<()>
     let _ = std::fs::remove_file(sock);
     let listener = super::bind_unix(sock).with_context(|| format!("bind {}", sock.display()))?;
     let ours = std::fs::metadata(sock)?.ino();
-    // Children are reaped by the kernel (each resets this before it runs anything).
-    // SAFETY: installs SIG_IGN, no handler code runs.
-    unsafe { nix::sys::signal::signal(nix::sys::signal::SIGCHLD, nix::sys::signal::SigHandler::SigIgn) }?;
     let mut last = Instant::now();
     let mut served = false;
     let mut children: Vec<u32> = Vec::new();
     loop {
         let still_ours = std::fs::metadata(sock).is_ok_and(|m| m.ino() == ours);
-        children.retain(|&pid| is_our_child(pid));
+        // Reap the supervisors that ended (each exit is seen once, whatever the number of children).
+        while let Ok(nix::sys::wait::WaitStatus::Exited(pid, _) | nix::sys::wait::WaitStatus::Signaled(pid, _, _)) =
+            nix::sys::wait::waitpid(None, Some(nix::sys::wait::WaitPidFlag::WNOHANG))
+        {
+            children.retain(|&c| c != pid.as_raw() as u32);
+        }
         // It lives while a supervisor it forked lives (and a moment after its last request); an unused one
         // ends after IDLE. So killing every sandbox leaves no clade process behind.
         let done = if children.is_empty() && served {
@@ -229,13 +231,6 @@ pub fn serve(sock: &Path, supervise: fn(&[String]) -> i32) -> anyhow::Result<()>
     }
 }
 
-/// Whether `pid` is alive and still this process's child (not a reused pid).
-fn is_our_child(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let ppid = stat.rfind(')').and_then(|i| stat[i + 2..].split_whitespace().nth(1)).and_then(|p| p.parse().ok());
-    ppid == Some(std::process::id())
-}
-
 fn answer(conn: &UnixStream, listener: RawFd, lock: RawFd, supervise: fn(&[String]) -> i32) -> anyhow::Result<u32> {
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     let log = recv_fd(conn)?;
@@ -258,13 +253,19 @@ fn answer(conn: &UnixStream, listener: RawFd, lock: RawFd, supervise: fn(&[Strin
             Ok(child.as_raw() as u32)
         }
         nix::unistd::ForkResult::Child => {
-            let code = match become_supervisor(&req, &log, [listener, lock, conn.as_raw_fd()]) {
-                Ok(()) => supervise(&req.args),
-                Err(e) => {
-                    eprintln!("clade spawner: prepare the supervisor: {e:#}");
-                    1
+            // The child closed the zygote's descriptors by number, and their numbers are soon reused (the
+            // ledger's, a sandbox's): it must never unwind back into the zygote's frames, whose owners would
+            // close them again. So a panic stops here and the process ends.
+            let run = std::panic::AssertUnwindSafe(|| {
+                match become_supervisor(&req, &log, [listener, lock, conn.as_raw_fd()]) {
+                    Ok(()) => supervise(&req.args),
+                    Err(e) => {
+                        eprintln!("clade spawner: prepare the supervisor: {e:#}");
+                        1
+                    }
                 }
-            };
+            });
+            let code = std::panic::catch_unwind(run).unwrap_or(101);
             std::process::exit(code)
         }
     }
@@ -273,9 +274,6 @@ fn answer(conn: &UnixStream, listener: RawFd, lock: RawFd, supervise: fn(&[Strin
 /// In the forked child: shed the zygote's descriptors, take a session, stdio and the caller's environment and
 /// working directory, and the command line the supervisor would have had if it had been executed.
 fn become_supervisor(req: &Request, log: &OwnedFd, zygote_fds: [RawFd; 3]) -> anyhow::Result<()> {
-    use nix::sys::signal::{signal, SigHandler, Signal};
-    // SAFETY: restores the default disposition; no handler code.
-    unsafe { signal(Signal::SIGCHLD, SigHandler::SigDfl) }?;
     for fd in zygote_fds {
         let _ = nix::unistd::close(fd);
     }
@@ -293,6 +291,12 @@ fn become_supervisor(req: &Request, log: &OwnedFd, zygote_fds: [RawFd; 3]) -> an
         }
     }
     let _ = std::env::set_current_dir(&req.cwd);
+    // One malloc arena: a supervisor's few threads seldom allocate at once, and each extra arena keeps its own
+    // dirty pages for the life of the process.
+    // SAFETY: mallopt takes two integers; this process is single-threaded here.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
     let mut argv = vec![super::clade_exe()?.to_string_lossy().into_owned(), "supervise".to_string()];
     argv.extend(req.args.iter().cloned());
     set_cmdline(&argv)

@@ -62,34 +62,38 @@ pub fn wait_ready(engine: &Engine, sandbox: &SandboxId, pid: Option<u32>, timeou
 }
 
 /// Fork `count` siblings of a mark: claim warm-pool members first (all at once), start supervisors for the
-/// rest, wait for all, then refill the pool in the background.
+/// rest, wait for all, then refill the pool in the background. Every sibling's ledger record is written in one
+/// transaction (docs/scale.md).
 pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Vec<Ready>, Duration)> {
     use super::pool;
     let home = &engine.home;
     let start = Instant::now();
     let mut claimed = Vec::new();
-    let mut cold = Vec::new();
-    for _ in 0..count {
+    while claimed.len() < count as usize {
         match pool::take(home, mark.id.as_str()) {
             Some(m) => claimed.push(m),
-            None => {
-                let rec = engine.new_sandbox(from_ledger(mark.backend), Some(mark)).map_err(|e| {
-                    // The mark was collected between resolving it and recording the sandbox.
-                    match engine.ledger().collecting(mark.id.as_str()) {
-                        Ok(Some(_)) => conflict(format!("mark {} is being collected (`clade gc`)", mark.id)),
-                        _ => e.into(),
-                    }
-                })?;
-                let pid = spawn_supervisor(home, &rec.id, mark, 1)?;
-                cold.push((rec.id, pid));
-            }
+            None => break,
         }
+    }
+    let ids: Vec<Option<SandboxId>> =
+        claimed.iter().map(|(id, _)| Some(id.clone())).chain((claimed.len()..count as usize).map(|_| None)).collect();
+    let records = engine.new_sandboxes(from_ledger(mark.backend), Some(mark), &ids).map_err(|e| {
+        // The mark was collected between resolving it and recording the sandboxes.
+        match engine.ledger().collecting(mark.id.as_str()) {
+            Ok(Some(_)) => conflict(format!("mark {} is being collected (`clade gc`)", mark.id)),
+            _ => anyhow::Error::from(e),
+        }
+    })?;
+    let mut cold = Vec::new();
+    for rec in records.iter().skip(claimed.len()) {
+        let pid = spawn_supervisor(home, &rec.id, mark, 1)?;
+        cold.push((rec.id.clone(), pid));
     }
     let any_claimed = !claimed.is_empty();
     let mut out = Vec::new();
     std::thread::scope(|scope| -> anyhow::Result<()> {
         let handles: Vec<_> =
-            claimed.into_iter().map(|(id, conn)| scope.spawn(move || pool::claim(engine, mark, &id, conn))).collect();
+            claimed.into_iter().map(|(id, conn)| scope.spawn(move || pool::claim(&id, conn))).collect();
         for h in handles {
             out.push(h.join().map_err(|_| anyhow!("a claim thread panicked"))??);
         }
