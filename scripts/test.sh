@@ -11,10 +11,13 @@ tier=${1:-all}
 export CLADE_TEST_HOME=${CLADE_TEST_HOME:-${CLADE_HOME:-/var/lib/clade}}
 export RUST_BACKTRACE=1
 cargo build --workspace --all-targets
-# The ct escape suite also runs inside a vm guest on cgroup v2 (crates/clade-vm/tests/guest_ct_in_vm.rs).
+# The ct escape suite and the incremental-mark test also run inside a vm guest on cgroup v2 with Debian's kernel
+# (crates/clade-vm/tests/guest_ct_in_vm.rs).
 CT_JAIL_TEST_BIN=${CT_JAIL_TEST_BIN:-$(cargo test -p clade-ct --test guest_jail --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*guest_jail[^"]*\)".*/\1/p' | tail -n1)}
-export CT_JAIL_TEST_BIN
+CT_PREDUMP_TEST_BIN=${CT_PREDUMP_TEST_BIN:-$(cargo test -p clade-ct --test guest_predump --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*guest_predump[^"]*\)".*/\1/p' | tail -n1)}
+export CT_JAIL_TEST_BIN CT_PREDUMP_TEST_BIN
 run_tier() {
   local name=$1; shift
   echo "=== test tier: $name"

@@ -29,46 +29,47 @@ pub struct DumpSpec<'a> {
     /// Run CRIU in this process's network namespace, which it then leaves out of the images (a jailed
     /// sandbox's: crate::userns).
     pub join_netns: Option<u32>,
+    /// Pre-dump first with memory tracking, so that the frozen dump copies only what changed since (only where
+    /// the kernel tracks dirty pages: `clade_core::host::tracks_dirty_pages`).
+    pub predump: bool,
 }
 
 /// What a dump took.
 #[derive(Debug, Clone, Copy)]
 pub struct DumpTimes {
-    /// Tasks frozen (CRIU's frozen_time when it could be read, else the whole dump).
+    /// Tasks frozen (CRIU's frozen_time when it could be read, else the whole dump), the pre-dump's short freeze
+    /// included.
     pub frozen: Duration,
+    /// The pre-dump's own freeze, when there was one.
+    pub pre_frozen: Option<Duration>,
     pub wall: Duration,
 }
 
-pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
-    std::fs::create_dir_all(&spec.images).map_err(|e| format!("create {}: {e}", spec.images.display()))?;
-    let script = spec.images.with_extension("post-dump.sh");
-    let text = format!(
-        "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\nexec cp -a '{}' '{}'\n",
-        spec.upper.display(),
-        spec.upper_copy.display()
-    );
-    write_exec(&script, &text)?;
+/// Runs CRIU's `action` (`dump` or `pre-dump`) on the sandbox with the options both share (external mounts and
+/// network namespace, cgroups left alone, the irmap paths), in the sandbox's network namespace when jailed.
+fn criu_run(
+    spec: &DumpSpec,
+    action: &str,
+    images: &Path,
+    log: &Path,
+    extra: &[std::ffi::OsString],
+) -> Result<Duration, String> {
     let mut cmd = Command::new(spec.criu);
-    cmd.arg("dump")
+    cmd.arg(action)
         .arg("-t")
         .arg(spec.pid.to_string())
         .arg("-D")
-        .arg(&spec.images)
+        .arg(images)
         .arg("-o")
-        .arg(&spec.log)
-        .args(["--external", "mnt[]", "--network-lock", "skip", "--tcp-established", "--file-locks"])
-        .args(["--ghost-limit", "64M"])
+        .arg(log)
+        .args(["--external", "mnt[]", "--file-locks"])
         // Restores put the tasks into a cgroup of their own (crate::resources) and tell CRIU to leave cgroups
         // alone, so the dump need not read the hierarchies' properties either (15-25 ms of the frozen time here).
         .arg("--manage-cgroups=ignore")
         // Inotify watches (Chromium watches the time zone database) are dumped as file handles, which an
         // overlay without nfs_export cannot open again: CRIU then finds the watched inode by scanning paths.
         .args(IRMAP_SCAN_PATHS.iter().flat_map(|p| ["--irmap-scan-path", p]))
-        .arg("--action-script")
-        .arg(&script);
-    if spec.leave_running {
-        cmd.arg("--leave-running");
-    }
+        .args(extra);
     if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
         // Timestamped debug log (where a pause goes); off by default, the log is then a few lines.
         cmd.arg("-v4");
@@ -112,18 +113,77 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
     let out = cmd.output().map_err(|e| format!("run {}: {e}", spec.criu.display()))?;
     let wall = t0.elapsed();
     drop(netns);
-    let _ = std::fs::remove_file(&script);
     if !out.status.success() {
-        return Err(format!("criu dump failed ({}): {}", out.status, log_tail(&spec.log)));
+        return Err(format!("criu {action} failed ({}): {}", out.status, log_tail(log)));
     }
+    Ok(wall)
+}
+
+/// The pre-dump's directory beside a dump's images; after the dump it becomes the images' `parent`.
+fn pre_dir(images: &Path) -> PathBuf {
+    images.with_extension("pre")
+}
+
+pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
+    std::fs::create_dir_all(&spec.images).map_err(|e| format!("create {}: {e}", spec.images.display()))?;
+    // Incremental (docs/ct.md, "Incremental marks"): a pre-dump copies every page while the tasks run again (read
+    // mode: frozen only to find the pages, then read with process_vm_readv) and resets the kernel's soft-dirty
+    // bits; the dump then copies only the pages written since, taking the rest from its parent images.
+    let mut pre_frozen = None;
+    let mut extra: Vec<std::ffi::OsString> = Vec::new();
+    if spec.predump {
+        let pre = pre_dir(&spec.images);
+        std::fs::create_dir_all(&pre).map_err(|e| format!("create {}: {e}", pre.display()))?;
+        let mode = std::env::var("CLADE_CT_PREDUMP_MODE").unwrap_or_else(|_| "read".into());
+        let pre_log = spec.log.with_extension("pre.log");
+        let pre_args: Vec<std::ffi::OsString> =
+            ["--track-mem".to_string(), format!("--pre-dump-mode={mode}")].into_iter().map(Into::into).collect();
+        match criu_run(spec, "pre-dump", &pre, &pre_log, &pre_args) {
+            Ok(wall) => {
+                pre_frozen = Some(frozen_time(&pre.join("stats-dump")).unwrap_or(wall));
+                // Relative to the images directory, which is `pre`'s sibling.
+                let parent = Path::new("..").join(pre.file_name().unwrap_or_default());
+                extra.extend(["--track-mem", "--prev-images-dir"].map(Into::into));
+                extra.push(parent.into());
+            }
+            // The tasks run on after a failed pre-dump: a full dump still makes the mark, only slower.
+            Err(e) => {
+                eprintln!("clade-ct: pre-dump failed, the mark copies every page while frozen: {e}");
+                let _ = std::fs::remove_dir_all(&pre);
+            }
+        }
+    }
+    let script = spec.images.with_extension("post-dump.sh");
+    let text = format!(
+        "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\nexec cp -a '{}' '{}'\n",
+        spec.upper.display(),
+        spec.upper_copy.display()
+    );
+    write_exec(&script, &text)?;
+    extra.extend(["--network-lock", "skip", "--tcp-established", "--ghost-limit", "64M"].map(Into::into));
+    extra.push("--action-script".into());
+    extra.push(script.clone().into());
+    if spec.leave_running {
+        extra.push("--leave-running".into());
+    }
+    let dumped = criu_run(spec, "dump", &spec.images, &spec.log, &extra);
+    let _ = std::fs::remove_file(&script);
+    let wall = dumped?;
     if !spec.upper_copy.exists() {
         return Err("criu dump did not run the post-dump script (the upper was not copied)".into());
+    }
+    if pre_frozen.is_some() {
+        // One self-contained image tree for the store: the `parent` link CRIU made becomes the directory itself.
+        let link = spec.images.join("parent");
+        std::fs::remove_file(&link).map_err(|e| format!("remove {}: {e}", link.display()))?;
+        std::fs::rename(pre_dir(&spec.images), &link)
+            .map_err(|e| format!("move the pre-dump under {}: {e}", link.display()))?;
     }
     let frozen = frozen_time(&spec.images.join("stats-dump")).unwrap_or(wall);
     // CRIU's own stats (freezing, frozen, memdump, memwrite times, pages) kept beside the log, where a slow pause
     // can be taken apart afterwards (the images themselves go into the store and are removed).
     let _ = std::fs::copy(spec.images.join("stats-dump"), spec.log.with_extension("stats"));
-    Ok(DumpTimes { frozen, wall })
+    Ok(DumpTimes { frozen: frozen + pre_frozen.unwrap_or_default(), pre_frozen, wall })
 }
 
 fn write_exec(path: &Path, text: &str) -> Result<(), String> {

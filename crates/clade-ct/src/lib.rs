@@ -60,6 +60,9 @@ pub struct CtConfig {
     pub jail: bool,
     /// Most processes and threads one sandbox may have (its pids cgroup; a fork bomb stays inside).
     pub pids_max: u64,
+    /// Marks of a running sandbox pre-dump first with memory tracking (docs/ct.md, "Incremental marks"): on
+    /// where the kernel tracks dirty pages, unless `CLADE_CT_PREDUMP=0`.
+    pub predump: bool,
 }
 
 impl CtConfig {
@@ -84,8 +87,16 @@ impl CtConfig {
             lazy_min_bytes: Some(512 << 20),
             jail: std::env::var(jail::UNJAILED_ENV).map(|v| v != "1").unwrap_or(true),
             pids_max: DEFAULT_PIDS_MAX,
+            predump: predump_default(),
         })
     }
+}
+
+/// Whether marks pre-dump by default: the kernel must track dirty pages (else a pre-dump only doubles the copy)
+/// and `CLADE_CT_PREDUMP` must not be `0`.
+pub fn predump_default() -> bool {
+    std::env::var("CLADE_CT_PREDUMP").map(|v| v != "0").unwrap_or(true)
+        && clade_core::host::tracks_dirty_pages() == Some(true)
 }
 
 /// A sandbox's default process and thread limit: a browser runs ~100 threads, a build a few hundred.

@@ -48,6 +48,7 @@ pub struct CtPrepared {
     criu: std::path::PathBuf,
     store: clade_store::Store,
     ready_timeout: std::time::Duration,
+    predump: bool,
     ksm: bool,
     lazy: bool,
     img: std::path::PathBuf,
@@ -193,6 +194,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         criu: b.cfg.criu.clone(),
         store: b.store.clone(),
         ready_timeout: b.cfg.ready_timeout,
+        predump: b.cfg.predump,
         ksm: b.cfg.ksm,
         lazy,
         img,
@@ -340,6 +342,8 @@ impl CtPrepared {
             compat: self.compat.clone(),
             ready_timeout: self.ready_timeout,
             dumps: 0,
+            predump: self.predump,
+            last_dump: None,
             cpu_ms: self.cpu_ms,
             startup: t0.elapsed(),
             phases,
@@ -463,10 +467,21 @@ fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError
 /// Siblings after the first skip the store read and the copy.
 fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
     let cache = cached_tree(b, "ct-images", id, "the images")?;
+    link_images(&cache, dest)
+}
+
+/// `dest` made of hard links to the files of `from` (copies where a link fails), and likewise for an incremental
+/// mark's `parent` directory (crate::dump). CRIU resolves `parent` in its own mount namespace, where a symbolic
+/// link to the cache need not resolve.
+fn link_images(from: &Path, dest: &Path) -> Result<(), BackendError> {
     std::fs::create_dir(dest).map_err(|e| failed(format!("create {}: {e}", dest.display())))?;
-    let rd = std::fs::read_dir(&cache).map_err(|e| failed(format!("read {}: {e}", cache.display())))?;
+    let rd = std::fs::read_dir(from).map_err(|e| failed(format!("read {}: {e}", from.display())))?;
     for e in rd.flatten() {
         let to = dest.join(e.file_name());
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            link_images(&e.path(), &to)?;
+            continue;
+        }
         if std::fs::hard_link(e.path(), &to).is_err() {
             std::fs::copy(e.path(), &to).map_err(|er| failed(format!("copy {}: {er}", e.path().display())))?;
         }

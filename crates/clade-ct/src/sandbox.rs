@@ -33,6 +33,9 @@ pub struct CtSandbox {
     pub(crate) compat: BTreeMap<String, String>,
     pub(crate) ready_timeout: Duration,
     pub(crate) dumps: u32,
+    /// Marks pre-dump first (CtConfig::predump).
+    pub(crate) predump: bool,
+    pub(crate) last_dump: Option<crate::dump::DumpTimes>,
     /// The cgroup's CPU quota (ms per 100 ms; 0: none), lifted while CRIU dumps the sandbox.
     pub(crate) cpu_ms: u64,
     /// Time from the start call to the agent's first answer.
@@ -116,6 +119,8 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         compat: clade_core::backend::Backend::host_compat(b),
         ready_timeout: b.cfg.ready_timeout,
         dumps: 0,
+        predump: b.cfg.predump,
+        last_dump: None,
         cpu_ms,
         startup: t0.elapsed(),
         phases: Vec::new(),
@@ -182,6 +187,17 @@ impl CtSandbox {
     /// The sandbox's run directory (CRIU logs: `restore.log`, `dump-N.log`).
     pub fn run_dir(&self) -> &Path {
         &self.res.run_dir
+    }
+
+    /// Whether its marks pre-dump first (on by default where the kernel tracks dirty pages: CtConfig::predump).
+    /// Off or on for one sandbox, as the pre-dump figure compares them on the same sandbox.
+    pub fn set_predump(&mut self, on: bool) {
+        self.predump = on;
+    }
+
+    /// What its last mark or suspend froze it for, and whether it pre-dumped first.
+    pub fn last_dump(&self) -> Option<crate::dump::DumpTimes> {
+        self.last_dump
     }
 
     /// The sandbox's network (`network = "egress"`): namespace, veth pair, addresses.
@@ -314,6 +330,8 @@ impl CtSandbox {
             log: self.res.run_dir.join(format!("dump-{}.log", self.dumps)),
             external_net,
             join_netns: userns.then(|| self.init_pid()),
+            // Only for a mark: a suspend stops the sandbox anyway, and two passes would only add to its time.
+            predump: leave_running && self.predump,
         };
         // CRIU's parasite runs in the frozen tasks' cgroup: no quota while it works (Cgroup::set_cpu).
         let cg = self.res.cgroup.as_ref();
@@ -342,6 +360,7 @@ impl CtSandbox {
             let _ = std::fs::remove_dir_all(&stage);
             failed(format!("{e}; the sandbox keeps running"))
         })?;
+        self.last_dump = Some(times);
         let stored = (|| {
             let img = self.store.put_dir(&spec.images)?;
             let upper = self.store.put_dir(&spec.upper_copy)?;

@@ -1,8 +1,10 @@
 //! clade's ct jail on a cgroup v2 host with Debian's own kernel: the ct escape suite
 //! (`crates/clade-ct/tests/guest_jail.rs`: cold, restored sibling and grandchild, the unjailed control) run inside
 //! a clade `vm` guest booted with the kernel `./x setup` installed, with only cgroup2 mounted. This project's
-//! hosts are cgroup v1 on another kernel; most users' are v2. About 40 s under TCG. `./x test` passes the built
-//! test binary as `CT_JAIL_TEST_BIN` (scripts/test.sh); without it the test says so and skips.
+//! hosts are cgroup v1 on another kernel; most users' are v2. The same guest then runs the incremental-mark test
+//! (`crates/clade-ct/tests/guest_predump.rs`), since that kernel tracks dirty pages and these hosts' do not.
+//! About 40 s under TCG. `./x test` passes the built test binaries as `CT_JAIL_TEST_BIN` and
+//! `CT_PREDUMP_TEST_BIN` (scripts/test.sh); without the first the test says so and skips.
 mod common;
 
 use std::path::Path;
@@ -48,6 +50,12 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
     std::fs::remove_file(root.join("bin/cp")).ok();
     clade_vm::testkit::install_with_libs(Path::new("/bin/cp"), &root, "/bin/cp").unwrap();
     clade_vm::testkit::install_with_libs(Path::new(&bin), &root, "/opt/guest_jail").unwrap();
+    // Incremental marks (crates/clade-ct/tests/guest_predump.rs) where the kernel tracks dirty pages.
+    let predump = std::env::var_os("CT_PREDUMP_TEST_BIN");
+    match &predump {
+        Some(p) => clade_vm::testkit::install_with_libs(Path::new(p), &root, "/opt/guest_predump").unwrap(),
+        None => eprintln!("note: CT_PREDUMP_TEST_BIN is not set, so the pre-dump test does not run in the guest"),
+    }
     // Debian's kernel has these as modules: overlayfs, what CRIU's kernel feature probe creates (a tun
     // device, a veth pair, an nftables set) and the socket-diag modules CRIU collects sockets with, in load
     // order.
@@ -105,7 +113,10 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
                   mkdir -p /dev/shm; grep -q ' /dev/shm ' /proc/mounts || mount -t tmpfs tmpfs /dev/shm; \
                   cd /; CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade \
                   CLADE_AGENT_BIN=/usr/lib/clade/clade-agent CLADE_EXPECT_SOFT_DIRTY=1 RUST_BACKTRACE=1 \
-                  /opt/guest_jail --test-threads=1 2>&1";
+                  /opt/guest_jail --test-threads=1 2>&1; \
+                  if [ -x /opt/guest_predump ]; then CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade \
+                  CLADE_AGENT_BIN=/usr/lib/clade/clade-agent CLADE_EXPECT_SOFT_DIRTY=1 RUST_BACKTRACE=1 \
+                  /opt/guest_predump --nocapture 2>&1; fi";
     let spec = ExecSpec { argv: vec!["/bin/sh".into(), "-c".into(), script], ..Default::default() };
     let out = sb.agent().run(spec).unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -115,4 +126,8 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
     assert_eq!(out.status.code, Some(0));
     // The escape suite, and Debian's kernel tracking dirty pages as `clade doctor` probes it.
     assert!(text.contains("test result: ok. 4 passed"), "{text}");
+    // Incremental marks: pre-dumped, at most half the full mark's pause, every page in the siblings.
+    if predump.is_some() {
+        assert!(text.contains("test result: ok. 1 passed"), "{text}");
+    }
 }
