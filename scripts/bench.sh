@@ -17,7 +17,7 @@
 #   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade-bench/src/api.rs)
 #   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade-bench/src/e2b.rs)
 #   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs
-#          exec), a thousand idle siblings, kill of all; needs no sandbox running (crates/clade-bench/src/scale.rs)
+#          exec), a thousand idle siblings, kill of all, vm pool fork and 50 idle vm; needs no sandbox running (crates/clade-bench/src/scale/)
 # Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap

@@ -18,6 +18,11 @@ pub struct Capacity {
     /// Free space on the filesystem that holds the store and run directories now (sandboxes' written data is
     /// already counted by the filesystem, so running sandboxes' disk is not subtracted again).
     pub disk_free_bytes: u64,
+    /// Tasks (processes and threads) the kernel allows at once: the lower of `kernel.pid_max` and
+    /// `kernel.threads-max`.
+    pub tasks_max: u64,
+    /// Tasks on the host now, sandboxes' included (/proc/loadavg's fourth field).
+    pub tasks_now: u64,
 }
 
 impl Capacity {
@@ -28,7 +33,8 @@ impl Capacity {
         let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
         let memory_bytes = parse_meminfo_total(&meminfo)?;
         let (disk_free_bytes, _) = crate::host::space(&home.store_dir())?;
-        Some(Capacity { vcpus, memory_bytes, disk_free_bytes })
+        let (tasks_max, tasks_now) = crate::host::tasks().unwrap_or((u64::MAX, 0));
+        Some(Capacity { vcpus, memory_bytes, disk_free_bytes, tasks_max, tasks_now })
     }
 }
 
@@ -48,19 +54,27 @@ pub struct Policy {
     pub reserve_disk_bytes: u64,
     /// Sandbox vCPUs admitted per host CPU (agents mostly wait; 1.0 means no overcommit).
     pub vcpu_overcommit: f64,
+    /// Tasks never given to sandboxes (the host's own processes must still fork).
+    pub reserve_tasks: u64,
 }
 
 impl Default for Policy {
     fn default() -> Self {
-        Self { reserve_memory_bytes: 512 << 20, reserve_disk_bytes: 2 << 30, vcpu_overcommit: 1.0 }
+        Self { reserve_memory_bytes: 512 << 20, reserve_disk_bytes: 2 << 30, vcpu_overcommit: 1.0, reserve_tasks: 2048 }
     }
 }
+
+/// Tasks a new sandbox is expected to take before any sibling of its mark was measured: a supervisor's threads
+/// and a vm's QEMU threads (main, I/O, RCU, one per vCPU) or a container's few processes, rounded up.
+pub const TASKS_ESTIMATE: u64 = 16;
 
 /// A sandbox running on the host, as measured.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Running {
     pub id: String,
-    pub vcpus: u32,
+    /// vCPUs it keeps busy, as measured (its processes' CPU time over the last interval): an idle sibling costs
+    /// almost none, whatever its shape says.
+    pub vcpus: f64,
     pub rss_bytes: u64,
     pub pss_bytes: u64,
     /// The base (image memory) whose pages it maps shared, if any.
@@ -71,6 +85,8 @@ pub struct Running {
     pub last_active_ms: i64,
     /// May be suspended to make room (false: pinned by its owner, or in the middle of an operation).
     pub suspendable: bool,
+    /// Tasks (processes and threads) it holds, its supervisor's included.
+    pub tasks: u64,
 }
 
 impl Running {
@@ -86,7 +102,8 @@ impl Running {
 /// A sandbox asking to start (run, fork, resume) on this host.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Request {
-    pub vcpus: u32,
+    /// vCPUs the new sandboxes are expected to keep busy: what their running siblings measure, else their shape.
+    pub vcpus: f64,
     /// Memory it will hold of its own (for a restore: the mark's diverged pages plus expected growth; at most its
     /// shape's memory).
     pub private_bytes: u64,
@@ -95,6 +112,8 @@ pub struct Request {
     pub base_bytes: u64,
     /// Disk it may write on this host (its private overlay or dirty blocks, plus what a restore fetches).
     pub disk_bytes: u64,
+    /// Tasks the new sandboxes will hold: their running siblings' measure, else [`TASKS_ESTIMATE`] each.
+    pub tasks: u64,
     /// Whether idle sandboxes may be suspended to make room ("when asked").
     pub allow_suspend: bool,
 }
@@ -105,6 +124,8 @@ pub enum Resource {
     Memory,
     Cpu,
     Disk,
+    /// Tasks (processes and threads): `kernel.pid_max` / `kernel.threads-max`.
+    Pids,
 }
 
 impl Resource {
@@ -113,15 +134,17 @@ impl Resource {
             Resource::Memory => "memory",
             Resource::Cpu => "cpu",
             Resource::Disk => "disk",
+            Resource::Pids => "pids",
         }
     }
 }
 
 /// What suspending some sandboxes gives back.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Freed {
-    pub vcpus: u32,
+    pub vcpus: f64,
     pub memory_bytes: u64,
+    pub tasks: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -133,7 +156,7 @@ pub enum Decision {
         sandboxes: Vec<String>,
         freed: Freed,
     },
-    /// `need` and `free` are bytes for memory and disk, vCPUs for cpu.
+    /// `need` and `free` are bytes for memory and disk, vCPUs for cpu, tasks for pids.
     Refuse {
         resource: Resource,
         need: u64,
@@ -178,20 +201,28 @@ fn gib(b: u64) -> String {
 
 struct Check {
     mem_limit: u64,
-    cpu_limit: u64,
+    cpu_limit: f64,
+    /// Tasks sandboxes may hold together: the kernel's limit less the reserve and the host's own tasks.
+    tasks_limit: u64,
 }
 
 impl Check {
-    /// The first resource (memory, then cpu) that `set` + the request exceed: (resource, need, free).
+    /// The first resource (memory, cpu, then pids) that `set` + the request exceed: (resource, need, free).
     fn short<'a>(&self, set: impl Iterator<Item = &'a Running> + Clone, req: &Request) -> Option<(Resource, u64, u64)> {
         let without = memory_of(set.clone(), None);
         let with = memory_of(set.clone(), Some(req));
         if with > self.mem_limit {
             return Some((Resource::Memory, with - without, self.mem_limit.saturating_sub(without)));
         }
-        let cpus: u64 = set.map(|r| u64::from(r.vcpus)).sum();
-        if cpus + u64::from(req.vcpus) > self.cpu_limit {
-            return Some((Resource::Cpu, u64::from(req.vcpus), self.cpu_limit.saturating_sub(cpus)));
+        let cpus: f64 = set.clone().map(|r| r.vcpus.max(0.0)).sum();
+        let want = req.vcpus.max(0.0);
+        if cpus + want > self.cpu_limit + 1e-9 {
+            // Whole vCPUs in the answer: what is needed rounded up, what is free rounded down.
+            return Some((Resource::Cpu, want.ceil() as u64, (self.cpu_limit - cpus).max(0.0).floor() as u64));
+        }
+        let tasks: u64 = set.map(|r| r.tasks).fold(0, u64::saturating_add);
+        if tasks.saturating_add(req.tasks) > self.tasks_limit {
+            return Some((Resource::Pids, req.tasks, self.tasks_limit.saturating_sub(tasks)));
         }
         None
     }
@@ -200,6 +231,7 @@ impl Check {
 fn amount(resource: Resource, v: u64) -> String {
     match resource {
         Resource::Cpu => format!("{v} vCPU"),
+        Resource::Pids => format!("{v} tasks"),
         _ => gib(v),
     }
 }
@@ -209,7 +241,11 @@ pub fn decide(cap: &Capacity, running: &[Running], req: &Request, policy: &Polic
     let mem_limit = cap.memory_bytes.saturating_sub(policy.reserve_memory_bytes);
     let overcommit =
         if policy.vcpu_overcommit.is_finite() && policy.vcpu_overcommit > 0.0 { policy.vcpu_overcommit } else { 1.0 };
-    let check = Check { mem_limit, cpu_limit: (f64::from(cap.vcpus) * overcommit).floor() as u64 };
+    // The host's own tasks are those not held by a running sandbox; they stay whatever is suspended.
+    let sandbox_tasks: u64 = running.iter().map(|r| r.tasks).fold(0, u64::saturating_add);
+    let host_own_tasks = cap.tasks_now.saturating_sub(sandbox_tasks);
+    let tasks_limit = cap.tasks_max.saturating_sub(policy.reserve_tasks).saturating_sub(host_own_tasks);
+    let check = Check { mem_limit, cpu_limit: (f64::from(cap.vcpus) * overcommit).floor(), tasks_limit };
     // Disk first: suspending frees no disk (a mark's chunks stay in the local tier until evicted).
     let disk_free = cap.disk_free_bytes.saturating_sub(policy.reserve_disk_bytes);
     if req.disk_bytes > disk_free {
@@ -234,6 +270,10 @@ pub fn decide(cap: &Capacity, running: &[Running], req: &Request, policy: &Polic
                 gib(mem_limit),
                 running.len(),
                 gib(memory_in_use(running))
+            ),
+            Resource::Pids => format!(
+                "{} tasks usable (kernel limit {}, {} kept for the host, {} host tasks outside sandboxes)",
+                check.tasks_limit, cap.tasks_max, policy.reserve_tasks, host_own_tasks
             ),
             _ => format!("{} vCPU usable (overcommit {overcommit})", check.cpu_limit),
         };
@@ -265,6 +305,7 @@ pub fn decide(cap: &Capacity, running: &[Running], req: &Request, policy: &Polic
             let freed = Freed {
                 vcpus: chosen.iter().map(|x| x.vcpus).sum(),
                 memory_bytes: memory_in_use(running).saturating_sub(memory_of(kept, None)),
+                tasks: chosen.iter().map(|x| x.tasks).sum(),
             };
             return Decision::AdmitAfterSuspending { sandboxes: chosen.iter().map(|x| x.id.clone()).collect(), freed };
         }
@@ -292,34 +333,36 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn cap(vcpus: u32, mem: u64) -> Capacity {
-        Capacity { vcpus, memory_bytes: mem, disk_free_bytes: 100 * GIB }
+        Capacity { vcpus, memory_bytes: mem, disk_free_bytes: 100 * GIB, tasks_max: 1 << 22, tasks_now: 0 }
     }
 
     fn no_reserve() -> Policy {
-        Policy { reserve_memory_bytes: 0, reserve_disk_bytes: 0, vcpu_overcommit: 1.0 }
+        Policy { reserve_memory_bytes: 0, reserve_disk_bytes: 0, vcpu_overcommit: 1.0, reserve_tasks: 0 }
     }
 
     fn sib(id: &str, base: &str, rss: u64, shared: u64, last: i64) -> Running {
         Running {
             id: id.into(),
-            vcpus: 1,
+            vcpus: 1.0,
             rss_bytes: rss,
             pss_bytes: rss - shared / 2,
             base: Some(base.into()),
             shared_base_bytes: shared,
             last_active_ms: last,
             suspendable: true,
+            tasks: 4,
         }
     }
 
     fn req(private: u64, base: Option<&str>, base_bytes: u64) -> Request {
         Request {
-            vcpus: 1,
+            vcpus: 1.0,
             private_bytes: private,
             base: base.map(String::from),
             base_bytes,
             disk_bytes: GIB,
             allow_suspend: false,
+            tasks: 4,
         }
     }
 
@@ -358,7 +401,7 @@ mod tests {
         match decide(&cap(8, GIB), &run, &q, &no_reserve()) {
             Decision::AdmitAfterSuspending { sandboxes, freed } => {
                 assert_eq!(sandboxes, vec!["idlest".to_string()]);
-                assert_eq!(freed, Freed { vcpus: 1, memory_bytes: 200 * MIB });
+                assert_eq!(freed, Freed { vcpus: 1.0, memory_bytes: 200 * MIB, tasks: 4 });
             }
             other => panic!("{other:?}"),
         }
@@ -392,11 +435,63 @@ mod tests {
         }
     }
 
+    /// Idle siblings count what they measure, not their shape: 60 idle 1-vCPU vm siblings keeping 0.02 vCPU busy
+    /// each leave room on a 2-core host (16 vCPU at 8x) for 10 more, and 15 busy ones (1 vCPU each) do not.
+    #[test]
+    fn idle_siblings_cost_their_measured_cpu() {
+        let p = Policy { vcpu_overcommit: 8.0, ..no_reserve() };
+        let idle: Vec<Running> =
+            (0..60).map(|i| Running { vcpus: 0.02, ..sib(&format!("i{i}"), "B", MIB, 0, i) }).collect();
+        let mut q = req(MIB, None, 0);
+        q.vcpus = 10.0;
+        assert_eq!(decide(&cap(2, 8 * GIB), &idle, &q, &p), Decision::Admit);
+        let busy: Vec<Running> = (0..15).map(|i| sib(&format!("b{i}"), "B", MIB, 0, i)).collect();
+        match decide(&cap(2, 8 * GIB), &busy, &q, &p) {
+            Decision::Refuse { resource: Resource::Cpu, need: 10, free: 1, .. } => {}
+            other => panic!("{other:?}"),
+        }
+        // A fraction left free is not rounded into a whole vCPU: 15.5 busy leave 0.5, which 0.6 does not fit.
+        let mut almost = busy.clone();
+        almost.push(Running { vcpus: 0.5, ..sib("h", "B", MIB, 0, 99) });
+        q.vcpus = 0.6;
+        assert!(matches!(decide(&cap(2, 8 * GIB), &almost, &q, &p), Decision::Refuse { resource: Resource::Cpu, .. }));
+        q.vcpus = 0.4;
+        assert_eq!(decide(&cap(2, 8 * GIB), &almost, &q, &p), Decision::Admit);
+    }
+
+    #[test]
+    fn tasks_count_the_hosts_own_and_each_siblings() {
+        // 10 siblings of 50 tasks each, 300 host tasks outside them, a kernel limit of 2,000 with 500 kept back:
+        // 1,200 may go to sandboxes, 500 are held, 700 free.
+        let run: Vec<Running> =
+            (0..10).map(|i| Running { tasks: 50, ..sib(&format!("s{i}"), "B", MIB, 0, i) }).collect();
+        let c = Capacity { tasks_max: 2000, tasks_now: 800, ..cap(64, 64 * GIB) };
+        let p = Policy { reserve_tasks: 500, ..no_reserve() };
+        let mut q = req(MIB, None, 0);
+        q.tasks = 700;
+        assert_eq!(decide(&c, &run, &q, &p), Decision::Admit);
+        q.tasks = 701;
+        match decide(&c, &run, &q, &p) {
+            Decision::Refuse { resource: Resource::Pids, need: 701, free: 700, reason } => {
+                assert!(reason.starts_with("pids: needs 701 tasks, 700 tasks free of 1200 tasks usable"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Suspending idle siblings gives their tasks back.
+        q.allow_suspend = true;
+        match decide(&c, &run, &q, &p) {
+            Decision::AdmitAfterSuspending { sandboxes, freed } => {
+                assert_eq!((sandboxes, freed.tasks), (vec!["s0".to_string()], 50))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn cpu_and_disk_refusals_name_the_resource() {
         let run = vec![sib("a", "B", 10 * MIB, 0, 1), sib("b", "B", 10 * MIB, 0, 2)];
         let mut q = req(MIB, None, 0);
-        q.vcpus = 2;
+        q.vcpus = 2.0;
         match decide(&cap(2, 8 * GIB), &run, &q, &no_reserve()) {
             Decision::Refuse { resource: Resource::Cpu, need: 2, free: 0, reason } => {
                 assert!(reason.starts_with("cpu: needs 2 vCPU, 0 vCPU free of 2 vCPU usable"), "{reason}")
@@ -407,7 +502,7 @@ mod tests {
         let over = Policy { vcpu_overcommit: 2.0, ..no_reserve() };
         assert_eq!(decide(&cap(2, 8 * GIB), &run, &q, &over), Decision::Admit);
         // Suspension is never offered for disk.
-        q.vcpus = 1;
+        q.vcpus = 1.0;
         q.disk_bytes = 10 * GIB;
         q.allow_suspend = true;
         let small = Capacity { disk_free_bytes: 11 * GIB, ..cap(8, 8 * GIB) };
@@ -426,11 +521,21 @@ mod tests {
         let run =
             vec![sib("a", "B", 10 * MIB, 0, 1), Running { shared_base_bytes: 99 * GIB, ..sib("b", "B", MIB, 0, 2) }];
         let p = Policy { vcpu_overcommit: f64::NAN, ..no_reserve() };
-        let d = decide(&Capacity { vcpus: 0, memory_bytes: 0, disk_free_bytes: 0 }, &run, &req(0, None, 0), &p);
+        let d = decide(
+            &Capacity { vcpus: 0, memory_bytes: 0, disk_free_bytes: 0, tasks_max: 0, tasks_now: 0 },
+            &run,
+            &req(0, None, 0),
+            &p,
+        );
         assert!(matches!(d, Decision::Refuse { resource: Resource::Disk, .. }), "{d:?}");
         let mut q = req(0, None, 0);
         q.disk_bytes = 0;
-        let d = decide(&Capacity { vcpus: 0, memory_bytes: 0, disk_free_bytes: 0 }, &run, &q, &p);
+        let d = decide(
+            &Capacity { vcpus: 0, memory_bytes: 0, disk_free_bytes: 0, tasks_max: 0, tasks_now: 0 },
+            &run,
+            &q,
+            &p,
+        );
         assert!(matches!(d, Decision::Refuse { .. }), "{d:?}");
         assert_eq!(serde_json::to_value(&d).unwrap()["decision"], "refuse");
     }

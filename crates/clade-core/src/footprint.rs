@@ -70,6 +70,12 @@ pub trait Footprint: Send + Sync {
         None
     }
 
+    /// Tasks a running sandbox's own processes hold, when the backend can read it cheaply itself (a ct
+    /// sandbox's pids cgroup); `None`: ask its supervisor.
+    fn charged_tasks(&self, _sandbox: &str) -> Option<u64> {
+        None
+    }
+
     /// The mark role whose value names layers on the host (`:`-separated directories, or store trees in the
     /// form [`Footprint::tree_layer`] writes) rather than one store object: the ct backend's overlay lowers.
     /// Roaming carries such layers to another host as trees.

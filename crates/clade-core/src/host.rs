@@ -190,6 +190,37 @@ pub fn pss_rss(pid: u32) -> Option<(u64, u64)> {
     Some((field("Pss:")?, field("Rss:")?))
 }
 
+/// Tasks the kernel allows at once (the lower of `kernel.pid_max` and `kernel.threads-max`) and tasks on the
+/// host now (the fourth field of /proc/loadavg, `running/total`): three small reads.
+pub fn tasks() -> Option<(u64, u64)> {
+    let num = |p: &str| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok();
+    let max = num("/proc/sys/kernel/pid_max")?.min(num("/proc/sys/kernel/threads-max")?);
+    let load = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let now = load.split_whitespace().nth(3)?.split('/').nth(1)?.parse().ok()?;
+    Some((max, now))
+}
+
+/// Threads of a process (the `Threads:` line of /proc/PID/status).
+pub fn threads(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Threads:"))?.trim().parse().ok()
+}
+
+/// CPU seconds a process has used (all its threads, user and system) and seconds since it started, from
+/// /proc/PID/stat (fields 14, 15 and 22, in clock ticks) and /proc/uptime.
+pub fn cpu_seconds(pid: u32) -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields are counted after its last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+    let tck = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().filter(|t| *t > 0)? as f64;
+    // `rest` starts at field 3 (state).
+    let used = (num(11)? + num(12)?) as f64 / tck;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
+    Some((used, (uptime - num(19)? as f64 / tck).max(0.0)))
+}
+
 /// Proportional and resident set size, in bytes, of the mappings of a process whose file lies under `dir`
 /// (from /proc/PID/smaps). The vm bench uses it for the guest RAM alone: the mappings of the root RAM files,
 /// the part that siblings share, apart from QEMU's own code and heap. `(0, 0)` when nothing there is mapped.
@@ -273,5 +304,32 @@ mod mapped_tests {
         let none = mapped_pss_rss(me, Path::new("/nonexistent-clade-dir")).expect("own smaps");
         assert_eq!(none, (0, 0));
         assert!(mapped_pss_rss(u32::MAX, dir).is_none(), "no such process");
+    }
+
+    #[test]
+    fn tasks_of_this_host_and_threads_of_this_process() {
+        let (max, now) = super::tasks().expect("/proc/loadavg and kernel.pid_max");
+        assert!(now >= 1 && max >= now, "{now} of {max}");
+        let before = super::threads(std::process::id()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || rx.recv().ok());
+        assert_eq!(super::threads(std::process::id()), Some(before + 1));
+        drop(tx);
+        t.join().unwrap();
+        assert!(super::threads(u32::MAX).is_none());
+    }
+
+    #[test]
+    fn cpu_seconds_of_this_process_grow_with_work() {
+        let (before, age) = super::cpu_seconds(std::process::id()).expect("own /proc/PID/stat");
+        assert!(before >= 0.0 && age >= 0.0);
+        let t0 = std::time::Instant::now();
+        let mut x = 0u64;
+        while t0.elapsed() < std::time::Duration::from_millis(200) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let (after, _) = super::cpu_seconds(std::process::id()).unwrap();
+        assert!(after - before >= 0.05, "{before} -> {after}");
+        assert!(super::cpu_seconds(u32::MAX).is_none());
     }
 }

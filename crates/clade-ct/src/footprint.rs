@@ -50,6 +50,13 @@ impl Footprint for CtFootprint {
         [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
     }
 
+    /// Its pids cgroup's count (a jailed sandbox has one): one file read.
+    fn charged_tasks(&self, sandbox: &str) -> Option<u64> {
+        let v2 = format!("/sys/fs/cgroup/clade/{sandbox}/pids.current");
+        let v1 = format!("/sys/fs/cgroup/pids/clade/{sandbox}/pids.current");
+        [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+    }
+
     fn layers_role(&self) -> Option<&'static str> {
         Some(ROLE_ROOTFS)
     }

@@ -1,17 +1,25 @@
 //! Admission for run, fork and resume: measure what runs on this host, ask
 //! [`clade_core::admission::decide`] whether the new sandboxes fit, and act on its answer: start them, start them
 //! after suspending the idlest sandboxes (only when the caller allowed it), or refuse naming the resource
-//! (kind `no_capacity` for memory or CPU, which may free up; `no_space` for disk, which needs a person).
+//! (kind `no_capacity` for memory, CPU or pids, which may free up; `no_space` for disk, which needs a person).
 //!
 //! Measuring must stay cheap, because every fork pays for it: a `ct` sandbox's memory is its memory cgroup's
 //! charge (one file read; its tmpfs upper is charged there too), and it reserves no vCPU (a container has no vCPU
 //! threads). A `vm` sandbox is asked for its PSS and RSS through its supervisor; the RAM file pages it maps from
-//! its origin mark are its base (counted once over all siblings), estimated as RSS - PSS.
+//! its origin mark are its base (counted once over all siblings), estimated as RSS - PSS. It counts the vCPUs its
+//! QEMU kept busy since it was last asked (at least a second before) or since it started, not its shape's
+//! vCPUs: an idle sibling costs what it uses (docs/scale.md, "Admission"). New sandboxes count what their running
+//! siblings measure (the median), else their shape. A fork counts only the siblings its mark's warm pool
+//! cannot hand out: pool members already run. Every sandbox also holds tasks (processes and threads, from
+//! one PID space the kernel caps): its supervisor's threads plus a ct sandbox's pids cgroup count or a vm's
+//! QEMU threads, measured the same way; a new one counts its siblings' median, else
+//! [`clade_core::admission::TASKS_ESTIMATE`].
 //!
-//! Host capacity is [`Capacity::probe`] (CPUs, MemTotal, free space under the store), overridable for tests and
-//! for hosts shared with other work: `CLADE_CAPACITY_MEMORY_MIB`, `CLADE_CAPACITY_VCPUS`; the policy's knobs are
-//! `CLADE_ADMIT_RESERVE_MIB` (memory kept for the host, default 512), `CLADE_VCPU_OVERCOMMIT` (default 8: agents
-//! mostly wait) and `CLADE_ADMIT=off` (admit everything).
+//! Host capacity is [`Capacity::probe`] (CPUs, MemTotal, free space under the store, the kernel's task limit and
+//! tasks now), overridable for tests and for hosts shared with other work: `CLADE_CAPACITY_MEMORY_MIB`,
+//! `CLADE_CAPACITY_VCPUS`, `CLADE_CAPACITY_TASKS`; the policy's knobs are `CLADE_ADMIT_RESERVE_MIB` (memory kept
+//! for the host, default 512), `CLADE_ADMIT_RESERVE_TASKS` (default 2048), `CLADE_VCPU_OVERCOMMIT` (default 8:
+//! agents mostly wait) and `CLADE_ADMIT=off` (admit everything).
 
 use std::collections::BTreeMap;
 
@@ -34,12 +42,17 @@ pub fn capacity(engine: &Engine) -> Capacity {
         vcpus: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
         memory_bytes: u64::MAX,
         disk_free_bytes: u64::MAX,
+        tasks_max: u64::MAX,
+        tasks_now: 0,
     });
     if let Some(m) = env_u64("CLADE_CAPACITY_MEMORY_MIB") {
         cap.memory_bytes = m << 20;
     }
     if let Some(c) = env_u64("CLADE_CAPACITY_VCPUS") {
         cap.vcpus = c as u32;
+    }
+    if let Some(t) = env_u64("CLADE_CAPACITY_TASKS") {
+        cap.tasks_max = t;
     }
     cap
 }
@@ -54,6 +67,7 @@ pub fn policy() -> Policy {
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|v| v.is_finite() && *v > 0.0)
             .unwrap_or(8.0),
+        reserve_tasks: env_u64("CLADE_ADMIT_RESERVE_TASKS").unwrap_or(d.reserve_tasks),
     }
 }
 
@@ -78,19 +92,25 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
         let mark = origin.as_ref().and_then(|o| {
             marks.entry(o.clone()).or_insert_with(|| engine.ledger().mark(&MarkId::new(o.clone())).ok()).clone()
         });
-        let vcpus = mark.as_ref().map(|m| vcpus_of(engine, m)).unwrap_or(0);
+        let shape_vcpus = mark.as_ref().map(|m| vcpus_of(engine, m)).unwrap_or(0);
         // What its backend charges it (a ct sandbox's memory cgroup), else its processes' PSS from its supervisor,
-        // the pages it maps from its origin mark's RAM file (RSS - PSS) counted once as their shared base.
-        let (rss, pss, base, shared) =
-            match crate::backends::footprint(from_ledger(s.backend)).charged_memory(s.id.as_str()) {
-                Some(m) => (m, m, None, 0),
-                None => {
-                    let info = client::call(&engine.home, s.id.as_str(), &SupRequest::Info).unwrap_or_default();
-                    let rss = info["rss"].as_u64().unwrap_or(0);
-                    let pss = info["pss"].as_u64().unwrap_or(rss);
-                    (rss, pss, origin.clone(), rss.saturating_sub(pss))
-                }
-            };
+        // the pages it maps from its origin mark's RAM file (RSS - PSS) counted once as their shared base, and
+        // the vCPUs its processes kept busy lately (its shape's vCPUs when its supervisor does not say).
+        let fp = crate::backends::footprint(from_ledger(s.backend));
+        // Tasks: its supervisor's threads, and its processes' (its pids cgroup, else its supervisor's count).
+        let sup_tasks = s.supervisor_pid.and_then(clade_core::host::threads).unwrap_or(1);
+        let (rss, pss, base, shared, vcpus, tasks) = match fp.charged_memory(s.id.as_str()) {
+            Some(m) => (m, m, None, 0, f64::from(shape_vcpus), fp.charged_tasks(s.id.as_str()).unwrap_or(0)),
+            None => {
+                let info = client::call(&engine.home, s.id.as_str(), &SupRequest::Info).unwrap_or_default();
+                let rss = info["rss"].as_u64().unwrap_or(0);
+                let pss = info["pss"].as_u64().unwrap_or(rss);
+                let busy = info["cpu_busy"].as_f64().filter(|b| b.is_finite() && *b >= 0.0);
+                let vcpus = if shape_vcpus == 0 { 0.0 } else { busy.unwrap_or(f64::from(shape_vcpus)) };
+                let tasks = info["tasks"].as_u64().unwrap_or(clade_core::admission::TASKS_ESTIMATE);
+                (rss, pss, origin.clone(), rss.saturating_sub(pss), vcpus, tasks)
+            }
+        };
         out.push(Running {
             id: s.id.as_str().to_string(),
             vcpus,
@@ -100,19 +120,20 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
             shared_base_bytes: shared,
             last_active_ms: s.last_active_ms,
             suspendable: true,
+            tasks: sup_tasks + tasks,
         });
     }
     Ok(out)
 }
 
-/// What `count` new sandboxes restored from `mark` will need: their siblings' measured private memory (the
-/// median over running sandboxes of the same origin), else its backend's estimate from the mark
+/// What `count` new sandboxes restored from `mark` will need: their siblings' measured private memory and busy
+/// vCPUs (the median over running sandboxes of the same origin), else its backend's estimate from the mark
 /// (`Footprint::memory_estimate`: a container, its image size at most its shape's memory; a vm, an eighth of
 /// its RAM private and the RAM file as the shared base).
 pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], allow_suspend: bool) -> Request {
     let fp = crate::backends::footprint(from_ledger(mark.backend));
     let shape_bytes = engine.mark_state(mark).map(|s| u64::from(s.shape.memory_mib) << 20).unwrap_or(512 << 20);
-    let siblings: Vec<u64> = {
+    let siblings: Vec<&Running> = {
         let l = engine.ledger();
         let ids: std::collections::BTreeSet<String> = l
             .sandboxes(Some(SandboxState::Running))
@@ -121,22 +142,30 @@ pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], al
             .filter(|s| s.origin_mark.as_ref() == Some(&mark.id))
             .map(|s| s.id.as_str().to_string())
             .collect();
-        let mut v: Vec<u64> = running.iter().filter(|r| ids.contains(&r.id)).map(|r| r.private_bytes()).collect();
-        v.sort_unstable();
-        v
+        running.iter().filter(|r| ids.contains(&r.id)).collect()
     };
-    let measured = siblings.get(siblings.len() / 2).copied().filter(|b| *b > 0);
+    let mut bytes: Vec<u64> = siblings.iter().map(|r| r.private_bytes()).collect();
+    bytes.sort_unstable();
+    let measured = bytes.get(bytes.len() / 2).copied().filter(|b| *b > 0);
+    // CPU likewise: the median sibling's busy vCPUs, else the shape's (a mark with none running yet).
+    let mut busy: Vec<f64> = siblings.iter().map(|r| r.vcpus).collect();
+    busy.sort_unstable_by(f64::total_cmp);
+    let per_vcpus = busy.get(busy.len() / 2).copied().unwrap_or_else(|| f64::from(vcpus_of(engine, mark)));
     let (estimate, base_bytes) = fp.memory_estimate(mark.logical_bytes, shape_bytes);
     let private = measured.unwrap_or(estimate);
     let base = (base_bytes > 0).then(|| mark.id.as_str().to_string());
     let n = u64::from(count.max(1));
+    let mut tasks: Vec<u64> = siblings.iter().map(|r| r.tasks).collect();
+    tasks.sort_unstable();
+    let per_tasks = tasks.get(tasks.len() / 2).copied().unwrap_or(clade_core::admission::TASKS_ESTIMATE);
     Request {
-        vcpus: vcpus_of(engine, mark) * count.max(1),
+        vcpus: per_vcpus * n as f64,
         private_bytes: private.saturating_mul(n),
         base,
         base_bytes,
         disk_bytes: mark.stored_bytes.saturating_mul(n).min(1 << 30),
         allow_suspend,
+        tasks: per_tasks.saturating_mul(n),
     }
 }
 
@@ -152,7 +181,7 @@ pub fn admit(
     allow_suspend: bool,
     suspend: &dyn Fn(&str) -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<String>> {
-    if std::env::var("CLADE_ADMIT").is_ok_and(|v| v == "off" || v == "0") {
+    if count == 0 || std::env::var("CLADE_ADMIT").is_ok_and(|v| v == "off" || v == "0") {
         return Ok(Vec::new());
     }
     let _gate = GATE.lock();
@@ -165,7 +194,7 @@ pub fn admit(
                 suspend(id).map_err(|e| anyhow!("suspending {id} to make room: {e:#}"))?;
             }
             eprintln!(
-                "clade: suspended {} idle sandbox(es) to make room ({} MiB, {} vCPU freed): {}",
+                "clade: suspended {} idle sandbox(es) to make room ({} MiB, {:.2} vCPU freed): {}",
                 sandboxes.len(),
                 freed.memory_bytes >> 20,
                 freed.vcpus,

@@ -106,7 +106,9 @@ impl SandboxApi for Ops {
     fn fork(&self, req: &ForkRequest) -> anyhow::Result<ForkOutcome> {
         req.check()?;
         let mark = self.engine.resolve_mark(&req.from, req.backend)?;
-        let suspended = self.admit(&mark, req.count, req.make_room)?;
+        // Waiting pool members already run (and hold their memory): only the siblings started cold are admitted.
+        let pooled = crate::supervisor::pool::members(&self.engine.home, mark.id.as_str()).0.len() as u32;
+        let suspended = self.admit(&mark, req.count.saturating_sub(pooled), req.make_room)?;
         let (ready, took) = fork_mark(&self.engine, &mark, req.count)?;
         Ok(ForkOutcome {
             backend: from_ledger(mark.backend),

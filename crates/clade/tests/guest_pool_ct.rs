@@ -68,3 +68,43 @@ fn guest_pool_ct_fill_claim_and_drain_leave_no_member() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A member whose supervisor died (a host restart, an OOM kill) is skipped by the next fork, which starts its
+/// sibling cold, and what the dead member left on the host (its sandbox's processes in their cgroups, its
+/// cgroups, its run dir) is taken down then, not left for `clade audit --fix`.
+#[test]
+fn guest_pool_ct_dead_member_is_skipped_and_taken_down() {
+    let Some(t) = common::ct_home("clade-pool-dead") else { return };
+    let h = t.path();
+    let fill = ok(h, &["pool", "fill", "ctbox", "--backend", "ct", "--size", "1", "--json"]);
+    assert_eq!(fill["ready"], 1, "{fill}");
+    let mark = fill["mark"].as_str().unwrap_or_else(|| panic!("fill names its mark: {fill}")).to_string();
+    let member: String = std::fs::read_dir(h.join("run/pool").join(&mark))
+        .unwrap()
+        .flatten()
+        .find_map(|e| e.file_name().to_str()?.strip_suffix(".sock").map(str::to_string))
+        .expect("the waiting member's socket");
+    let leftovers = || clade_core::cgroup::leftover_dirs(&member).into_iter().filter(|d| d.is_dir()).count();
+    assert!(leftovers() > 0, "a prepared member holds its cgroups (the control for the take-down below)");
+    let pids = members_alive(h);
+    assert_eq!(pids.len(), 1);
+    // Drop the pool's size first, so the fork does not refill it while the dead member is looked at.
+    let pool_size = h.join("run/pool").join(&mark).join("size");
+    std::fs::remove_file(&pool_size).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[0] as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let t0 = Instant::now();
+    while !members_alive(h).is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let (code, out, err) = common::clade(h, &["fork", "ctbox", "--backend", "ct", "--json"]);
+    assert_eq!(code, 0, "{err}{out}");
+    assert!(err.contains(&format!("pool member {member}")) && err.contains("took down"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let sbx = v["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    assert_ne!(sbx, member, "the sibling was started cold, not claimed from the dead member");
+    assert_eq!(ok(h, &["exec", &sbx, "--json", "--", "true"])["code"], 0);
+    assert_eq!(leftovers(), 0, "the dead member's cgroups were taken down by the fork");
+    assert!(!h.join("run").join(&member).exists(), "and its run dir");
+    ok(h, &["kill", &sbx, "--json"]);
+}

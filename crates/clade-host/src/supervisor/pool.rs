@@ -89,8 +89,8 @@ pub fn refill(home: &CladeHome, mark: &str) -> anyhow::Result<usize> {
 }
 
 /// Take one waiting, live member, if any: its sandbox id and a connection to it. A member whose process is gone
-/// (a host restart leaves its socket file behind) refuses the connection: its socket is removed and the next
-/// member tried, so a dead pool costs a fork nothing but a cold start.
+/// (a host restart leaves its socket file behind) refuses the connection: its socket is removed, what it left on
+/// the host taken down, and the next member tried, so a dead pool costs a fork nothing but a cold start.
 pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
     let (ready, _) = members(home, mark);
     for sock in ready {
@@ -103,7 +103,14 @@ pub fn take(home: &CladeHome, mark: &str) -> Option<(SandboxId, UnixStream)> {
         let _ = std::fs::remove_file(&claimed);
         match conn {
             Ok(s) => return Some((SandboxId::new(id), s)),
-            Err(e) => eprintln!("clade: pool member {id} of {mark} is gone ({e}); dropped it"),
+            Err(e) => {
+                // Nothing listens on its socket, so no process serves it: what it left (its cgroups, run dir, a
+                // vm's RAM file) is taken down now rather than waiting for `clade audit --fix`.
+                let left = crate::audit::take_down(home, &id).len();
+                eprintln!(
+                    "clade: pool member {id} of {mark} is gone ({e}); dropped it and took down {left} leftover(s)"
+                )
+            }
         }
     }
     None

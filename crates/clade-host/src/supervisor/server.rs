@@ -164,7 +164,19 @@ pub struct Supervisor {
     wake: (UnixStream, UnixStream),
     /// This supervisor's directory (`sup_dir`: control socket, ready file, log).
     dir: PathBuf,
+    /// The last measure of the sandbox's CPU use ([`Supervisor::cpu_busy`]).
+    cpu_seen: Mutex<Option<CpuSample>>,
 }
+
+#[derive(Debug, Clone, Copy)]
+struct CpuSample {
+    at: Instant,
+    used_s: f64,
+    busy: f64,
+}
+
+/// Measures closer together than this return the last one (a short interval is all noise).
+const CPU_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 enum End {
@@ -199,7 +211,29 @@ impl Supervisor {
             finished: std::sync::atomic::AtomicBool::new(false),
             wake: UnixStream::pair().expect("a socketpair for the supervisor's wake-up"),
             dir,
+            cpu_seen: Mutex::new(None),
         }
+    }
+
+    /// vCPUs the sandbox's processes kept busy since the last time they were measured (at least [`CPU_INTERVAL`]
+    /// ago), or since they started: what admission counts a running sandbox's CPU by (crate::admit).
+    fn cpu_busy(&self, pids: &[u32]) -> f64 {
+        let (mut used_s, mut age_s) = (0.0f64, 0.0f64);
+        for (used, age) in pids.iter().filter_map(|p| clade_core::host::cpu_seconds(*p)) {
+            used_s += used;
+            age_s = age_s.max(age);
+        }
+        let now = Instant::now();
+        let mut seen = self.cpu_seen.lock();
+        let busy = match *seen {
+            Some(last) if now.duration_since(last.at) < CPU_INTERVAL => return last.busy,
+            // Processes that ended take their time with them: never below zero.
+            Some(last) => (used_s - last.used_s).max(0.0) / now.duration_since(last.at).as_secs_f64(),
+            None if age_s > 0.0 => used_s / age_s,
+            None => 0.0,
+        };
+        *seen = Some(CpuSample { at: now, used_s, busy });
+        busy
     }
 
     /// A handle on the running sandbox's agent (cheap: a shared connection).
@@ -511,10 +545,13 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
             let rec = sup.engine.ledger().sandbox(&sup.id).ok();
             let pids = sup.sandbox.lock().as_ref().map(|s| s.pids()).unwrap_or_default();
             let mem: Vec<_> = pids.iter().filter_map(|p| clade_core::host::pss_rss(*p)).collect();
+            let cpu_busy = sup.cpu_busy(&pids);
+            let tasks: u64 = pids.iter().filter_map(|p| clade_core::host::threads(*p)).sum();
             let hello = agent.hello().ok();
             Response::ok(serde_json::json!({
                 "sandbox": rec, "pids": pids, "generation": sup.generation.load(Ordering::Relaxed),
                 "pss": mem.iter().map(|m| m.0).sum::<u64>(), "rss": mem.iter().map(|m| m.1).sum::<u64>(),
+                "cpu_busy": cpu_busy, "tasks": tasks,
                 "hello": hello, "last_activity_ms": sup.last_activity_ms.load(Ordering::Relaxed),
                 "procs": sup.procs.list().len(),
                 "blob_fetched": {"bytes": clade_store::Store::blob_fetched().0, "reads": clade_store::Store::blob_fetched().1},

@@ -9,6 +9,8 @@
 //!    process's) added, right after and once KSM has had a minute, every sibling answering an exec, `ls` and
 //!    `kill_all` timed. Bars: total PSS <= 6 GiB, every exec answered, kill of all <= 10 s.
 //!
+//! 4-5. vm (`--vm-siblings`, 0 skips): 20 from a warm pool of 20, and 50 idle siblings held (src/scale/vm.rs).
+//!
 //! The bench needs a host with no sandbox running (it ends all of them at the end): it refuses otherwise.
 
 use std::path::PathBuf;
@@ -21,6 +23,8 @@ use clade_host::Ops;
 use serde_json::json;
 
 use super::{median, percentile, Figure};
+
+mod vm;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -36,12 +40,18 @@ pub struct Args {
     /// Only the idle-siblings part (3).
     #[arg(long)]
     pub idle_only: bool,
+    /// Idle vm siblings held in the vm part (default 50; --quick 20; 0 skips the vm part).
+    #[arg(long)]
+    pub vm_siblings: Option<u32>,
+    /// Only the vm part (4-5).
+    #[arg(long, conflicts_with = "idle_only")]
+    pub vm_only: bool,
     /// Where the figures go as JSON.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
 
-fn emit(figs: &mut Vec<Figure>, f: Figure) {
+pub(super) fn emit(figs: &mut Vec<Figure>, f: Figure) {
     println!("{}", serde_json::to_string(&f).unwrap_or_default());
     figs.push(f);
 }
@@ -57,7 +67,7 @@ fn pss_kib(pid: u32) -> u64 {
 }
 
 /// Every process's PSS on this host, summed (KiB).
-fn host_pss_kib() -> u64 {
+pub(super) fn host_pss_kib() -> u64 {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
@@ -103,7 +113,7 @@ fn set_spawner(on: bool) {
     }
 }
 
-fn fork(ops: &Ops, mark: &str, count: u32) -> anyhow::Result<(f64, Vec<u32>, Vec<String>)> {
+pub(super) fn fork(ops: &Ops, mark: &str, count: u32) -> anyhow::Result<(f64, Vec<u32>, Vec<String>)> {
     let out = ops.fork(&ForkRequest { from: mark.into(), backend: None, count, make_room: false })?;
     if let Some(bad) = out.sandboxes.iter().find(|s| !s.ok) {
         bail!("a sibling did not start: {}", bad.error.clone().unwrap_or_default());
@@ -116,7 +126,7 @@ fn fork(ops: &Ops, mark: &str, count: u32) -> anyhow::Result<(f64, Vec<u32>, Vec
 }
 
 /// Fill the mark's pool to `n`, fork `n` from it, drain the refill; the fork's time.
-fn fork_from_pool(home: &CladeHome, ops: &Ops, mark: &str, n: u32) -> anyhow::Result<f64> {
+pub(super) fn fork_from_pool(home: &CladeHome, ops: &Ops, mark: &str, n: u32) -> anyhow::Result<f64> {
     use clade_host::supervisor::pool;
     pool::set_size(home, mark, n as usize)?;
     pool::refill(home, mark)?;
@@ -140,7 +150,7 @@ fn fork_from_pool(home: &CladeHome, ops: &Ops, mark: &str, n: u32) -> anyhow::Re
     Ok(ms)
 }
 
-fn kill_all(ops: &Ops) -> anyhow::Result<f64> {
+pub(super) fn kill_all(ops: &Ops) -> anyhow::Result<f64> {
     let k = ops.kill_all()?;
     if let Some(f) = k.failed.first() {
         bail!("{} sandbox(es) not killed, first {}: {}", k.failed.len(), f.sandbox, f.error);
@@ -164,10 +174,16 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let rounds = if a.quick { 1 } else { 3 };
     let mut figs = Vec::new();
 
-    if !a.idle_only {
+    if !a.idle_only && !a.vm_only {
         fork_figures(&home, &ops, &mark, rounds, &mut figs)?;
     }
-    idle_figures(&ops, &mark, &a, &mut figs)?;
+    if !a.vm_only {
+        idle_figures(&ops, &mark, &a, &mut figs)?;
+    }
+    let vm_n = if a.idle_only { 0 } else { a.vm_siblings.unwrap_or(if a.quick { 20 } else { 50 }) };
+    if vm_n > 0 {
+        vm::vm_figures(&home, &ops, &a.template, vm_n, rounds, &mut figs)?;
+    }
     if let Some(p) = a.out {
         std::fs::write(&p, serde_json::to_vec_pretty(&figs)?)?;
     }
@@ -262,6 +278,31 @@ fn fork_figures(home: &CladeHome, ops: &Ops, mark: &str, rounds: usize, figs: &m
     Ok(())
 }
 
+/// `exec true` in every sandbox of `ids`, `threads` at a time: the latencies (ms) of those that answered 0 and
+/// what went wrong with the others.
+pub(super) fn exec_all(ops: &Ops, ids: &[String], threads: usize) -> (Vec<f64>, Vec<String>) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let lat = std::sync::Mutex::new(Vec::new());
+    let failed = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(id) = ids.get(i) else { return };
+                let t = Instant::now();
+                match ops.exec(id, ExecRequest { argv: vec!["true".into()], ..Default::default() }) {
+                    Ok(o) if o.code == 0 => {
+                        lat.lock().unwrap_or_else(|p| p.into_inner()).push(t.elapsed().as_secs_f64() * 1e3)
+                    }
+                    Ok(o) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: exit {}", o.code)),
+                    Err(e) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: {e:#}")),
+                }
+            });
+        }
+    });
+    (lat.into_inner().unwrap_or_default(), failed.into_inner().unwrap_or_default())
+}
+
 /// KSM's merged pages (pages_sharing).
 fn ksm_sharing() -> u64 {
     std::fs::read_to_string("/sys/kernel/mm/ksm/pages_sharing").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
@@ -318,26 +359,7 @@ fn idle_figures(ops: &Ops, mark: &str, a: &Args, figs: &mut Vec<Figure>) -> anyh
         },
     );
     // Every sibling answers an exec (8 at a time).
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let lat = std::sync::Mutex::new(Vec::new());
-    let failed = std::sync::Mutex::new(Vec::new());
-    std::thread::scope(|s| {
-        for _ in 0..8 {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(id) = ids.get(i) else { return };
-                let t = Instant::now();
-                match ops.exec(id, ExecRequest { argv: vec!["true".into()], ..Default::default() }) {
-                    Ok(o) if o.code == 0 => {
-                        lat.lock().unwrap_or_else(|p| p.into_inner()).push(t.elapsed().as_secs_f64() * 1e3)
-                    }
-                    Ok(o) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: exit {}", o.code)),
-                    Err(e) => failed.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{id}: {e:#}")),
-                }
-            });
-        }
-    });
-    let (lat, failed) = (lat.into_inner().unwrap_or_default(), failed.into_inner().unwrap_or_default());
+    let (lat, failed) = exec_all(ops, &ids, 8);
     emit(
         figs,
         Figure {
