@@ -510,7 +510,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         .filter(|id| {
             ops.engine.ledger().sandbox(&clade_ledger::SandboxId::new(id.as_str())).is_ok_and(|r| {
                 r.state == SandboxState::Running
-                    && r.supervisor_pid.is_some_and(clade_host::supervisor::start::supervisor_alive)
+                    && r.supervisor_pid.is_some_and(clade_host::supervisor::client::supervisor_alive)
             })
         })
         .cloned()

@@ -85,7 +85,7 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
     let mut marks: BTreeMap<String, Option<Mark>> = BTreeMap::new();
     let mut out = Vec::new();
     for s in rows {
-        if !s.supervisor_pid.is_some_and(crate::supervisor::start::supervisor_alive) {
+        if !s.supervisor_pid.is_some_and(client::supervisor_alive) {
             continue;
         }
         let origin = s.origin_mark.as_ref().map(|m| m.as_str().to_string());

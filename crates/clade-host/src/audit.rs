@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use clade_core::engine::Engine;
 
-use crate::supervisor::start::supervisor_alive;
+use crate::supervisor::client::supervisor_alive;
 
 /// Leftovers younger than this are not judged (a start in progress holds them legitimately);
 /// `CLADE_AUDIT_SETTLE_MS` overrides it (tests plant leftovers and audit at once).

@@ -20,8 +20,9 @@ pub use crate::api::*;
 use crate::error::check_id;
 use crate::error::{conflict, kinded, not_found};
 use crate::supervisor::client;
+use crate::supervisor::client::supervisor_alive;
 use crate::supervisor::protocol::Request;
-use crate::supervisor::start::{fork_mark, spawn_supervisor, supervisor_alive, wait_ready, READY_TIMEOUT};
+use crate::supervisor::start::{fork_mark, spawn_supervisor, wait_ready, READY_TIMEOUT};
 
 /// The sandbox operations over one `$CLADE_HOME`. Cheap to share between threads.
 pub struct Ops {

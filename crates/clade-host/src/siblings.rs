@@ -20,7 +20,7 @@ use clade_core::engine::Engine;
 use clade_ledger::{Backend as LBackend, SandboxState};
 
 use crate::error::{check_id, conflict, invalid, not_found};
-use crate::supervisor::{client, protocol::Request, start::supervisor_alive};
+use crate::supervisor::{client, client::supervisor_alive, protocol::Request};
 
 /// The sibling audit's verdict on two running ct sandboxes (`clade audit A B`).
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -159,3 +159,10 @@ pub fn write_stream(
         (Ok(_), Err(e)) => Err(anyhow!("sending the file to the supervisor: {e}")),
     }
 }
+
+/// Whether a supervisor pid is alive (and is a clade supervisor, not a reused pid).
+pub fn supervisor_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains("supervise"))
+        .unwrap_or(false)
+}

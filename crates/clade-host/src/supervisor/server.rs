@@ -216,7 +216,7 @@ impl Supervisor {
     }
 
     /// vCPUs the sandbox's processes kept busy since the last time they were measured (at least [`CPU_INTERVAL`]
-    /// ago), or since they started: what admission counts a running sandbox's CPU by (crate::admit).
+    /// ago), or since they started: what admission counts a running sandbox's CPU by (admit.rs).
     fn cpu_busy(&self, pids: &[u32]) -> f64 {
         let (mut used_s, mut age_s) = (0.0f64, 0.0f64);
         for (used, age) in pids.iter().filter_map(|p| clade_core::host::cpu_seconds(*p)) {

@@ -108,10 +108,3 @@ pub fn fork_mark(engine: &Engine, mark: &Mark, count: u32) -> anyhow::Result<(Ve
     }
     Ok((out, took))
 }
-
-/// Whether a supervisor pid is alive (and is a clade supervisor, not a reused pid).
-pub fn supervisor_alive(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| String::from_utf8_lossy(&c).contains("supervise"))
-        .unwrap_or(false)
-}
