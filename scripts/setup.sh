@@ -26,7 +26,8 @@ start=$(date +%s.%N)
 
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
 # chromium: the benchmark report is checked to render in it (a test), as a reader would open it.
-pkgs=(qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium)
+# libc6-dev: libc.a, which the static clade-agent links (scripts/static-agent.sh).
+pkgs=(libc6-dev qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium)
 apt_updated=0
 apt_update() {
   [ $apt_updated = 1 ] && return 0
@@ -55,6 +56,12 @@ done
 find_missing
 [ ${#missing[@]} -eq 0 ] || die "still missing after installing: ${missing[*]} (apt removed them again; install them by hand with apt-get install)"
 command -v cargo >/dev/null || die "no cargo on PATH: install the Rust toolchain (rustup) first"
+# The musl target for the static agent (scripts/static-agent.sh); without it the agent links glibc statically.
+if command -v rustup >/dev/null && ! rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl; then
+  say "adding the Rust target x86_64-unknown-linux-musl (the static clade-agent)"
+  rustup target add x86_64-unknown-linux-musl >/dev/null 2>&1 \
+    || say "could not add x86_64-unknown-linux-musl (no reach to static.rust-lang.org?): the agent links glibc statically"
+fi
 
 # ---- 2. Guest kernel --------------------------------------------------------------------------------------
 kernel_ok() { [ -f "$CLADE_HOME/kernel/current/vmlinuz" ] && [ -f "$CLADE_HOME/kernel/current/vmlinux" ] && [ -f "$CLADE_HOME/kernel/current/modules/modules.dep" ]; }

@@ -11,6 +11,8 @@ tier=${1:-all}
 export CLADE_TEST_HOME=${CLADE_TEST_HOME:-${CLADE_HOME:-/var/lib/clade}}
 export RUST_BACKTRACE=1
 cargo build --workspace --all-targets
+# The agent templates and sandboxes get: static, so a rootfs without glibc runs it (guest_static_agent).
+scripts/static-agent.sh
 # The ct escape suite and the incremental-mark test also run inside a vm guest on cgroup v2 with Debian's kernel
 # (crates/clade-vm/tests/guest_ct_in_vm.rs).
 CT_JAIL_TEST_BIN=${CT_JAIL_TEST_BIN:-$(cargo test -p clade-ct --test guest_jail --no-run --message-format=json 2>/dev/null |

@@ -249,15 +249,43 @@ pub fn mapped_pss_rss(pid: u32, dir: &Path) -> Option<(u64, u64)> {
     Some((pss, rss))
 }
 
-/// The clade-agent binary that templates install: `$CLADE_AGENT_BIN`, else `clade-agent` beside the running
-/// executable or up to two directories above it (a test binary runs from cargo's `target/*/deps`, the agent is
-/// built into `target/*`).
+/// Where `./x` puts the static agent, relative to cargo's target directory (scripts/static-agent.sh, docs/agent.md).
+pub const STATIC_AGENT: &str = "static/clade-agent";
+
+/// The clade-agent binary that templates, ct sandboxes and vm guests get: `$CLADE_AGENT_BIN`; else, looking
+/// beside the running executable and up to two directories above it (a test binary runs from cargo's
+/// `target/*/deps`), the static build `./x` makes ([`STATIC_AGENT`]) unless a `clade-agent` there is newer (a
+/// plain `cargo build` after the agent changed), else that `clade-agent`. The static one runs in any rootfs,
+/// with or without glibc.
 pub fn agent_binary() -> Option<std::path::PathBuf> {
     if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
         return Some(p.into());
     }
     let exe = std::env::current_exe().ok()?;
-    exe.ancestors().skip(1).take(3).map(|dir| dir.join("clade-agent")).find(|p| p.is_file())
+    let found = |name: &str| exe.ancestors().skip(1).take(3).map(|dir| dir.join(name)).find(|p| p.is_file());
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    match (found(STATIC_AGENT), found("clade-agent")) {
+        (Some(s), Some(d)) if modified(&d) > modified(&s) => Some(d),
+        (Some(s), _) => Some(s),
+        (None, d) => d,
+    }
+}
+
+/// Whether the ELF file at `path` asks for a dynamic loader (has a `PT_INTERP` program header): false for a
+/// static binary, `None` when it is not a 64-bit little-endian ELF file.
+pub fn elf_is_dynamic(path: &std::path::Path) -> Option<bool> {
+    let b = std::fs::read(path).ok()?;
+    if b.len() < 64 || &b[..4] != b"\x7fELF" || b[4] != 2 || b[5] != 1 {
+        return None;
+    }
+    let u16_at = |o: usize| b.get(o..o + 2).map(|s| u16::from_le_bytes([s[0], s[1]]));
+    let phoff = u64::from_le_bytes(b.get(32..40)?.try_into().ok()?) as usize;
+    let (phentsize, phnum) = (u16_at(54)? as usize, u16_at(56)? as usize);
+    const PT_INTERP: u32 = 3;
+    Some((0..phnum).any(|i| {
+        let o = phoff + i * phentsize;
+        b.get(o..o + 4).is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) == PT_INTERP)
+    }))
 }
 
 /// The fields of `/proc/PID/status` (`Uid`, `CapEff`, `Seccomp`, ...), each value's first word; `None` once the
@@ -304,6 +332,18 @@ mod mapped_tests {
         let none = mapped_pss_rss(me, Path::new("/nonexistent-clade-dir")).expect("own smaps");
         assert_eq!(none, (0, 0));
         assert!(mapped_pss_rss(u32::MAX, dir).is_none(), "no such process");
+    }
+
+    #[test]
+    fn elf_is_dynamic_tells_static_from_dynamic() {
+        let me = std::env::current_exe().unwrap();
+        assert_eq!(super::elf_is_dynamic(&me), Some(true), "a cargo test binary asks for ld.so");
+        // busybox-static (installed by ./x setup) has no loader.
+        let busybox = ["/bin/busybox", "/usr/bin/busybox"].into_iter().map(std::path::Path::new).find(|p| p.exists());
+        assert_eq!(busybox.and_then(super::elf_is_dynamic), busybox.map(|_| false));
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(tmp.path(), "#!/bin/sh\n").unwrap();
+        assert_eq!(super::elf_is_dynamic(tmp.path()), None);
     }
 
     #[test]

@@ -103,12 +103,7 @@ pub fn predump_default() -> bool {
 pub const DEFAULT_PIDS_MAX: u64 = 4096;
 
 fn find_agent() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("CLADE_AGENT_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?;
-    [dir.join("clade-agent"), dir.parent()?.join("clade-agent")].into_iter().find(|p| p.exists())
+    clade_core::host::agent_binary()
 }
 
 /// A step of a start or restore after which a test can make it fail, to prove nothing is left behind.

@@ -121,11 +121,23 @@ fn guest_fsck_is_clean_after_snapshot_taken_paused_mid_write() {
     let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let Some((dir, k, initrd, img)) = setup() else { return };
     let (s, id0) = stored(dir.path(), &img);
-    let e = export_of(&s, &id0);
-    let srv = TestServer::start(vec![("disk", e.clone())]);
-    let mut g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "churn");
-    g.wait_for("WRITING", BOOT);
-    std::thread::sleep(Duration::from_secs(1));
+    // Under TCG on a loaded host, the churning guest now and then resets itself silently (a triple fault:
+    // `-no-reboot` turns it into QEMU exiting 0 with nothing on the console; ~1 run in 4 beside another guest,
+    // seen once in CI beside a release build). That is the emulator, not what is tested here, so such a
+    // run is started again on a fresh export, at most three times.
+    let mut attempt = 0;
+    let (e, _srv, mut g) = loop {
+        attempt += 1;
+        let e = export_of(&s, &id0);
+        let srv = TestServer::start(vec![("disk", e.clone())]);
+        let mut g = Guest::boot(dir.path(), &k, &initrd, &srv.socket, "churn");
+        g.wait_for("WRITING", BOOT);
+        std::thread::sleep(Duration::from_secs(1));
+        if !g.exited() || attempt == 3 {
+            break (e, srv, g);
+        }
+        eprintln!("guest_disk: the churning guest reset itself (QEMU exited) in attempt {attempt}; again");
+    };
     let r = g.qmp(r#"{"execute":"stop"}"#);
     assert!(r.contains("return"), "{r}");
     let before = e.stats().dirty_blocks;

@@ -161,6 +161,11 @@ impl Guest {
         self.console.lock().unwrap().iter().find_map(|l| l.trim().strip_prefix(prefix).map(str::to_owned))
     }
 
+    /// Whether QEMU has exited already.
+    pub fn exited(&mut self) -> bool {
+        self.child.try_wait().ok().flatten().is_some()
+    }
+
     /// Waits for QEMU to exit (the guest powers off).
     pub fn wait_exit(&mut self, timeout: Duration) {
         let t = Instant::now();

@@ -13,6 +13,7 @@ mod conn;
 mod fsops;
 mod init;
 mod netreset;
+mod passwd;
 mod procs;
 mod ready;
 mod reaper;

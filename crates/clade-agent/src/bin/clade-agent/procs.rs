@@ -138,12 +138,10 @@ pub struct Started {
     outs: Vec<(Chan, File)>,
 }
 
-fn resolve_user(name: &str) -> Result<nix::unistd::User, AgentError> {
-    match nix::unistd::User::from_name(name) {
-        Ok(Some(u)) => Ok(u),
-        Ok(None) => Err(AgentError::BadRequest { detail: format!("no user {name:?} in the sandbox's /etc/passwd") }),
-        Err(e) => Err(AgentError::os(format!("looking up user {name:?}"), &e.into())),
-    }
+fn resolve_user(name: &str) -> Result<crate::passwd::User, AgentError> {
+    let text = std::fs::read_to_string("/etc/passwd").map_err(|e| AgentError::os("reading /etc/passwd", &e))?;
+    crate::passwd::find(&text, name)
+        .ok_or_else(|| AgentError::BadRequest { detail: format!("no user {name:?} in the sandbox's /etc/passwd") })
 }
 
 /// Spawns a process as `spec` says.
@@ -171,10 +169,10 @@ pub fn spawn(agent: &Arc<Agent>, conn: &Arc<Conn>, spec: ExecSpec) -> Result<Sta
     if let Some(cwd) = &spec.cwd {
         cmd.current_dir(crate::fsops::check_path(cwd)?);
     }
-    if let Some(uid) = spec.uid.or(user.as_ref().map(|u| u.uid.as_raw())) {
+    if let Some(uid) = spec.uid.or(user.as_ref().map(|u| u.uid)) {
         cmd.uid(uid);
     }
-    if let Some(gid) = spec.gid.or(user.as_ref().map(|u| u.gid.as_raw())) {
+    if let Some(gid) = spec.gid.or(user.as_ref().map(|u| u.gid)) {
         cmd.gid(gid);
     }
     let spawn_err = |e: std::io::Error| match e.kind() {
