@@ -170,17 +170,25 @@ async fn user_of<H: Host>(app: &Arc<App<H>>, id: &str, h: &HeaderMap, named: Opt
         let s = String::from_utf8(raw).ok()?;
         Some(s.split(':').next().unwrap_or("").to_string())
     });
-    let name = named
-        .map(str::to_owned)
-        .or(from_header)
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| app.cfg.default_user.clone());
+    let named = named.map(str::to_owned).or(from_header).filter(|n| !n.is_empty());
     let users = users_of(app, id).await;
+    choose_user(&users, named, &app.cfg.default_user)
+}
+
+/// The user a request runs as: the one it names, else the default (E2B's `user`) where the sandbox's
+/// /etc/passwd has it, else root (a template without E2B's user, such as clade's `minimal`). A named user the
+/// sandbox lacks is an error, as in envd.
+fn choose_user(users: &Users, named: Option<String>, default: &str) -> Result<User, String> {
+    let root = || User { name: "root".into(), uid: 0, gid: 0, home: "/root".into() };
+    let name = match named {
+        Some(n) => n,
+        None => return Ok(users.by_name(default).or_else(|| users.by_name("root")).cloned().unwrap_or_else(root)),
+    };
     if let Some(u) = users.by_name(&name) {
         return Ok(u.clone());
     }
     if users.users.is_empty() && name == "root" {
-        return Ok(User { name, uid: 0, gid: 0, home: "/root".into() });
+        return Ok(root());
     }
     Err(format!("error looking up user '{name}': unknown user {name} in the sandbox's /etc/passwd"))
 }
@@ -892,8 +900,13 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
             connect::unary(res.await.map(|e| json!({"entry": entry_json(&e, &users)})))
         }
         "Remove" => {
+            // As envd's `os.RemoveAll`: a path that is not there is already removed, not an error.
             let p = resolve(&user, &r.path);
-            connect::unary(call(&app, move |h| h.remove(&i, &p)).await.map(|_| json!({})))
+            let res = match call(&app, move |h| h.remove(&i, &p)).await {
+                Err(e) if e.code == Code::NotFound => Ok(()),
+                other => other,
+            };
+            connect::unary(res.map(|_| json!({})))
         }
         "WatchDir" => {
             let p = resolve(&user, &r.path);
@@ -1063,5 +1076,17 @@ mod tests {
         assert_eq!(signal_of(Some(&json!("SIGNAL_SIGKILL"))).unwrap(), 9);
         assert_eq!(signal_of(Some(&json!(15))).unwrap(), 15);
         assert!(signal_of(None).is_err());
+    }
+
+    #[test]
+    fn the_default_user_is_e2bs_user_where_the_sandbox_has_it() {
+        let e2b = Users::parse("root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n", "");
+        let minimal = Users::parse("root:x:0:0:root:/root:/bin/bash\n", "");
+        let pick = |u: &Users, n: Option<&str>| choose_user(u, n.map(String::from), "user").map(|u| (u.name, u.home));
+        assert_eq!(pick(&e2b, None), Ok(("user".into(), "/home/user".into())));
+        assert_eq!(pick(&minimal, None), Ok(("root".into(), "/root".into())), "no `user`: root, as before");
+        assert_eq!(pick(&Users::parse("", ""), None), Ok(("root".into(), "/root".into())), "no passwd at all");
+        assert_eq!(pick(&e2b, Some("root")), Ok(("root".into(), "/root".into())));
+        assert!(pick(&minimal, Some("user")).unwrap_err().contains("unknown user user"), "named and missing");
     }
 }

@@ -30,7 +30,8 @@ pub struct Config {
     /// The envd version reported to SDKs: it selects their code paths (0.5.7: default user, stdin, octet-stream
     /// uploads, no file metadata).
     pub envd_version: String,
-    /// The user processes and files run as when a request names none.
+    /// The user processes and files run as when a request names none, where the sandbox has it (E2B's `user`,
+    /// home /home/user); a sandbox without it runs such requests as root.
     pub default_user: String,
     /// Seconds a sandbox lives when create names no timeout.
     pub default_timeout_s: u64,
@@ -44,7 +45,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             envd_version: "0.5.7".into(),
-            default_user: "root".into(),
+            default_user: "user".into(),
             default_timeout_s: 300,
             state_file: None,
             client_id: "clade".into(),

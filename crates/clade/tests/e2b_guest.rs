@@ -133,10 +133,14 @@ fn run_sdk(mut cmd: Command, s: &Serve, key: &str, template: &str, what: &str) {
 }
 
 fn build_base(h: &Path, backend: &str) {
-    let spec = repo().join("templates/minimal/template.toml");
+    build_base_of(h, "minimal", backend)
+}
+
+fn build_base_of(h: &Path, template: &str, backend: &str) {
+    let spec = repo().join("templates").join(template).join("template.toml");
     let t = Instant::now();
     ok(h, &["base", "build", spec.to_str().unwrap(), "--backend", backend]);
-    eprintln!("minimal base on {backend} built in {:.1} s", t.elapsed().as_secs_f64());
+    eprintln!("{template} base on {backend} built in {:.1} s", t.elapsed().as_secs_f64());
 }
 
 fn nothing_left(h: &Path) {
@@ -199,6 +203,24 @@ fn guest_e2b_python_sdk_on_vm() {
     // The whole flow; under TCG each restore is seconds, so this is the slow one.
     c.arg("sdk_flow.py");
     run_sdk(c, &s, &key, "minimal:vm", "python sdk on vm");
+    drop(s);
+    nothing_left(h);
+}
+
+/// E2B's base template (templates/e2b-base) on ct through the Python SDK: the default user is `user` in
+/// /home/user, root when asked, and python/pip/curl/git/node are there. sudo is not checked here: the ct
+/// jail's no_new_privs refuses it (docs/e2b.md).
+#[test]
+fn guest_e2b_base_template_on_ct() {
+    let Some(py) = can_run("ct") else { return };
+    let t = test_home();
+    let h = t.path();
+    build_base_of(h, "e2b-base", "ct");
+    let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
+    let s = serve(h);
+    let mut c = Command::new(py);
+    c.arg("base_template.py");
+    run_sdk(c, &s, &key, "e2b-base:ct", "e2b base template on ct");
     drop(s);
     nothing_left(h);
 }

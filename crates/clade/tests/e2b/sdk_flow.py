@@ -54,6 +54,11 @@ sbx.files.rename("/tmp/e2b/hello.txt", "/tmp/e2b/sub/moved.txt")
 check("rename", sbx.files.read("/tmp/e2b/sub/moved.txt") == "hello from the sdk")
 sbx.files.remove("/tmp/e2b/sub")
 check("remove", not sbx.files.exists("/tmp/e2b/sub"))
+try:  # envd removes with os.RemoveAll: a missing path is no error
+    sbx.files.remove("/tmp/e2b/never-there")
+    check("remove of a missing path is no error", True)
+except Exception as e:
+    check("remove of a missing path is no error", False, repr(e))
 st = sbx.files.get_info("/tmp/e2b/blob.bin")
 check("get_info", st.size == len(blob) and st.type.value == "file", repr(st))
 try:

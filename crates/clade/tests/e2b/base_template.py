@@ -1,0 +1,34 @@
+"""E2B's `base` template as clade ships it (templates/e2b-base) through the official Python SDK: commands and
+files default to the user `user` in /home/user, as on E2B, and the tools E2B's base image documents are there.
+Env as sdk_flow.py; E2B_SUDO=1 also checks passwordless sudo (a vm guest; a ct sandbox's no_new_privs refuses
+it, docs/e2b.md)."""
+
+import os
+import sys
+
+from e2b import Sandbox
+
+TEMPLATE = os.environ.get("E2B_TEMPLATE", "base")
+
+
+def check(name, cond, detail=""):
+    print(("ok   " if cond else "FAIL ") + name + (f"  [{detail}]" if detail else ""), flush=True)
+    if not cond:
+        sys.exit(1)
+
+
+sbx = Sandbox.create(TEMPLATE)
+r = sbx.commands.run("whoami; pwd; echo $HOME")
+check("runs as user in /home/user", r.stdout.split() == ["user", "/home/user", "/home/user"], repr(r.stdout))
+root = sbx.commands.run("whoami", user="root")
+check("root when asked", root.stdout.strip() == "root", repr(root.stdout))
+info = sbx.files.write("note.txt", "relative to the user's home")
+check("relative file path is under /home/user", info.path == "/home/user/note.txt", repr(info))
+# Not checked yet: the file's owner (clade writes uploads as root; E2B as the user; docs/e2b.md).
+tools = sbx.commands.run("python --version && python3 -m pip --version && curl --version && git --version && node --version")
+check("python (as python), pip, curl, git, node", tools.exit_code == 0, tools.stdout.replace("\n", " | ")[:200])
+if os.environ.get("E2B_SUDO") == "1":
+    s = sbx.commands.run("sudo -n whoami")
+    check("passwordless sudo", s.stdout.strip() == "root", repr(s))
+sbx.kill()
+print("all passed")
