@@ -3,8 +3,9 @@
 //! (a snapshot), pause is suspend, connect/resume is resume, fork is a mark then a fork of it, snapshot is a
 //! kept mark; envd's process and filesystem calls go to the sandbox's supervisor (streams over its socket).
 //!
-//! Template names: `base` is `$CLADE_E2B_TEMPLATE` (default `minimal`); `NAME:ct` / `NAME:vm` pick the backend,
-//! otherwise `$CLADE_E2B_BACKEND` (default `ct`); a mark id or label (what a snapshot returned) works as is.
+//! Template names: `base` is `$CLADE_E2B_TEMPLATE` (default `e2b-base`, its base built on first use:
+//! [`crate::e2b_base`]); `NAME:ct` / `NAME:vm` pick the backend, otherwise `$CLADE_E2B_BACKEND` (default `ct`); a
+//! mark id or label (what a snapshot returned) works as is.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
@@ -70,6 +71,11 @@ fn host_err(e: anyhow::Error) -> HostError {
     }
 }
 
+/// Whether a clade error is of kind `not_found` (a template with no base yet, an unknown name).
+fn host_err_kind_not_found(e: &anyhow::Error) -> bool {
+    clade_host::error::kind(e) == clade_core::ErrorKind::NotFound
+}
+
 fn kind_of(t: FileType) -> Kind {
     match t {
         FileType::File => Kind::File,
@@ -101,7 +107,8 @@ impl CladeHost {
         CladeHost {
             api,
             home,
-            default_template: std::env::var("CLADE_E2B_TEMPLATE").unwrap_or_else(|_| "minimal".into()),
+            default_template: std::env::var("CLADE_E2B_TEMPLATE")
+                .unwrap_or_else(|_| crate::e2b_base::DEFAULT_TEMPLATE.into()),
             default_backend,
             envs: Mutex::new(HashMap::new()),
         }
@@ -159,7 +166,17 @@ impl Host for CladeHost {
             Some((n, "vm")) => (n, BackendKind::Vm),
             _ => (name, self.default_backend),
         };
-        let forked = self.api.fork(&ForkRequest::new(name, Some(backend), 1)).map_err(|e| match host_err(e) {
+        let req = ForkRequest::new(name, Some(backend), 1);
+        let forked = match self.api.fork(&req) {
+            // E2B's base has no base on this backend yet: build it now (first use), then fork.
+            Err(e) if template == "base" && host_err_kind_not_found(&e) => {
+                crate::e2b_base::ensure_base(&self.home, name, backend)
+                    .map_err(|b| HostError::NotFound(format!("template 'base' (clade's {name}): {b:#}")))?;
+                self.api.fork(&req)
+            }
+            r => r,
+        };
+        let forked = forked.map_err(|e| match host_err(e) {
             HostError::NotFound(m) | HostError::Invalid(m) => {
                 HostError::NotFound(format!("template '{template}' not found ({m})"))
             }

@@ -14,6 +14,7 @@ mod app;
 pub mod client;
 mod doors;
 pub mod e2b;
+mod e2b_base;
 mod e2b_keys;
 mod error;
 mod exec;

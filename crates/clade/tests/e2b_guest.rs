@@ -207,20 +207,27 @@ fn guest_e2b_python_sdk_on_vm() {
     nothing_left(h);
 }
 
-/// E2B's base template (templates/e2b-base) on ct through the Python SDK: the default user is `user` in
-/// /home/user, root when asked, and python/pip/curl/git/node are there. sudo is not checked here: the ct
-/// jail's no_new_privs refuses it (docs/e2b.md).
+/// E2B's `base` on ct through the Python SDK, on a home where nothing was built: the first create builds
+/// clade's e2b-base template and its base from the shipped spec (crates/clade-api/src/e2b_base.rs), then the
+/// default user is `user` in /home/user, root when asked, and python/pip/curl/git/node are there. sudo is not
+/// checked here: the ct jail's no_new_privs refuses it (docs/e2b.md).
 #[test]
 fn guest_e2b_base_template_on_ct() {
     let Some(py) = can_run("ct") else { return };
+    // The template's package stage is cached in the real home first (minutes on a new host, once), as the
+    // debootstrap is: the first create below then builds in about a second, inside the SDK's request timeout.
+    let spec = repo().join("templates/e2b-base/template.toml");
+    ok(&real_home(), &["template", "build", spec.to_str().unwrap()]);
     let t = test_home();
     let h = t.path();
-    build_base_of(h, "e2b-base", "ct");
     let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
+    let bases = || ok(h, &["base", "ls", "--json"]);
+    assert!(!bases().contains("e2b-base"), "no base before the first create: {}", bases());
     let s = serve(h);
     let mut c = Command::new(py);
     c.arg("base_template.py");
-    run_sdk(c, &s, &key, "e2b-base:ct", "e2b base template on ct");
+    run_sdk(c, &s, &key, "base", "e2b base template on ct, built on first use");
     drop(s);
+    assert!(bases().contains("e2b-base"), "the first create built e2b-base's ct base: {}", bases());
     nothing_left(h);
 }
