@@ -152,13 +152,14 @@ fn privileged_identity_in_sandbox() {
     assert!(rep.hostname_set && rep.machine_id_set && rep.crng_reseeded);
     assert_eq!((rep.entropy_added, rep.signalled, rep.scripts.len()), (64, 1, 1));
     assert_eq!(
-        out(&c, "hostname; cat /etc/hostname /etc/machine-id /run/restored"),
-        "sib-3\nsib-3\nfedcba9876543210fedcba9876543210\n3\n"
+        out(&c, "hostname; cat /etc/hostname /etc/machine-id /run/restored; grep -c '^127.0.1.1[[:space:]]sib-3$' /etc/hosts"),
+        "sib-3\nsib-3\nfedcba9876543210fedcba9876543210\n3\n1\n"
     );
     assert!(p.output().unwrap().status.success());
     assert_eq!(c.read_file_vec("/run/sig").unwrap(), b"got\n");
     assert_eq!(c.hello().unwrap().generation, 3);
     // the host's own files were not touched
+    assert!(!std::fs::read_to_string("/etc/hosts").unwrap_or_default().contains("sib-3"));
     assert_ne!(
         std::fs::read_to_string("/etc/machine-id").unwrap_or_default().trim(),
         "fedcba9876543210fedcba9876543210"

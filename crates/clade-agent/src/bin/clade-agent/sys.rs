@@ -161,6 +161,31 @@ fn reseed_crng() -> io::Result<()> {
     Ok(())
 }
 
+/// `/etc/hosts` text with `127.0.1.1` naming `hostname` (the line replaced if there was one, appended if not; the
+/// localhost lines written first when the file was empty); every other line kept.
+fn hosts_naming(old: &str, hostname: &str) -> String {
+    let mut out = String::new();
+    if old.trim().is_empty() {
+        out.push_str("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n");
+    }
+    let mut named = false;
+    for line in old.lines() {
+        if line.split_whitespace().next() == Some("127.0.1.1") {
+            if !named {
+                out.push_str(&format!("127.0.1.1\t{hostname}\n"));
+                named = true;
+            }
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    if !named {
+        out.push_str(&format!("127.0.1.1\t{hostname}\n"));
+    }
+    out
+}
+
 pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
     let mut rep = IdentityReport::default();
     if let Some(h) = &id.hostname {
@@ -179,6 +204,16 @@ pub fn set_identity(agent: &Agent, id: &Identity) -> IdentityReport {
                     match write_replace(&p, format!("{h}\n").as_bytes(), 0o644, false) {
                         Ok(()) => rep.hostname_set = true,
                         Err(e) => rep.errors.push(format!("writing {}: {e}", p.display())),
+                    }
+                    // The name resolves inside the sandbox as on Debian (`127.0.1.1 NAME`): sudo and other tools
+                    // look it up and warn or wait when it does not.
+                    let hosts = agent.sys_path("/etc/hosts");
+                    let old = std::fs::read_to_string(&hosts).unwrap_or_default();
+                    let new = hosts_naming(&old, h);
+                    if new != old {
+                        if let Err(e) = write_replace(&hosts, new.as_bytes(), 0o644, false) {
+                            rep.errors.push(format!("writing {}: {e}", hosts.display()));
+                        }
                     }
                 }
             }
@@ -340,4 +375,25 @@ pub fn pre_exec_controlling_tty(cmd: &mut Command) {
             Ok(())
         })
     };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hosts_name_the_sandbox_once_and_keep_the_rest() {
+        let debian = "127.0.0.1\tlocalhost\n127.0.1.1\ttemplate\n::1\tlocalhost\n# comment\n";
+        assert_eq!(
+            super::hosts_naming(debian, "clade-ab12"),
+            "127.0.0.1\tlocalhost\n127.0.1.1\tclade-ab12\n::1\tlocalhost\n# comment\n"
+        );
+        let plain = "127.0.0.1 localhost\n";
+        assert_eq!(super::hosts_naming(plain, "n"), "127.0.0.1 localhost\n127.0.1.1\tn\n");
+        let empty = super::hosts_naming("", "n");
+        assert!(empty.starts_with("127.0.0.1\tlocalhost\n") && empty.ends_with("127.0.1.1\tn\n"), "{empty}");
+        let twice = "127.0.1.1 a\n127.0.1.1 b\n";
+        assert_eq!(super::hosts_naming(twice, "n"), "127.0.1.1\tn\n", "one line naming it");
+        // Idempotent: a sibling restored again writes nothing new.
+        let once = super::hosts_naming(debian, "x");
+        assert_eq!(super::hosts_naming(&once, "x"), once);
+    }
 }
