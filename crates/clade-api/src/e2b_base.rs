@@ -1,10 +1,8 @@
 //! E2B's `base` template on first use. E2B's SDKs ask for `base` unless told otherwise; clade serves it as
 //! `$CLADE_E2B_TEMPLATE`, by default `e2b-base` (`templates/e2b-base`: E2B's user `user` in /home/user, sudo,
 //! python, curl, git, node; docs/e2b.md). When that template has no base for the backend yet, the first create
-//! builds it: from the template already built on this host, else from the spec shipped with clade (found beside
-//! the binary, as `./x` leaves it, or under `$CLADE_TEMPLATES_DIR`). One build at a time; later creates fork.
-
-use std::path::PathBuf;
+//! builds it: from the template already built on this host, else from the spec shipped with clade
+//! ([`clade_host::base::shipped_template`]). One build at a time; later creates fork.
 
 use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
@@ -15,17 +13,6 @@ pub const DEFAULT_TEMPLATE: &str = "e2b-base";
 /// Serializes first-use builds in this process: concurrent creates wait for the one build.
 static BUILDING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
-/// The spec of a template shipped with clade: `$CLADE_TEMPLATES_DIR/NAME`, else `templates/NAME` in the working
-/// directory or beside the running binary and up to four directories above it (a cargo build's `target/*`).
-pub fn shipped_spec(name: &str) -> Option<PathBuf> {
-    let mut roots: Vec<PathBuf> = std::env::var_os("CLADE_TEMPLATES_DIR").map(PathBuf::from).into_iter().collect();
-    roots.push(PathBuf::from("templates"));
-    if let Ok(exe) = std::env::current_exe() {
-        roots.extend(exe.ancestors().skip(1).take(5).map(|a| a.join("templates")));
-    }
-    roots.into_iter().map(|r| r.join(name).join("template.toml")).find(|p| p.is_file())
-}
-
 /// Build `name`'s base for `backend` (and the template itself when this host has not built it).
 pub fn ensure_base(home: &CladeHome, name: &str, backend: BackendKind) -> anyhow::Result<()> {
     let _one = BUILDING.lock();
@@ -33,7 +20,7 @@ pub fn ensure_base(home: &CladeHome, name: &str, backend: BackendKind) -> anyhow
     match clade_host::base::build(home, name, backend, false, &say) {
         Ok(_) => Ok(()),
         Err(first) => {
-            let Some(spec) = shipped_spec(name) else {
+            let Some(spec) = clade_host::base::shipped_template(name) else {
                 return Err(first.context(format!(
                     "template {name} is not built here and its spec was not found beside clade (set \
                      CLADE_TEMPLATES_DIR, or run `clade template build templates/{name}`)"
@@ -51,8 +38,8 @@ mod tests {
     #[test]
     fn the_shipped_e2b_base_spec_is_found_from_a_test_binary() {
         // A cargo test binary lives in target/debug/deps: the repository's templates/ is four levels up.
-        let p = super::shipped_spec(super::DEFAULT_TEMPLATE).expect("templates/e2b-base/template.toml");
+        let p = clade_host::base::shipped_template(super::DEFAULT_TEMPLATE).expect("templates/e2b-base/template.toml");
         assert!(p.ends_with("templates/e2b-base/template.toml"), "{}", p.display());
-        assert!(super::shipped_spec("no-such-template").is_none());
+        assert!(clade_host::base::shipped_template("no-such-template").is_none());
     }
 }

@@ -202,8 +202,7 @@ pub fn tasks() -> Option<(u64, u64)> {
 
 /// Threads of a process (the `Threads:` line of /proc/PID/status).
 pub fn threads(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("Threads:"))?.trim().parse().ok()
+    proc_status(pid)?.get("Threads")?.parse().ok()
 }
 
 /// CPU seconds a process has used (all its threads, user and system) and seconds since it started, from

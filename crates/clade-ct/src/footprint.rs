@@ -12,6 +12,14 @@ use crate::sandbox::ROLE_ROOTFS;
 
 pub struct CtFootprint;
 
+/// A counter of a sandbox's cgroup: `v2_file` in its v2 directory, else `v1_file` in its directory of the v1
+/// `controller` hierarchy.
+fn cgroup_counter(sandbox: &str, v2_file: &str, controller: &str, v1_file: &str) -> Option<u64> {
+    let v2 = format!("/sys/fs/cgroup/clade/{sandbox}/{v2_file}");
+    let v1 = format!("/sys/fs/cgroup/{controller}/clade/{sandbox}/{v1_file}");
+    [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+}
+
 impl Footprint for CtFootprint {
     fn kind(&self) -> BackendKind {
         BackendKind::Ct
@@ -45,16 +53,12 @@ impl Footprint for CtFootprint {
 
     /// Its memory cgroup's charge (its tmpfs upper is charged there too): one file read.
     fn charged_memory(&self, sandbox: &str) -> Option<u64> {
-        let v2 = format!("/sys/fs/cgroup/clade/{sandbox}/memory.current");
-        let v1 = format!("/sys/fs/cgroup/memory/clade/{sandbox}/memory.usage_in_bytes");
-        [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+        cgroup_counter(sandbox, "memory.current", "memory", "memory.usage_in_bytes")
     }
 
     /// Its pids cgroup's count (a jailed sandbox has one): one file read.
     fn charged_tasks(&self, sandbox: &str) -> Option<u64> {
-        let v2 = format!("/sys/fs/cgroup/clade/{sandbox}/pids.current");
-        let v1 = format!("/sys/fs/cgroup/pids/clade/{sandbox}/pids.current");
-        [v2, v1].iter().find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+        cgroup_counter(sandbox, "pids.current", "pids", "pids.current")
     }
 
     fn layers_role(&self) -> Option<&'static str> {

@@ -144,20 +144,15 @@ pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], al
             .collect();
         running.iter().filter(|r| ids.contains(&r.id)).collect()
     };
-    let mut bytes: Vec<u64> = siblings.iter().map(|r| r.private_bytes()).collect();
-    bytes.sort_unstable();
-    let measured = bytes.get(bytes.len() / 2).copied().filter(|b| *b > 0);
-    // CPU likewise: the median sibling's busy vCPUs, else the shape's (a mark with none running yet).
-    let mut busy: Vec<f64> = siblings.iter().map(|r| r.vcpus).collect();
-    busy.sort_unstable_by(f64::total_cmp);
-    let per_vcpus = busy.get(busy.len() / 2).copied().unwrap_or_else(|| f64::from(vcpus_of(engine, mark)));
+    let measured = median(siblings.iter().map(|r| r.private_bytes()), u64::cmp).filter(|b| *b > 0);
+    // CPU and tasks likewise: the median sibling's, else the shape's vCPUs and the estimate (none running yet).
+    let per_vcpus =
+        median(siblings.iter().map(|r| r.vcpus), f64::total_cmp).unwrap_or_else(|| f64::from(vcpus_of(engine, mark)));
+    let per_tasks = median(siblings.iter().map(|r| r.tasks), u64::cmp).unwrap_or(clade_core::admission::TASKS_ESTIMATE);
     let (estimate, base_bytes) = fp.memory_estimate(mark.logical_bytes, shape_bytes);
     let private = measured.unwrap_or(estimate);
     let base = (base_bytes > 0).then(|| mark.id.as_str().to_string());
     let n = u64::from(count.max(1));
-    let mut tasks: Vec<u64> = siblings.iter().map(|r| r.tasks).collect();
-    tasks.sort_unstable();
-    let per_tasks = tasks.get(tasks.len() / 2).copied().unwrap_or(clade_core::admission::TASKS_ESTIMATE);
     Request {
         vcpus: per_vcpus * n as f64,
         private_bytes: private.saturating_mul(n),
@@ -167,6 +162,13 @@ pub fn request(engine: &Engine, mark: &Mark, count: u32, running: &[Running], al
         allow_suspend,
         tasks: per_tasks.saturating_mul(n),
     }
+}
+
+/// The median of `values` by `cmp` (the upper one of an even count); `None` when there are none.
+fn median<T: Copy>(values: impl Iterator<Item = T>, cmp: fn(&T, &T) -> std::cmp::Ordering) -> Option<T> {
+    let mut v: Vec<T> = values.collect();
+    v.sort_unstable_by(cmp);
+    v.get(v.len() / 2).copied()
 }
 
 /// Serializes decisions in this process, so two concurrent forks do not both take the last room.

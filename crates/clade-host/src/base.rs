@@ -16,6 +16,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{conflict, invalid, not_found};
 
+/// The spec of a template shipped with clade (`templates/NAME/template.toml`): under `$CLADE_TEMPLATES_DIR`, else
+/// `templates/` in the working directory or beside the running binary and up to four directories above it (a
+/// cargo build's `target/*/deps`).
+pub fn shipped_template(name: &str) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let mut roots: Vec<PathBuf> = std::env::var_os("CLADE_TEMPLATES_DIR").map(PathBuf::from).into_iter().collect();
+    roots.push(PathBuf::from("templates"));
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).take(5).map(|a| a.join("templates")));
+    }
+    roots.into_iter().map(|r| r.join(name).join("template.toml")).find(|p| p.is_file())
+}
+
 /// Find or build the template `key` names (a name, a hash, or a spec path).
 pub fn template_record(home: &CladeHome, key: &str, backend: BackendKind) -> anyhow::Result<TemplateRecord> {
     template_record_with(home, key, backend, &|_| {})

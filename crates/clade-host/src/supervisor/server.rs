@@ -218,15 +218,19 @@ impl Supervisor {
     /// vCPUs the sandbox's processes kept busy since the last time they were measured (at least [`CPU_INTERVAL`]
     /// ago), or since they started: what admission counts a running sandbox's CPU by (admit.rs).
     fn cpu_busy(&self, pids: &[u32]) -> f64 {
+        let now = Instant::now();
+        let mut seen = self.cpu_seen.lock();
+        if let Some(last) = *seen {
+            if now.duration_since(last.at) < CPU_INTERVAL {
+                return last.busy;
+            }
+        }
         let (mut used_s, mut age_s) = (0.0f64, 0.0f64);
         for (used, age) in pids.iter().filter_map(|p| clade_core::host::cpu_seconds(*p)) {
             used_s += used;
             age_s = age_s.max(age);
         }
-        let now = Instant::now();
-        let mut seen = self.cpu_seen.lock();
         let busy = match *seen {
-            Some(last) if now.duration_since(last.at) < CPU_INTERVAL => return last.busy,
             // Processes that ended take their time with them: never below zero.
             Some(last) => (used_s - last.used_s).max(0.0) / now.duration_since(last.at).as_secs_f64(),
             None if age_s > 0.0 => used_s / age_s,

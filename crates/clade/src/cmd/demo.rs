@@ -45,15 +45,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn default_template() -> anyhow::Result<PathBuf> {
-    let mut candidates = vec![PathBuf::from("templates/minimal")];
-    if let Ok(exe) = std::env::current_exe() {
-        for a in exe.ancestors().skip(1).take(4) {
-            candidates.push(a.join("templates/minimal"));
-        }
-    }
-    candidates
-        .into_iter()
-        .find(|p| p.join("template.toml").is_file())
+    clade_host::base::shipped_template("minimal")
+        .and_then(|spec| spec.parent().map(PathBuf::from))
         .ok_or_else(|| anyhow!("cannot find templates/minimal: run from the repository or pass --template DIR"))
 }
 
