@@ -9,6 +9,8 @@
 #  - CRIU 4.2 from Debian sid with all its libraries, fetched with a private apt configuration under
 #    $CLADE_HOME/apt-sid (the host's sources are not changed), extracted under $CLADE_HOME/criu, run through
 #    sid's own loader by the wrapper $CLADE_HOME/criu/bin/criu.
+#  - Garage (a distributed S3 server, for the tests and benches of several hosts), built once with cargo into
+#    $CLADE_HOME/garage.
 # Downloaded .debs stay in $CLADE_HOME/debs, so a later setup needs no network. Every extraction goes to a
 # temporary directory that is renamed into place only when complete.
 set -euo pipefail
@@ -159,7 +161,7 @@ WRAP
   say "CRIU ready: $("$CLADE_HOME/criu/bin/criu" --version | head -n1)"
 fi
 
-# ---- 4. Python tools for tests (moto's S3 server for the blob tier; later the e2b SDK) ------------------------
+# ---- 4. Python tools for tests (moto's S3 mock for unit tests of the S3 code; the E2B SDKs) ------------------
 py="$CLADE_HOME/py"
 py_pkgs=("moto[server]")
 py_ok() { [ -x "$py/bin/moto_server" ]; }
@@ -203,6 +205,24 @@ fi
 if [ ! -f "$node_dir/node_modules/e2b/package.json" ]; then
   say "installing the E2B JS SDK (e2b@2.51.0) into $node_dir"
   npm install --silent --no-audit --no-fund --prefix "$node_dir" e2b@2.51.0 || die "npm could not install e2b@2.51.0"
+fi
+
+# ---- 5. Garage, a real distributed S3 server for the tests and benches of several hosts (docs/roam.md) -----
+# Built once from crates.io with cargo (sqlite metadata, bundled C libraries) into $CLADE_HOME/garage; its
+# build directory is removed afterwards, the binary stays, so later runs are offline.
+garage_ver=2.5.0
+garage_bin="$CLADE_HOME/garage/bin/garage"
+garage_ok() { "$garage_bin" --version 2>/dev/null | grep -q "[:v]$garage_ver"; }
+if ! garage_ok; then
+  say "building Garage $garage_ver into $CLADE_HOME/garage (once; several minutes)"
+  rm -rf "$CLADE_HOME/garage.tmp"
+  cargo install -q garage --version "$garage_ver" --locked --no-default-features --features bundled-libs,sqlite \
+    --root "$CLADE_HOME/garage.tmp" --target-dir "$CLADE_HOME/build/garage" \
+    || die "cargo could not build garage $garage_ver: crates.io must be reachable"
+  strip "$CLADE_HOME/garage.tmp/bin/garage" 2>/dev/null || true
+  rm -rf "$CLADE_HOME/garage"; mv "$CLADE_HOME/garage.tmp" "$CLADE_HOME/garage"
+  rm -rf "$CLADE_HOME/build/garage"
+  garage_ok || die "garage does not run: $("$garage_bin" --version 2>&1 | head -n3)"
 fi
 
 end=$(date +%s.%N)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# ./x test: build, then run the three test tiers (see ARCHITECTURE.md, "Test tiers").
+# ./x test: build, then run the four test tiers (see ARCHITECTURE.md, "Test tiers").
 #   unit        assumes nothing about the machine
 #   privileged  root, mounts, namespaces       (tests whose path contains `privileged`)
 #   guest       boots QEMU or restores with CRIU (tests whose path contains `guest`)
-# `./x test unit|privileged|guest` runs one tier. Extra arguments after the tier go to the test binaries.
+#   multihost   several clade hosts over a real Garage cluster (tests whose path contains `multihost`)
+# `./x test unit|privileged|guest|multihost` runs one tier. Extra arguments after the tier go to the test binaries.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tier=${1:-all}
@@ -26,13 +27,15 @@ run_tier() {
   cargo test --workspace --no-fail-fast -q -- "$@"
 }
 case "$tier" in
-  unit) run_tier unit --skip privileged --skip guest "$@" ;;
-  privileged) run_tier privileged privileged "$@" ;;
-  guest) run_tier guest guest --test-threads=1 "$@" ;;
+  unit) run_tier unit --skip privileged --skip guest --skip multihost "$@" ;;
+  privileged) run_tier privileged privileged --skip multihost "$@" ;;
+  guest) run_tier guest guest --skip multihost --test-threads=1 "$@" ;;
+  multihost) run_tier multihost multihost --test-threads=1 "$@" ;;
   all)
-    run_tier unit --skip privileged --skip guest "$@"
-    run_tier privileged privileged --skip guest "$@"
-    run_tier guest guest --test-threads=1 "$@"
+    run_tier unit --skip privileged --skip guest --skip multihost "$@"
+    run_tier privileged privileged --skip guest --skip multihost "$@"
+    run_tier guest guest --skip multihost --test-threads=1 "$@"
+    run_tier multihost multihost --test-threads=1 "$@"
     ;;
-  *) echo "./x test: unknown tier '$tier' (unit, privileged, guest)" >&2; exit 2 ;;
+  *) echo "./x test: unknown tier '$tier' (unit, privileged, guest, multihost)" >&2; exit 2 ;;
 esac

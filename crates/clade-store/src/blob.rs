@@ -47,23 +47,44 @@ pub(crate) struct Blob {
     rt: tokio::runtime::Runtime,
     store: Arc<dyn ObjectStore>,
     desc: String,
+    /// `desc` and the endpoint, for errors.
+    at: String,
 }
 
-fn berr(op: &'static str, key: &str, e: impl std::fmt::Display) -> StoreError {
-    StoreError::Blob { op, key: key.to_string(), detail: e.to_string() }
+fn berr(at: &str, op: &'static str, key: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Blob { tier: at.to_string(), op, key: key.to_string(), detail: e.to_string() }
+}
+
+/// How long a request to the blob tier is retried before its error is returned: `CLADE_BLOB_RETRY_S`, else
+/// 20 s (object_store's default of 3 minutes would leave a push to an unreachable tier hanging that long).
+fn retry_config() -> object_store::RetryConfig {
+    let secs = std::env::var("CLADE_BLOB_RETRY_S").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(20);
+    object_store::RetryConfig {
+        max_retries: 5,
+        retry_timeout: Duration::from_secs(secs.clamp(1, 300)),
+        ..Default::default()
+    }
 }
 
 impl Blob {
     pub fn open(cfg: &BlobConfig) -> Result<Self, StoreError> {
-        let (store, desc): (Arc<dyn ObjectStore>, String) = match cfg {
+        let (store, desc, at): (Arc<dyn ObjectStore>, String, String) = match cfg {
             BlobConfig::Local { root } => {
+                let at = format!("file://{}", root.display());
                 std::fs::create_dir_all(root).map_err(|e| StoreError::io("create blob directory", root, e))?;
                 let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
-                    .map_err(|e| berr("open", &root.display().to_string(), e))?;
-                (Arc::new(fs), format!("file://{}", root.display()))
+                    .map_err(|e| berr(&at, "open", &root.display().to_string(), e))?;
+                (Arc::new(fs), at.clone(), at)
             }
             BlobConfig::S3 { bucket, endpoint, region, access_key_id, secret_access_key, allow_http } => {
+                let at = format!("s3://{bucket} at {}", endpoint.as_deref().unwrap_or("AWS"));
+                let client = object_store::ClientOptions::new()
+                    .with_allow_http(*allow_http)
+                    .with_connect_timeout(Duration::from_secs(5))
+                    .with_timeout(Duration::from_secs(120));
                 let mut b = object_store::aws::AmazonS3Builder::new()
+                    .with_client_options(client)
+                    .with_retry(retry_config())
                     .with_bucket_name(bucket)
                     .with_region(region)
                     .with_access_key_id(access_key_id)
@@ -72,8 +93,8 @@ impl Blob {
                 if let Some(ep) = endpoint {
                     b = b.with_endpoint(ep);
                 }
-                let s3 = b.build().map_err(|e| berr("open", bucket, e))?;
-                (Arc::new(s3), format!("s3://{bucket}"))
+                let s3 = b.build().map_err(|e| berr(&at, "open", bucket, e))?;
+                (Arc::new(s3), format!("s3://{bucket}"), at)
             }
         };
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -81,8 +102,8 @@ impl Blob {
             .thread_name("clade-store-blob")
             .enable_all()
             .build()
-            .map_err(|e| berr("start runtime", "", e))?;
-        Ok(Blob { rt, store, desc })
+            .map_err(|e| berr(&at, "start runtime", "", e))?;
+        Ok(Blob { rt, store, desc, at })
     }
 
     pub fn describe(&self) -> &str {
@@ -92,6 +113,7 @@ impl Blob {
     fn block_on<F: std::future::Future>(&self, key: &str, f: F) -> Result<F::Output, StoreError> {
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(berr(
+                &self.at,
                 "call",
                 key,
                 "the store's sync API was called on an async runtime thread; call it through tokio::task::spawn_blocking",
@@ -102,7 +124,7 @@ impl Blob {
 
     pub fn put(&self, key: &str, data: Vec<u8>) -> Result<(), StoreError> {
         let p = BlobPath::from(key);
-        self.block_on(key, self.store.put(&p, PutPayload::from(data)))?.map_err(|e| berr("put", key, e))?;
+        self.block_on(key, self.store.put(&p, PutPayload::from(data)))?.map_err(|e| berr(&self.at, "put", key, e))?;
         Ok(())
     }
 
@@ -116,7 +138,7 @@ impl Blob {
                 Err(e) => Err(e),
             }
         })?;
-        let r = r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr("get", key, e))?;
+        let r = r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr(&self.at, "get", key, e))?;
         if let Some(b) = &r {
             crate::push::count_fetch(b.len());
         }
@@ -125,9 +147,20 @@ impl Blob {
 
     pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
         let p = BlobPath::from(key);
-        let b = self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr("get range", key, e))?;
+        let b =
+            self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr(&self.at, "get range", key, e))?;
         crate::push::count_fetch(b.len());
         Ok(b.to_vec())
+    }
+
+    /// Whether `key` exists.
+    pub fn exists(&self, key: &str) -> Result<bool, StoreError> {
+        let p = BlobPath::from(key);
+        match self.block_on(key, self.store.head(&p))? {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(berr(&self.at, "head", key, e)),
+        }
     }
 
     /// Keys under `prefix`.
@@ -141,7 +174,7 @@ impl Blob {
             }
             Ok::<_, object_store::Error>(out)
         })?;
-        r.map_err(|e| berr("list", prefix, e))
+        r.map_err(|e| berr(&self.at, "list", prefix, e))
     }
 
     /// Keys under `prefix` with their size and age (for gc's grace period).
@@ -157,7 +190,7 @@ impl Blob {
             }
             Ok::<_, object_store::Error>(out)
         })?;
-        r.map_err(|e| berr("list", prefix, e))
+        r.map_err(|e| berr(&self.at, "list", prefix, e))
     }
 
     /// Delete a key (a missing key is not an error).
@@ -165,7 +198,7 @@ impl Blob {
         let p = BlobPath::from(key);
         match self.block_on(key, self.store.delete(&p))? {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(berr("delete", key, e)),
+            Err(e) => Err(berr(&self.at, "delete", key, e)),
         }
     }
 }

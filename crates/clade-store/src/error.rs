@@ -62,9 +62,16 @@ pub enum StoreError {
     /// Another writer or collector holds the store.
     #[error("store {0} is busy: {1}; retry when the other writer or gc has finished")]
     Busy(PathBuf, String),
-    /// The blob tier failed.
-    #[error("blob tier: {op} {key}: {detail}; check the blob tier's endpoint, bucket and credentials")]
+    /// The blob tier failed (unreachable, refused the credentials, full, ...). Nothing local was changed by
+    /// the failed call, so the operation can be retried once the tier answers.
+    #[error(
+        "blob tier {tier}: {op} {key}: {detail}; check that the endpoint answers and that the bucket and \
+         credentials are right (CLADE_BLOB, CLADE_BLOB_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); \
+         nothing here was changed, so retry once it answers"
+    )]
     Blob {
+        /// The tier and its endpoint (`s3://bucket at http://host:port`).
+        tier: String,
         /// What we were doing.
         op: &'static str,
         /// The object key.

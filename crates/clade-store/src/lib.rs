@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 
 mod blob;
+mod blobcheck;
 mod blobgc;
 mod codec;
 mod error;
@@ -40,6 +41,7 @@ mod trim;
 mod writer;
 
 pub use blob::BlobConfig;
+pub use blobcheck::BlobCheckReport;
 pub use blobgc::BlobGcReport;
 pub use error::StoreError;
 pub use ids::{FrameId, ManifestId, ObjectId, PackId, TreeId};

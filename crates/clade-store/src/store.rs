@@ -519,6 +519,39 @@ impl Store {
         let data = std::fs::read(path).ctx("read", path)?;
         blob.put(&blob_key(path, &self.inner.dir), data)
     }
+
+    /// Note that the blob tier holds pack `id` and its index (uploaded by this process).
+    pub(crate) fn blob_has_pack(&self, id: &PackId) {
+        let key = blob_key(&crate::pack::idx_path(&self.inner.packs, id), &self.inner.dir);
+        self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
+    }
+
+    /// Before a root naming `manifests` is written through to the blob tier: make sure the blob tier holds
+    /// every pack their frames live in, uploading (pack, then index) those it lacks. A frame deduplicated
+    /// against a pack written before this home named a blob tier lives only here until then, and a root in
+    /// the blob tier must never name a frame the blob tier lacks (another host reads it from there alone).
+    pub(crate) fn blob_cover<'a>(&self, manifests: impl IntoIterator<Item = &'a Manifest>) -> Result<(), StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(()) };
+        let mut packs = std::collections::HashSet::new();
+        for m in manifests {
+            for f in &m.frames {
+                packs.insert(self.frame_loc(f)?.pack);
+            }
+        }
+        for p in packs {
+            let idx = crate::pack::idx_path(&self.inner.packs, &p);
+            let key = blob_key(&idx, &self.inner.dir);
+            if self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+                continue;
+            }
+            if !blob.exists(&key)? {
+                self.blob_upload(&crate::pack::pack_path(&self.inner.packs, &p))?;
+                self.blob_upload(&idx)?;
+            }
+            self.blob_has_pack(&p);
+        }
+        Ok(())
+    }
 }
 
 /// Read and verify a `.idx` file.

@@ -268,6 +268,7 @@ impl Store {
         if !tpath.exists() {
             fsutil::write_atomic(&self.inner.tmp, &tpath, &bytes)?;
         }
+        self.blob_cover(tree.manifests())?;
         self.blob_upload(&tpath)?;
         let mut data = PutReport::default();
         merge_reports(&mut data, &session.stats);

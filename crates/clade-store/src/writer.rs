@@ -229,6 +229,7 @@ pub(crate) fn publish_manifest(store: &Store, m: &Manifest) -> Result<ManifestId
     if !path.exists() {
         fsutil::write_atomic(&store.inner.tmp, &path, &bytes)?;
     }
+    store.blob_cover([m])?;
     store.blob_upload(&path)?;
     Ok(id)
 }
@@ -369,6 +370,9 @@ pub(crate) fn publish_pack(store: &Store, pack: Option<PackWriter>) -> Result<bo
     let (id, path, frames) = pack.finish(&inner.packs, &inner.tmp)?;
     store.blob_upload(&path)?;
     store.blob_upload(&crate::pack::idx_path(&inner.packs, &id))?;
+    if inner.blob.is_some() {
+        store.blob_has_pack(&id);
+    }
     store.write_index().add_pack(id, frames);
     Ok(true)
 }

@@ -89,6 +89,35 @@ impl Drop for Moto {
     }
 }
 
+/// A home that wrote data before it named a blob tier, then publishes a root deduplicated against it: the
+/// packs the root needs go up first, so the blob tier never names a frame it lacks (another host reads the
+/// root from there alone). `check_blob` would report the tree and manifest as naming missing frames otherwise.
+#[test]
+fn roots_written_through_bring_their_older_packs() {
+    let d = tempfile::tempdir().unwrap();
+    let (home, tier) = (d.path().join("home"), d.path().join("tier"));
+    let data = pages(7, 300);
+    let src = d.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("f.img"), pages(8, 40)).unwrap();
+    {
+        let local = Store::open(&home, cfg()).unwrap();
+        local.put_bytes(&data, ImageKind::Mem).unwrap();
+        local.put_dir(&src).unwrap();
+    }
+    let s = with_blob(&home, BlobConfig::Local { root: tier.clone() });
+    assert_eq!(s.check_blob().unwrap().packs, 0, "nothing was uploaded before the blob tier was named");
+    let m = s.put_bytes(&data, ImageKind::Mem).unwrap().id.unwrap();
+    let t = s.put_dir(&src).unwrap().id;
+    let rep = s.check_blob().unwrap();
+    assert!(rep.whole() && rep.manifests == 1 && rep.trees == 1 && rep.packs >= 1, "{rep:?}");
+    // And another host reads both from the blob tier alone.
+    let b = with_blob(&d.path().join("b"), BlobConfig::Local { root: tier });
+    assert_eq!(read_all(&b, &m), data);
+    b.get_dir(&t, &d.path().join("out")).unwrap();
+    assert_eq!(std::fs::read(d.path().join("out/f.img")).unwrap(), pages(8, 40));
+}
+
 fn http(port: u16, req: &str) -> std::io::Result<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;

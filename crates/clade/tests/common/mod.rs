@@ -70,6 +70,17 @@ pub fn moto(bucket: &str) -> Option<clade_store::testkit::Moto> {
     Some(clade_store::testkit::Moto::start(&bin, bucket).expect("start moto"))
 }
 
+/// A 3-node Garage cluster on loopback with one bucket (`clade_store::testkit`); `None` (and a printed reason)
+/// where the setup did not build Garage.
+pub fn garage(bucket: &str) -> Option<clade_store::testkit::Garage> {
+    let bin = real_home().join("garage/bin/garage");
+    if !bin.exists() {
+        eprintln!("skip: {} is not installed (run ./x setup)", bin.display());
+        return None;
+    }
+    Some(clade_store::testkit::Garage::start(&bin, bucket).expect("start a 3-node Garage cluster"))
+}
+
 /// A CLADE_HOME of its own that borrows the kernel and the accelerator probe of the real one.
 pub fn vm_bare_home(prefix: &str) -> tempfile::TempDir {
     let t = tempfile::Builder::new().prefix(prefix).tempdir_in("/var/tmp").unwrap();

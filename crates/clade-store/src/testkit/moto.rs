@@ -1,5 +1,5 @@
-//! For tests and benches of the crates above: a real S3-compatible server (moto, from the setup's Python venv)
-//! on loopback, with one bucket, ended on drop.
+//! moto's S3 server (from the setup's Python venv) on loopback with one bucket: a mock kept for unit tests
+//! of the S3 code; figures and tests of several hosts use [`super::Garage`].
 
 use std::io::{Read, Write};
 use std::path::Path;

@@ -9,7 +9,7 @@
 //!
 //! Blob keys: `roam/sandboxes/<id>/record.json` (what the other ledger needs) and
 //! `roam/sandboxes/<id>/owner.json` (`{"host", "state": "pushed"|"taken"}`): a sandbox taken by one host
-//! cannot be pulled by another until that host pushes it again.
+//! cannot be pulled by another until that host pushes it again; [`owner`] makes the taking exclusive.
 
 use std::path::Path;
 use std::time::Instant;
@@ -23,6 +23,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::backends::footprint;
 use crate::error::{check_id, conflict, invalid, not_found};
+
+mod owner;
+
+use owner::{read_owner, write_owner};
+pub use owner::{take, Owner, CLAIM_TTL};
 
 /// What another host's ledger needs to resume the sandbox.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -48,14 +53,6 @@ pub struct Lower {
     pub path: String,
     /// Its tree in the store, when it lived in the pushing home; `None`: an installed path every host has.
     pub tree: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Owner {
-    pub host: String,
-    /// `pushed` (any host may pull it) or `taken` (that host has it).
-    pub state: String,
-    pub at_ms: u64,
 }
 
 /// A push of a suspended sandbox to the blob tier.
@@ -99,9 +96,6 @@ pub struct RoamRow {
 fn record_key(sbx: &str) -> String {
     format!("sandboxes/{sbx}/record.json")
 }
-fn owner_key(sbx: &str) -> String {
-    format!("sandboxes/{sbx}/owner.json")
-}
 
 /// This home's host id (`$CLADE_HOME/host-id`, made once).
 pub fn host_id(engine: &Engine) -> anyhow::Result<String> {
@@ -127,19 +121,6 @@ fn need_blob(engine: &Engine) -> anyhow::Result<String> {
              AWS_SECRET_ACCESS_KEY) on every host that shares it (docs/roam.md)",
         )
     })
-}
-
-fn read_owner(engine: &Engine, sbx: &str) -> anyhow::Result<Option<Owner>> {
-    match engine.store.blob_get_meta(&owner_key(sbx))? {
-        Some(b) => Ok(Some(serde_json::from_slice(&b).context("the blob tier's owner record does not parse")?)),
-        None => Ok(None),
-    }
-}
-
-fn write_owner(engine: &Engine, sbx: &str, host: &str, state: &str) -> anyhow::Result<()> {
-    let o = Owner { host: host.into(), state: state.into(), at_ms: now_ms() };
-    engine.store.blob_put_meta(&owner_key(sbx), serde_json::to_vec(&o)?)?;
-    Ok(())
 }
 
 /// Split a mark's roles into store manifests and trees (its backend's layer and word roles are neither: a
@@ -181,7 +162,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
             rec.state.as_str()
         )));
     }
-    if let Some(o) = read_owner(engine, sandbox)? {
+    if let Some(o) = read_owner(&engine.store, sandbox)? {
         if o.state == "taken" && o.host != me {
             return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
         }
@@ -233,7 +214,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         pushed_ms: now_ms(),
     };
     engine.store.blob_put_meta(&record_key(sandbox), serde_json::to_vec_pretty(&record)?)?;
-    write_owner(engine, sandbox, &me, "pushed")?;
+    write_owner(&engine.store, sandbox, &me, "pushed")?;
     // This host forgets the sandbox; its branch and head stay (pinned) so local gc never unpublishes objects
     // another host now resumes from (delete_manifest unpublishes in the blob tier too).
     {
@@ -289,23 +270,13 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     if record.format != 1 {
         return Err(invalid(format!("state record format {} is newer than this clade knows", record.format)));
     }
-    match read_owner(engine, sandbox)? {
-        Some(o) if o.state == "taken" && o.host != me => {
-            return Err(conflict(format!(
-                "sandbox {sandbox} was taken by host {} (it may be running there); it must push it again first",
-                o.host
-            )));
-        }
+    match read_owner(&engine.store, sandbox)? {
+        Some(o) if o.state == "taken" && o.host != me => return Err(owner::taken_by(sandbox, &o)),
         None => return Err(conflict(format!("sandbox {sandbox} in {tier} has no owner record; push it again"))),
         _ => {}
     }
-    write_owner(engine, sandbox, &me, "taken")?;
-    // Last writer wins on S3 without conditional puts: read back, and back off when another host won.
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    match read_owner(engine, sandbox)? {
-        Some(o) if o.host == me && o.state == "taken" => {}
-        o => return Err(conflict(format!("sandbox {sandbox}: another host took it at the same time ({o:?})"))),
-    }
+    // Exactly one of the hosts taking it at once wins; the others are refused, naming it.
+    owner::take(&engine.store, sandbox, &me, owner::settle_time())?;
     progress(&format!("pull: {sandbox} (mark {}) from {tier}, pushed by {}", record.mark.id, record.pushed_by));
     let mut mark = record.mark.clone();
     let fp = footprint(from_ledger(record.backend));
@@ -393,7 +364,7 @@ pub fn list(engine: &Engine) -> anyhow::Result<Vec<RoamRow>> {
     let mut out = Vec::new();
     for k in engine.store.blob_list_meta("sandboxes")? {
         let Some(sbx) = k.strip_prefix("sandboxes/").and_then(|s| s.strip_suffix("/owner.json")) else { continue };
-        let o = read_owner(engine, sbx)?;
+        let o = read_owner(&engine.store, sbx)?;
         out.push(RoamRow { sandbox: sbx.to_string(), owner: o });
     }
     Ok(out)

@@ -1,0 +1,220 @@
+//! Faults between a clade host and the shared blob tier (a real 3-node Garage cluster), docs/roam.md
+//! "Faults": a push whose process is SIGKILLed midway, a push whose network to the store is cut midway, a blob
+//! tier that refuses the credentials and one that does not answer. After each, the blob tier holds the mark
+//! whole or not at all (never a root whose data is missing), host A still has the sandbox, suspended, and the
+//! push retried completes; host B then resumes it with its files.
+
+use std::io::{BufRead, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clade_store::testkit::Garage;
+
+mod common;
+
+type Env = Vec<(&'static str, String)>;
+
+fn run(home: &Path, env: &Env, args: &[&str]) -> (i32, String, String) {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    common::clade_with(home, &env, args)
+}
+
+fn ok(home: &Path, env: &Env, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = run(home, env, args);
+    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+fn sh(home: &Path, env: &Env, sbx: &str, script: &str) -> String {
+    let out = ok(home, env, &["exec", sbx, "--json", "--", "sh", "-c", script]);
+    assert_eq!(out["code"], 0, "{script}: {out}");
+    out["stdout"].as_str().unwrap_or("").trim().to_string()
+}
+
+/// The blob tier as a store handle of a host that holds nothing.
+fn blob_check(g: &Garage) -> clade_store::BlobCheckReport {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = clade_store::StoreConfig { blob: Some(g.config()), ..Default::default() };
+    clade_store::Store::open(d.path(), cfg).unwrap().check_blob().unwrap()
+}
+
+fn state_on(home: &Path, sbx: &str) -> String {
+    let (code, out, err) = common::clade(home, &["ls", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().cloned().unwrap_or_default();
+    let row = rows.iter().find(|r| r["sandbox"] == sbx || r["id"] == sbx);
+    row.map(|r| r["state"].as_str().unwrap_or("").to_string()).unwrap_or_else(|| "absent".into())
+}
+
+/// A TCP relay to the store that can be cut (every connection reset, new ones refused) and restored: the
+/// network between host A and the blob tier.
+struct Link {
+    port: u16,
+    cut: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Link {
+    fn to(target: u16) -> Link {
+        let lis = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = lis.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (c2, k2) = (cut.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for s in lis.incoming() {
+                let Ok(client) = s else { continue };
+                if c2.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(up) = TcpStream::connect(("127.0.0.1", target)) else { continue };
+                let mut k = k2.lock().unwrap();
+                k.push(client.try_clone().unwrap());
+                k.push(up.try_clone().unwrap());
+                for (mut from, mut to) in [(client.try_clone().unwrap(), up.try_clone().unwrap()), (up, client)] {
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 65536];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Link { port, cut, conns }
+    }
+    fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+    fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Start `clade roam push` on `a` and stop it (by `stop`) once the blob tier holds some of its packs, before
+/// it published the mark. Returns the push's stderr.
+fn interrupt_push(a: &Path, env: &Env, sbx: &str, g: &Garage, stop: &dyn Fn(&mut std::process::Child)) -> String {
+    let before = blob_check(g).packs;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clade"))
+        .args(["roam", "push", sbx, "--json"])
+        .env("CLADE_HOME", a)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while blob_check(g).packs == before {
+        assert!(child.try_wait().unwrap().is_none(), "the push ended before it could be interrupted");
+        assert!(start.elapsed() < Duration::from_secs(60), "the push uploaded nothing in 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop(&mut child);
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the interrupted push must not report success");
+    let mut err = String::new();
+    for l in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        err.push_str(&l.unwrap_or_default());
+        err.push('\n');
+    }
+    err
+}
+
+#[test]
+fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
+    let Some(g) = common::garage("clade-faults") else { return };
+    let Some(a) = common::ct_home("clade-faults-a") else { return };
+    let b = tempfile::Builder::new().prefix("clade-faults-b").tempdir_in("/var/tmp").unwrap();
+    std::os::unix::fs::symlink(common::real_home().join("criu"), b.path().join("criu")).unwrap();
+    let (a, b) = (a.path(), b.path());
+    let env_b: Env = g.env();
+    // Host A works without the blob tier until it pushes, so the push has the whole mark to upload.
+    let none: Env = Vec::new();
+    let new_sandbox = |tag: &str| -> (String, String) {
+        let r = ok(a, &none, &["run", "ctbox", "--backend", "ct", "--json"]);
+        let sbx = r["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+        let sum = sh(a, &none, &sbx, &format!("mkdir -p /root && echo {tag} > /root/note && head -c 50331648 /dev/urandom > /root/big && md5sum < /root/big"));
+        ok(a, &none, &["suspend", &sbx, "--json"]);
+        (sbx, sum)
+    };
+
+    // 1. The pushing process is killed (SIGKILL) midway.
+    let (sbx, sum) = new_sandbox("killed");
+    let env_a = g.env();
+    let err = interrupt_push(a, &env_a, &sbx, &g, &|c| {
+        let _ = c.kill();
+    });
+    let rep = blob_check(&g);
+    assert!(rep.whole(), "after a push killed midway: {rep:?}");
+    assert_eq!(state_on(a, &sbx), "suspended", "host A still has it: {err}");
+    let (code, _, e) = run(b, &env_b, &["resume", &sbx]);
+    assert_ne!(code, 0, "B cannot resume a push that never finished: {e}");
+    retried_and_resumed(a, &env_a, b, &env_b, &sbx, &sum, "killed");
+
+    // 2. The network between A and the store is cut midway.
+    let (sbx, sum) = new_sandbox("cut");
+    let link = Link::to(g.nodes[0].s3_port);
+    let mut env_a = g.env();
+    env_a.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
+    env_a.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", link.port)));
+    env_a.push(("CLADE_BLOB_RETRY_S", "3".into()));
+    let t = Instant::now();
+    let err = interrupt_push(a, &env_a, &sbx, &g, &|c| {
+        link.cut();
+        // The push notices by itself, within its retry time.
+        let start = Instant::now();
+        while c.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < Duration::from_secs(60), "the push did not give up on a cut network");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    eprintln!("push over a cut network failed after {:.1} s: {}", t.elapsed().as_secs_f64(), err.trim());
+    assert!(err.contains(&format!("127.0.0.1:{}", link.port)), "the error names the endpoint: {err}");
+    let rep = blob_check(&g);
+    assert!(rep.whole(), "after a push cut midway: {rep:?}");
+    assert_eq!(state_on(a, &sbx), "suspended");
+    link.restore();
+    retried_and_resumed(a, &env_a, b, &env_b, &sbx, &sum, "cut");
+
+    // 3. Wrong credentials, and a tier that does not answer: clear errors, nothing changed, retry works.
+    let (sbx, sum) = new_sandbox("refused");
+    let mut wrong = g.env();
+    wrong.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    wrong.push(("AWS_SECRET_ACCESS_KEY", "0".repeat(64)));
+    let (code, _, err) = run(a, &wrong, &["roam", "push", &sbx]);
+    assert_ne!(code, 0);
+    assert!(err.contains(&g.endpoint()) && err.contains("credentials"), "{err}");
+    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut away = g.env();
+    away.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
+    away.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{dead}")));
+    away.push(("CLADE_BLOB_RETRY_S", "2".into()));
+    let (code, _, err) = run(a, &away, &["roam", "push", &sbx]);
+    assert_ne!(code, 0);
+    assert!(err.contains(&format!("127.0.0.1:{dead}")), "{err}");
+    assert_eq!(state_on(a, &sbx), "suspended");
+    retried_and_resumed(a, &g.env(), b, &env_b, &sbx, &sum, "refused");
+    assert!(blob_check(&g).whole());
+}
+
+/// The push retried on A completes; B resumes the sandbox with its files.
+fn retried_and_resumed(a: &Path, env_a: &Env, b: &Path, env_b: &Env, sbx: &str, sum: &str, tag: &str) {
+    let pushed = ok(a, env_a, &["roam", "push", sbx, "--json"]);
+    eprintln!("{tag}: the retried push uploaded {} bytes", pushed["bytes_uploaded"]);
+    assert_eq!(state_on(a, sbx), "absent", "A forgot it once pushed");
+    ok(b, env_b, &["resume", sbx, "--json"]);
+    assert_eq!(sh(b, env_b, sbx, "cat /root/note; md5sum < /root/big"), format!("{tag}\n{sum}"));
+    ok(b, env_b, &["kill", sbx, "--json"]);
+}

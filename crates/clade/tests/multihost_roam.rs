@@ -1,0 +1,197 @@
+//! Three clade hosts sharing only a real Garage cluster (3 nodes, replication factor 3), on both backends
+//! (docs/roam.md): a sandbox with a running process and an open file runs on host A, is suspended and pushed;
+//! hosts B and C resume it at the same moment while one Garage node is down, and exactly one of them gets it,
+//! the other being refused with the winner's name; the winner pushes it on, the other resumes it, and A takes
+//! it back fetching only what it lacked. The process, its open file's position and the files survive every
+//! move, and the blob tier stays whole (every published root readable from it alone).
+
+use std::path::{Path, PathBuf};
+
+use clade_store::testkit::Garage;
+
+mod common;
+
+type Env = Vec<(&'static str, String)>;
+
+fn run(home: &Path, env: &Env, args: &[&str]) -> (i32, String, String) {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    common::clade_with(home, &env, args)
+}
+
+fn ok(home: &Path, env: &Env, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = run(home, env, args);
+    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+fn sh(home: &Path, env: &Env, sbx: &str, script: &str) -> String {
+    let out = ok(home, env, &["exec", sbx, "--json", "--", "sh", "-c", script]);
+    assert_eq!(out["code"], 0, "{script}: {out}");
+    out["stdout"].as_str().unwrap_or("").trim().to_string()
+}
+
+/// A host: its home and its environment (the shared blob tier, its own guest-RAM directory).
+struct Host {
+    name: &'static str,
+    home: PathBuf,
+    env: Env,
+}
+
+impl Host {
+    fn new(name: &'static str, home: &Path, g: &Garage) -> Host {
+        let mut env = g.env();
+        env.push(("CLADE_ROAM_SETTLE_MS", "500".into()));
+        env.push(("CLADE_SHM", format!("/dev/shm/{}", home.file_name().unwrap().to_string_lossy())));
+        Host { name, home: home.to_path_buf(), env }
+    }
+    fn id(&self) -> String {
+        std::fs::read_to_string(self.home.join("host-id")).unwrap_or_default().trim().to_string()
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Some((_, shm)) = self.env.iter().find(|(k, _)| *k == "CLADE_SHM") {
+            for e in std::fs::read_dir(Path::new(shm).join("lazy")).into_iter().flatten().flatten() {
+                let _ = nix::mount::umount2(&e.path(), nix::mount::MntFlags::MNT_DETACH);
+            }
+            let _ = std::fs::remove_dir_all(shm);
+        }
+    }
+}
+
+#[test]
+fn multihost_roam_ct_three_hosts() {
+    let Some(mut g) = common::garage("clade-multihost-ct") else { return };
+    let Some(a) = common::ct_home("clade-mh-ct-a") else { return };
+    let bare = |p: &str| {
+        let t = tempfile::Builder::new().prefix(p).tempdir_in("/var/tmp").unwrap();
+        std::os::unix::fs::symlink(common::real_home().join("criu"), t.path().join("criu")).unwrap();
+        t
+    };
+    let (b, c) = (bare("clade-mh-ct-b"), bare("clade-mh-ct-c"));
+    three_hosts(&mut g, [a.path(), b.path(), c.path()], "ctbox", "ct");
+}
+
+#[test]
+fn multihost_roam_vm_three_hosts() {
+    let Some(mut g) = common::garage("clade-multihost-vm") else { return };
+    let Some(a) = common::vm_home("clade-mh-vm-a") else { return };
+    let (b, c) = (common::vm_bare_home("clade-mh-vm-b"), common::vm_bare_home("clade-mh-vm-c"));
+    three_hosts(&mut g, [a.path(), b.path(), c.path()], "busybox", "vm");
+}
+
+/// The counter process's file: its lines must be 1, 2, 3, ... with none missing or repeated (a restarted
+/// process would start again at 1; a lost file position would overwrite). Returns the last value.
+fn counter(h: &Host, sbx: &str) -> u64 {
+    let out =
+        sh(&h.home, &h.env, sbx, "awk 'NR!=$1{bad=NR} END{print (bad?\"broken at \" bad:\"ok\"), NR}' /root/counter");
+    let (state, n) = out.split_once(' ').unwrap_or((&out, "0"));
+    assert_eq!(state, "ok", "{}: the counter's file is {out}", h.name);
+    n.trim().parse().unwrap()
+}
+
+/// The sandbox is whole on `h`: the same machine and files, the process alive and counting on.
+fn intact(h: &Host, sbx: &str, pid: &str, before: &str, last: u64) {
+    assert_eq!(
+        sh(&h.home, &h.env, sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob"),
+        before,
+        "{}",
+        h.name
+    );
+    assert_eq!(sh(&h.home, &h.env, sbx, &format!("kill -0 {pid} && echo alive")), "alive", "{}", h.name);
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let now = counter(h, sbx);
+    assert!(now > last, "{}: the process counts on from {last} (now {now})", h.name);
+}
+
+fn blob_whole(g: &Garage) {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = clade_store::StoreConfig { blob: Some(g.config()), ..Default::default() };
+    let rep = clade_store::Store::open(d.path(), cfg).unwrap().check_blob().unwrap();
+    assert!(rep.whole() && rep.manifests + rep.trees > 0, "{rep:?}");
+}
+
+fn three_hosts(g: &mut Garage, homes: [&Path; 3], template: &str, backend: &str) {
+    let [a, b, c] = homes.map(|h| h.to_path_buf());
+    let a = Host::new("A", &a, g);
+    let (b, c) = (Host::new("B", &b, g), Host::new("C", &c, g));
+
+    // Host A: a sandbox with a file of its own and a process writing to an open file.
+    let r = ok(&a.home, &a.env, &["run", template, "--backend", backend, "--json"]);
+    let sbx = r["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let pid = sh(
+        &a.home,
+        &a.env,
+        &sbx,
+        "mkdir -p /root && echo travelled > /root/note && head -c 262144 /dev/urandom > /root/blob && \
+         setsid sh -c 'i=0; exec 3>>/root/counter; while true; do i=$((i+1)); echo $i >&3; sleep 0.2; done' \
+         </dev/null >/dev/null 2>&1 & echo $!",
+    );
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let before = sh(&a.home, &a.env, &sbx, "cat /etc/hostname /etc/machine-id; md5sum < /root/blob");
+    let last = counter(&a, &sbx);
+    ok(&a.home, &a.env, &["suspend", &sbx, "--json"]);
+    let pushed = ok(&a.home, &a.env, &["roam", "push", &sbx, "--json"]);
+    eprintln!("{backend}: A pushed {} of {} bytes", pushed["bytes_uploaded"], pushed["full_bytes"]);
+    blob_whole(g);
+
+    // One Garage node down: B and C resume it at the same moment; exactly one gets it.
+    g.stop_node(2);
+    let race: Vec<(i32, String, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> =
+            [&b, &c].iter().map(|h| s.spawn(|| run(&h.home, &h.env, &["resume", &sbx, "--json"]))).collect();
+        hs.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let won: Vec<usize> = (0..2).filter(|&i| race[i].0 == 0).collect();
+    assert_eq!(won.len(), 1, "exactly one of B and C resumes it: {race:?}");
+    let (w, l) = if won[0] == 0 { (&b, &c) } else { (&c, &b) };
+    let lost = &race[1 - won[0]];
+    assert_eq!(lost.0, 4, "{}: refused as a conflict: {lost:?}", l.name);
+    assert!(lost.2.contains(&w.id()), "{}'s refusal names the winner {}: {}", l.name, w.id(), lost.2);
+    let res: serde_json::Value = serde_json::from_str(&race[won[0]].1).unwrap();
+    let w_fetched = res["blob_bytes"].as_u64().unwrap();
+    eprintln!(
+        "{backend}: {} won, resumed in {:.0} ms, fetched {w_fetched} bytes; {} was refused: {}",
+        w.name,
+        res["resume_ms"].as_f64().unwrap(),
+        l.name,
+        lost.2.trim()
+    );
+    intact(w, &sbx, &pid, &before, last);
+    g.start_node(2).unwrap();
+
+    // The winner changes it and pushes it on; the other host resumes it.
+    sh(&w.home, &w.env, &sbx, "echo onward >> /root/note");
+    let last = counter(w, &sbx);
+    ok(&w.home, &w.env, &["suspend", &sbx, "--json"]);
+    ok(&w.home, &w.env, &["roam", "push", &sbx, "--json"]);
+    let res = ok(&l.home, &l.env, &["resume", &sbx, "--json"]);
+    eprintln!(
+        "{backend}: {} resumed in {:.0} ms, fetched {} bytes",
+        l.name,
+        res["resume_ms"].as_f64().unwrap(),
+        res["blob_bytes"]
+    );
+    intact(l, &sbx, &pid, &before, last);
+    assert_eq!(sh(&l.home, &l.env, &sbx, "cat /root/note"), "travelled\nonward");
+
+    // Back to A, which holds the base and the sandbox's first mark: it fetches only what it lacks.
+    let last = counter(l, &sbx);
+    ok(&l.home, &l.env, &["suspend", &sbx, "--json"]);
+    ok(&l.home, &l.env, &["roam", "push", &sbx, "--json"]);
+    let res = ok(&a.home, &a.env, &["resume", &sbx, "--json"]);
+    let a_fetched = res["blob_bytes"].as_u64().unwrap();
+    eprintln!("{backend}: A resumed in {:.0} ms, fetched {a_fetched} bytes", res["resume_ms"].as_f64().unwrap());
+    assert!(a_fetched < w_fetched, "A fetched {a_fetched} bytes, a host with nothing fetched {w_fetched}");
+    intact(&a, &sbx, &pid, &before, last);
+    blob_whole(g);
+
+    ok(&a.home, &a.env, &["kill", &sbx, "--json"]);
+    let audit = ok(&a.home, &a.env, &["audit", "--json"]);
+    assert_eq!(audit["findings"].as_array().unwrap().len(), 0, "{audit}");
+    for h in [&b, &c] {
+        let (code, _, _) = run(&h.home, &h.env, &["exec", &sbx, "--", "true"]);
+        assert_eq!(code, 3, "{} forgot the sandbox it pushed", h.name);
+    }
+}
