@@ -325,6 +325,10 @@ impl SandboxApi for Remote {
         self.typed("GET", "/v1/roam", NO_BODY)
     }
 
+    fn hosts(&self) -> anyhow::Result<Vec<HostRow>> {
+        self.typed("GET", "/v1/hosts", NO_BODY)
+    }
+
     fn proc_start(&self, sandbox: &str, spec: ProcSpec) -> anyhow::Result<(u32, ExecEvents)> {
         let body = serde_json::json!({
             "argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "pty": spec.pty,

@@ -270,6 +270,10 @@ impl SandboxApi for Fake {
         Ok(vec![])
     }
 
+    fn hosts(&self) -> anyhow::Result<Vec<HostRow>> {
+        Ok(vec![])
+    }
+
     fn proc_start(&self, sandbox: &str, spec: ProcSpec) -> anyhow::Result<(u32, ExecEvents)> {
         self.state.lock().running(sandbox)?;
         let (code, out) = run(&spec.argv);

@@ -61,6 +61,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/push"),
     ("post", "/v1/sandboxes/{id}/pull"),
     ("get", "/v1/roam"),
+    ("get", "/v1/hosts"),
 ];
 
 pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
@@ -102,7 +103,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/audit", post(audit))
         .route("/v1/sandboxes/{id}/push", post(push))
         .route("/v1/sandboxes/{id}/pull", post(pull))
-        .route("/v1/roam", get(roam_list));
+        .route("/v1/roam", get(roam_list))
+        .route("/v1/hosts", get(hosts_list));
     crate::inside::routes(r).with_state(app)
 }
 
@@ -304,6 +306,10 @@ async fn pull(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
 
 async fn roam_list(State(app): State<Arc<App>>) -> Reply {
     Ok(json(blocking(&app, "roam_list", |a| a.api.roaming()).await?))
+}
+
+async fn hosts_list(State(app): State<Arc<App>>) -> Reply {
+    Ok(json(blocking(&app, "hosts_list", |a| a.api.hosts()).await?))
 }
 
 #[cfg(test)]

@@ -54,12 +54,42 @@ fn tcp_hosts(addr: SocketAddr) -> Vec<String> {
     clade_http::doors::tcp_hosts(addr)
 }
 
+/// With a blob tier: this host's heartbeat and lease records there, every `CLADE_HEARTBEAT_S` (docs/roam.md,
+/// "Hosts and heartbeats"), on a thread of its own (the store's API blocks). It ends with the process; the
+/// lease then expires after three missed beats.
+fn heartbeat_loop(ops: &Ops) {
+    let me = match clade_host::roam::host_id(&ops.engine) {
+        Ok(h) => h,
+        Err(e) => return eprintln!("clade serve: no heartbeat: this home's host id: {e:#}"),
+    };
+    let mut failing = false;
+    loop {
+        match clade_host::roam::beat(&ops.engine, &me, &[]) {
+            Ok(_) if failing => {
+                eprintln!("clade serve: heartbeat to the blob tier works again");
+                failing = false;
+            }
+            Ok(_) => {}
+            Err(e) if !failing => {
+                eprintln!("clade serve: heartbeat to the blob tier failed (retrying every beat): {e:#}");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+        std::thread::sleep(clade_host::roam::beat_every());
+    }
+}
+
 /// Serve until SIGINT or SIGTERM.
 pub fn run(a: Config) -> anyhow::Result<i32> {
     let home = CladeHome::from_env();
     let _lock = lock::take(&home)?;
     let ops = Arc::new(Ops::open(&home)?);
     let store = Some(ops.engine.store.clone());
+    if ops.engine.store.blob_tier().is_some() {
+        let ops = ops.clone();
+        std::thread::Builder::new().name("clade-heartbeat".into()).spawn(move || heartbeat_loop(&ops))?;
+    }
     let key = doors::load_or_create_key(&home)?;
     let app = Arc::new(App {
         api: ops,

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::audit::{AuditReport, Finding};
 pub use crate::gc::GcOutcome;
-pub use crate::roam::{Owner, PullOutcome, PushOutcome, RoamRow};
+pub use crate::roam::{Beat, HostRow, Owner, PullOutcome, PushOutcome, RoamRow};
 pub use crate::siblings::{Control, SiblingAudit};
 pub use crate::supervisor::protocol::{ProcListing, ProcSpec, Ready};
 pub use clade_agent::proto::{DirEntry, FileStat, FileType};
@@ -434,6 +434,8 @@ pub trait SandboxApi: Send + Sync {
     fn pull(&self, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome>;
     /// The sandboxes in the blob tier and who has them.
     fn roaming(&self) -> anyhow::Result<Vec<RoamRow>>;
+    /// The hosts sharing the blob tier, from their heartbeat records.
+    fn hosts(&self) -> anyhow::Result<Vec<HostRow>>;
 
     // Processes inside a sandbox, started through its supervisor (they outlive the caller's connection).
 

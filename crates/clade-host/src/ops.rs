@@ -227,6 +227,11 @@ impl SandboxApi for Ops {
         crate::roam::list(&self.engine)
     }
 
+    /// The hosts sharing the blob tier (see [`crate::roam`]).
+    fn hosts(&self) -> anyhow::Result<Vec<HostRow>> {
+        crate::roam::hosts(&self.engine)
+    }
+
     /// End a sandbox: through its supervisor, or (suspended, or lost) in the ledger, reaping what a dead
     /// supervisor left behind.
     fn kill(&self, sandbox: &str) -> anyhow::Result<KillOutcome> {

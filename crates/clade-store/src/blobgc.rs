@@ -12,8 +12,10 @@
 //! (an interrupted upload) is deleted after the grace period; an `.idx` without its `.pack` is damage and
 //! only reported.
 //!
-//! Leases are host-local (flock), so with several hosts sharing one bucket, run the blob gc on one host at a
-//! time and keep `gc_grace` longer than any writer session; see docs/store.md.
+//! Leases of this host are flocks; other hosts' leases are their records in the blob tier (`leases/<host>.json`,
+//! crate::hostlease): the packs a live record names are kept, an expired record is deleted. With several hosts
+//! sharing one bucket, run the blob gc on one host at a time and keep `gc_grace` longer than any writer session;
+//! see docs/store.md.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -39,6 +41,12 @@ pub struct BlobGcReport {
     pub live_trees: u64,
     /// Live leases of this host.
     pub live_leases: u64,
+    /// Hosts' lease records in the blob tier that are live (their packs are kept), and expired ones (deleted:
+    /// what only they kept is collected).
+    pub host_leases_live: u64,
+    pub host_leases_expired: u64,
+    /// Packs kept because a live host lease names them.
+    pub packs_kept_leased: u64,
     /// Frames those roots use.
     pub live_frames: u64,
     /// Packs kept (live, or younger than the grace period).
@@ -68,6 +76,7 @@ fn key_stem(key: &str) -> &str {
 
 /// A pack of the blob tier, as gc sees it.
 struct BlobPack {
+    id: PackId,
     idx: BlobMeta,
     pack: Option<BlobMeta>,
     frames: Vec<FrameEntry>,
@@ -89,6 +98,8 @@ impl Store {
         // Mark: roots of both tiers and this host's leases.
         let (leases, _) = self.live_leases(true)?;
         rep.live_leases = leases.len() as u64;
+        let (leased_packs, live, expired) = self.leased_packs(dry_run)?;
+        (rep.host_leases_live, rep.host_leases_expired) = (live, expired);
         let mut manifests: HashSet<ManifestId> = self.manifests()?.into_iter().collect();
         manifests.extend(blob.list("manifests")?.iter().filter_map(|k| key_stem(k).parse::<ManifestId>().ok()));
         let mut trees: HashSet<TreeId> = self.trees()?.into_iter().collect();
@@ -155,7 +166,7 @@ impl Store {
                 }
                 None => continue, // deleted since the listing
             };
-            packs.push(BlobPack { idx: m, pack, frames });
+            packs.push(BlobPack { id, idx: m, pack, frames });
         }
 
         // Every live frame must be held somewhere, or gc stops before deleting anything.
@@ -198,6 +209,10 @@ impl Store {
         };
         order.sort_by_key(|&i| share(&packs[i]));
         for i in order {
+            if leased_packs.contains(&packs[i].id) {
+                rep.packs_kept_leased += 1;
+                continue;
+            }
             let redundant = packs[i].frames.iter().filter(|f| live.contains_key(&f.id())).all(|f| {
                 holders.get(&f.id()).is_some_and(|hs| hs.iter().any(|&h| h != i && keep[h] && packs[h].pack.is_some()))
             });
@@ -229,7 +244,7 @@ impl Store {
         }
         // Packs whose index never arrived (an upload cut short).
         for m in pack_meta.into_values() {
-            if m.age < grace {
+            if m.age < grace || key_stem(&m.key).parse::<PackId>().is_ok_and(|id| leased_packs.contains(&id)) {
                 continue;
             }
             rep.leftovers_deleted += 1;

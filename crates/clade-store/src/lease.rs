@@ -74,7 +74,7 @@ impl From<TreeId> for Root {
 }
 
 impl Root {
-    fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         match self {
             Root::Manifest(m) => format!("manifest {m}\n"),
             Root::Tree(t) => format!("tree {t}\n"),

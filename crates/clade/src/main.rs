@@ -58,6 +58,8 @@ enum Command {
     /// Move suspended sandboxes between hosts through the shared blob tier (`CLADE_BLOB`).
     #[command(subcommand)]
     Roam(cmd::roam::Command),
+    /// The hosts sharing the blob tier: last heartbeat, what each runs and owns, which stopped.
+    Hosts(cmd::roam::HostsArgs),
     /// End a sandbox, or (`--all`) every sandbox not dead.
     Kill(cmd::sandbox::KillArgs),
     /// List sandboxes (a sandbox whose supervisor died is reported as lost).
@@ -127,6 +129,7 @@ fn main() {
         Command::Suspend(a) => cmd::sandbox::suspend(a),
         Command::Resume(a) => cmd::sandbox::resume(a),
         Command::Roam(c) => cmd::roam::run(c),
+        Command::Hosts(a) => cmd::roam::hosts(a),
         Command::Kill(a) => cmd::sandbox::kill(a),
         Command::Ls(a) => cmd::sandbox::ls(a),
         Command::Marks(a) => cmd::sandbox::marks(a),

@@ -161,6 +161,12 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     assert_eq!(state_on(a, &sbx), "suspended", "host A still has it: {err}");
     let (code, _, e) = run(b, &env_b, &["resume", &sbx]);
     assert_ne!(code, 0, "B cannot resume a push that never finished: {e}");
+    // B's blob gc, with no grace at all, keeps what A's push uploaded: A's lease (written before the upload)
+    // names it, though no published root does yet.
+    let packs = blob_check(&g).packs;
+    let gc = ok(b, &env_b, &["store", "gc", "--include-blob", "--grace-secs", "0", "--json"]);
+    assert!(gc["blob"]["packs_kept_leased"].as_u64().unwrap() > 0, "{gc}");
+    assert_eq!(blob_check(&g).packs, packs, "{gc}");
     retried_and_resumed(a, &env_a, b, &env_b, &sbx, &sum, "killed");
 
     // 2. The network between A and the store is cut midway.
@@ -217,4 +223,44 @@ fn retried_and_resumed(a: &Path, env_a: &Env, b: &Path, env_b: &Env, sbx: &str, 
     ok(b, env_b, &["resume", sbx, "--json"]);
     assert_eq!(sh(b, env_b, sbx, "cat /root/note; md5sum < /root/big"), format!("{tag}\n{sum}"));
     ok(b, env_b, &["kill", sbx, "--json"]);
+}
+
+/// `clade hosts` over the blob tier: a host whose `clade serve` beats is live and leases; SIGKILLed, it is shown
+/// as stopped after three missed beats, its lease is no longer honoured, and blob gc deletes the record.
+#[test]
+fn multihost_hosts_heartbeat_then_stopped() {
+    let Some(g) = common::garage("clade-hosts") else { return };
+    let (h, q) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut env = g.env();
+    env.push(("CLADE_HEARTBEAT_S", "1".into()));
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_clade"))
+        .args(["serve", "--listen", &format!("unix:{}/api.sock", h.path().display())])
+        .env("CLADE_HOME", h.path())
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let row = |want: &str| -> serde_json::Value {
+        let start = Instant::now();
+        loop {
+            let id = std::fs::read_to_string(h.path().join("host-id")).unwrap_or_default();
+            let rows = ok(q.path(), &env, &["hosts", "--json"]);
+            let r = rows.as_array().unwrap().iter().find(|r| !id.is_empty() && r["host"] == id.trim()).cloned();
+            if let Some(r) = r.filter(|r| r["state"] == want) {
+                return r;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "host never shown {want}: {rows}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let live = row("live");
+    assert_eq!(live["lease_live"], true, "{live}");
+    assert!(live["age_s"].as_f64().unwrap() < 3.0, "{live}");
+    let _ = serve.kill();
+    let _ = serve.wait();
+    let stopped = row("stopped");
+    assert_eq!(stopped["lease_live"], false, "{stopped}");
+    let gc = ok(q.path(), &env, &["store", "gc", "--include-blob", "--json"]);
+    assert_eq!(gc["blob"]["host_leases_expired"], 1, "{gc}");
 }

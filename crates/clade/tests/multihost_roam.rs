@@ -159,6 +159,11 @@ fn three_hosts(g: &mut Garage, homes: [&Path; 3], template: &str, backend: &str)
         lost.2.trim()
     );
     intact(w, &sbx, &pid, &before, last);
+    // Every host sees who has it in `clade hosts` (the winner's pull beat into the blob tier).
+    let hosts = ok(&a.home, &a.env, &["hosts", "--json"]);
+    let row = hosts.as_array().unwrap().iter().find(|r| r["host"] == w.id().as_str()).cloned();
+    let owns = row.as_ref().and_then(|r| r["owns"].as_array().cloned()).unwrap_or_default();
+    assert!(owns.iter().any(|s| s == sbx.as_str()), "{} owns {sbx}: {hosts}", w.name);
     g.start_node(2).unwrap();
 
     // The winner changes it and pushes it on; the other host resumes it.

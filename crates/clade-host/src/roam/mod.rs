@@ -18,14 +18,18 @@ use anyhow::Context;
 use clade_core::engine::{from_ledger, Engine};
 use clade_core::time::now_ms;
 use clade_ledger::{BranchId, Mark, NewBranch, NewMark, NewSandbox, RetentionPolicy, SandboxId, SandboxState};
-use clade_store::{ManifestId, TreeId};
+
+use clade_store::TreeId;
 use serde::{Deserialize, Serialize};
 
 use crate::backends::footprint;
 use crate::error::{check_id, conflict, invalid, not_found};
 
+mod hosts;
 mod owner;
 
+pub use hosts::{beat, beat_every, list as hosts, Beat, HostRow};
+use hosts::{need_blob, roots_of};
 use owner::{read_owner, write_owner};
 pub use owner::{take, Owner, CLAIM_TTL};
 
@@ -114,40 +118,6 @@ pub fn host_id(engine: &Engine) -> anyhow::Result<String> {
     Ok(id)
 }
 
-fn need_blob(engine: &Engine) -> anyhow::Result<String> {
-    engine.store.blob_tier().ok_or_else(|| {
-        invalid(
-            "this home has no blob tier: set CLADE_BLOB=s3://BUCKET (and CLADE_BLOB_ENDPOINT, AWS_ACCESS_KEY_ID, \
-             AWS_SECRET_ACCESS_KEY) on every host that shares it (docs/roam.md)",
-        )
-    })
-}
-
-/// Split a mark's roles into store manifests and trees (its backend's layer and word roles are neither: a
-/// ct mark's overlay lowers and network mode).
-fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<ManifestId>, Vec<TreeId>, u64)> {
-    let fp = footprint(from_ledger(mark.backend));
-    let (mut mans, mut trees, mut bytes) = (Vec::new(), Vec::new(), 0u64);
-    for (role, v) in &mark.manifests {
-        if fp.layers_role() == Some(role.as_str()) || fp.word_roles().contains(&role.as_str()) {
-            continue;
-        }
-        let s = v.as_str();
-        if let Ok(id) = s.parse::<ManifestId>() {
-            if let Ok(m) = engine.store.manifest(&id) {
-                bytes += m.size;
-                mans.push(id);
-                continue;
-            }
-        }
-        let t: TreeId = s.parse().map_err(|_| anyhow::anyhow!("mark {} role {role}: {s} is no store id", mark.id))?;
-        let tree = engine.store.tree(&t).with_context(|| format!("mark {} role {role}", mark.id))?;
-        bytes += tree.manifests().map(|m| m.size).sum::<u64>();
-        trees.push(t);
-    }
-    Ok((mans, trees, bytes))
-}
-
 /// Push a suspended sandbox to the blob tier and forget it here.
 pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PushOutcome> {
     check_id(sandbox)?;
@@ -172,6 +142,16 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         .head(&rec.branch)?
         .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to push")))?;
     let (mans, mut trees, mut full) = roots_of(engine, &head)?;
+    // The roots in flight are leased in the blob tier before anything is uploaded (and again once the lower
+    // layers are trees), so no host's blob gc frees the packs this push uploads before the roots naming them.
+    let lease = |trees: &[TreeId]| -> Vec<clade_store::Root> {
+        mans.iter()
+            .copied()
+            .map(clade_store::Root::Manifest)
+            .chain(trees.iter().copied().map(clade_store::Root::Tree))
+            .collect()
+    };
+    beat(engine, &me, &lease(&trees))?;
     // Layers in this home (a ct mark's overlay lowers) travel as trees; installed paths elsewhere must exist on
     // every host.
     let fp = footprint(from_ledger(head.backend));
@@ -196,6 +176,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         }
     }
     progress(&format!("push: {} manifests, {} trees of mark {} to {tier}", mans.len(), trees.len(), head.id));
+    beat(engine, &me, &lease(&trees))?;
     let rep = engine.store.push_roots(&mans, &trees)?;
     progress(&format!(
         "push: {} packs ({} uploaded, {} bytes), {} roots uploaded",
@@ -222,6 +203,9 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         l.pin(&head.id, true)?;
         l.set_sandbox_state(&id, SandboxState::Dead, Some(&format!("pushed to {tier}")))?;
         l.remove_sandbox(&id)?;
+    }
+    if let Err(e) = beat(engine, &me, &[]) {
+        progress(&format!("push: warning: heartbeat: {e:#}"));
     }
     let took = start.elapsed();
     engine.op("push", None, Some(&head.id), took, None, serde_json::json!({"sandbox": sandbox, "report": rep}));
@@ -302,6 +286,9 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         mark.manifests.insert(role.into(), clade_ledger::ManifestId::new(names.join(":")));
     }
     record_locally(engine, &record, &mark)?;
+    if let Err(e) = beat(engine, &me, &[]) {
+        progress(&format!("pull: warning: heartbeat: {e:#}"));
+    }
     let took = start.elapsed();
     engine.op("pull", Some(&id), Some(&mark.id), took, None, serde_json::json!({"from": record.pushed_by}));
     Ok(PullOutcome {

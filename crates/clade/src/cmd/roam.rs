@@ -1,4 +1,5 @@
-//! `clade roam ls|push|pull`: sandboxes moving between hosts through the shared blob tier (docs/roam.md).
+//! `clade roam ls|push|pull`: sandboxes moving between hosts through the shared blob tier (docs/roam.md), and
+//! `clade hosts`: the hosts sharing it, from their heartbeat records.
 //! `clade resume SBX` pulls by itself when the sandbox is not on this host but was pushed.
 
 use super::sandbox::{api, print};
@@ -52,4 +53,38 @@ pub fn run(c: Command) -> anyhow::Result<i32> {
             print(json, &out, |b| format!("{sandbox} pulled from {}; `clade resume {sandbox}` starts it here", b.from))
         }
     }
+}
+
+#[derive(clap::Args)]
+pub struct HostsArgs {
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn hosts(a: HostsArgs) -> anyhow::Result<i32> {
+    let rows = api()?.hosts()?;
+    print(a.json, &rows, |rows| {
+        let mut s = format!(
+            "{:<22} {:<8} {:>8} {:>7} {:>9} {:<6} owns",
+            "HOST", "STATE", "BEAT", "RUNNING", "SUSPENDED", "LEASE"
+        );
+        for r in rows {
+            s.push_str(&format!(
+                "\n{:<22} {:<8} {:>7.0}s {:>7} {:>9} {:<6} {}",
+                r.beat.host,
+                r.state,
+                r.age_s,
+                r.beat.running.len(),
+                r.beat.suspended.len(),
+                if r.lease_live { "live" } else { "ended" },
+                r.owns.join(",")
+            ));
+        }
+        if rows.is_empty() {
+            s.push_str(
+                "\n(no host has beaten into this blob tier: `clade serve` beats every CLADE_HEARTBEAT_S seconds)",
+            );
+        }
+        s
+    })
 }

@@ -15,7 +15,8 @@ pub struct StoreOpt {
     /// zstd level for new data (0 = off; default 1).
     #[arg(long, global = true)]
     zstd: Option<i32>,
-    /// Blob tier: `file:///DIR` or `s3://BUCKET` (S3 keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).
+    /// Blob tier: `file:///DIR` or `s3://BUCKET` (S3 keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY);
+    /// default: the home's own (`CLADE_BLOB`, docs/roam.md).
     #[arg(long, global = true)]
     blob: Option<String>,
     /// S3 endpoint of an S3-compatible server, e.g. http://127.0.0.1:9000 (default: AWS).
@@ -28,7 +29,9 @@ pub struct StoreOpt {
 
 impl StoreOpt {
     fn blob(&self) -> anyhow::Result<Option<BlobConfig>> {
-        let Some(url) = &self.blob else { return Ok(None) };
+        let Some(url) = &self.blob else {
+            return clade_core::CladeHome::from_env().blob_config().map_err(|e| anyhow::anyhow!(e));
+        };
         if let Some(dir) = url.strip_prefix("file://") {
             return Ok(Some(BlobConfig::Local { root: PathBuf::from(dir) }));
         }
@@ -118,7 +121,8 @@ pub struct GcArgs {
     /// Say what would be deleted, delete nothing.
     #[arg(long)]
     dry_run: bool,
-    /// Also collect the blob tier (--blob): run it on one host at a time (leases are per host).
+    /// Also collect the blob tier: run it on one host at a time. Other hosts' live lease records there keep
+    /// what they name; expired ones (hosts that stopped beating) are deleted.
     #[arg(long = "include-blob")]
     include_blob: bool,
     /// Leave packs and temp files younger than this alone (writers in flight); default 3600.
