@@ -13,7 +13,7 @@
 #   browser  cold vs restored agent-ready, memory, pause with the browser template on ct, then vm (TCG: slow)
 #                                                                     (crates/clade-bench/src/browser.rs)
 #   fleet  the built-in fleet, keep-running vs suspend-idle, with the costs measured above (clade fleet simulate)
-#   roam   suspend here, resume on a fresh home via S3: fetched vs working set (crates/clade-bench/src/roam.rs)
+#   roam   suspend here, resume on a fresh home via Garage: fetched vs working set, resume there vs here, push vs boto3 (crates/clade-bench/src/roam.rs)
 #   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade-bench/src/api.rs)
 #   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade-bench/src/e2b.rs)
 #   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs

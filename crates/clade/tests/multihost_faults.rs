@@ -1,14 +1,14 @@
 //! Faults between a clade host and the shared blob tier (a real 3-node Garage cluster), docs/roam.md
 //! "Faults": a push whose process is SIGKILLed midway, a push whose network to the store is cut midway, a blob
-//! tier that refuses the credentials and one that does not answer. After each, the blob tier holds the mark
-//! whole or not at all (never a root whose data is missing), host A still has the sandbox, suspended, and the
-//! push retried completes; host B then resumes it with its files.
+//! tier that refuses the credentials, one that does not answer and one that is full (its quota reached). After
+//! each, the blob tier holds the mark whole or not at all (never a root whose data is missing), host A still has
+//! the sandbox, suspended, and the push retried completes; host B then resumes it with its files.
 
 use std::io::{BufRead, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,6 +57,8 @@ struct Link {
     port: u16,
     cut: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    /// Bytes relayed from host A to the store.
+    up: Arc<AtomicU64>,
 }
 
 impl Link {
@@ -65,7 +67,8 @@ impl Link {
         let port = lis.local_addr().unwrap().port();
         let cut = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (c2, k2) = (cut.clone(), conns.clone());
+        let up = Arc::new(AtomicU64::new(0));
+        let (c2, k2, u2) = (cut.clone(), conns.clone(), up.clone());
         std::thread::spawn(move || {
             for s in lis.incoming() {
                 let Ok(client) = s else { continue };
@@ -77,12 +80,17 @@ impl Link {
                 let mut k = k2.lock().unwrap();
                 k.push(client.try_clone().unwrap());
                 k.push(up.try_clone().unwrap());
-                for (mut from, mut to) in [(client.try_clone().unwrap(), up.try_clone().unwrap()), (up, client)] {
+                let pairs =
+                    [(client.try_clone().unwrap(), up.try_clone().unwrap(), Some(u2.clone())), (up, client, None)];
+                for (mut from, mut to, count) in pairs {
                     std::thread::spawn(move || {
                         let mut buf = [0u8; 65536];
                         while let Ok(n) = from.read(&mut buf) {
                             if n == 0 || to.write_all(&buf[..n]).is_err() {
                                 break;
+                            }
+                            if let Some(c) = &count {
+                                c.fetch_add(n as u64, Ordering::SeqCst);
                             }
                         }
                         let _ = to.shutdown(Shutdown::Both);
@@ -90,7 +98,7 @@ impl Link {
                 }
             }
         });
-        Link { port, cut, conns }
+        Link { port, cut, conns, up }
     }
     fn cut(&self) {
         self.cut.store(true, Ordering::SeqCst);
@@ -103,10 +111,17 @@ impl Link {
     }
 }
 
-/// Start `clade roam push` on `a` and stop it (by `stop`) once the blob tier holds some of its packs, before
-/// it published the mark. Returns the push's stderr.
-fn interrupt_push(a: &Path, env: &Env, sbx: &str, g: &Garage, stop: &dyn Fn(&mut std::process::Child)) -> String {
-    let before = blob_check(g).packs;
+/// Start `clade roam push` on `a` (whose endpoint is `link`) and stop it (by `stop`) once `at` bytes went up
+/// through the link: in the middle of its uploads, before it published the mark. Returns the push's stderr.
+fn interrupt_push(
+    a: &Path,
+    env: &Env,
+    sbx: &str,
+    link: &Link,
+    at: u64,
+    stop: &dyn Fn(&mut std::process::Child),
+) -> String {
+    let before = link.up.load(Ordering::SeqCst);
     let mut child = Command::new(env!("CARGO_BIN_EXE_clade"))
         .args(["roam", "push", sbx, "--json"])
         .env("CLADE_HOME", a)
@@ -116,10 +131,10 @@ fn interrupt_push(a: &Path, env: &Env, sbx: &str, g: &Garage, stop: &dyn Fn(&mut
         .spawn()
         .unwrap();
     let start = Instant::now();
-    while blob_check(g).packs == before {
+    while link.up.load(Ordering::SeqCst) - before < at {
         assert!(child.try_wait().unwrap().is_none(), "the push ended before it could be interrupted");
-        assert!(start.elapsed() < Duration::from_secs(60), "the push uploaded nothing in 60 s");
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(start.elapsed() < Duration::from_secs(60), "the push uploaded too little in 60 s");
+        std::thread::sleep(Duration::from_millis(1));
     }
     stop(&mut child);
     let status = child.wait().unwrap();
@@ -150,10 +165,17 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
         (sbx, sum)
     };
 
-    // 1. The pushing process is killed (SIGKILL) midway.
+    // Host A reaches the store through a relay that counts the bytes going up (and can be cut).
+    let link = Link::to(g.nodes[0].s3_port);
+    let mut env_a = g.env();
+    env_a.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
+    env_a.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", link.port)));
+    env_a.push(("CLADE_BLOB_RETRY_S", "3".into()));
+
+    // 1. The pushing process is killed (SIGKILL) midway: once 44 MiB went up, the lower layers (~6 MiB) and one
+    // of the mark's two packs (32 and 16 MiB) are up, the other is not.
     let (sbx, sum) = new_sandbox("killed");
-    let env_a = g.env();
-    let err = interrupt_push(a, &env_a, &sbx, &g, &|c| {
+    let err = interrupt_push(a, &env_a, &sbx, &link, 44 << 20, &|c| {
         let _ = c.kill();
     });
     let rep = blob_check(&g);
@@ -169,15 +191,10 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     assert_eq!(blob_check(&g).packs, packs, "{gc}");
     retried_and_resumed(a, &env_a, b, &env_b, &sbx, &sum, "killed");
 
-    // 2. The network between A and the store is cut midway.
+    // 2. The network between A and the store is cut midway (20 MiB of the mark's 48 up).
     let (sbx, sum) = new_sandbox("cut");
-    let link = Link::to(g.nodes[0].s3_port);
-    let mut env_a = g.env();
-    env_a.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
-    env_a.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", link.port)));
-    env_a.push(("CLADE_BLOB_RETRY_S", "3".into()));
     let t = Instant::now();
-    let err = interrupt_push(a, &env_a, &sbx, &g, &|c| {
+    let err = interrupt_push(a, &env_a, &sbx, &link, 20 << 20, &|c| {
         link.cut();
         // The push notices by itself, within its retry time.
         let start = Instant::now();
@@ -211,6 +228,14 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     assert_ne!(code, 0);
     assert!(err.contains(&format!("127.0.0.1:{dead}")), "{err}");
     assert_eq!(state_on(a, &sbx), "suspended");
+    // A full tier (the bucket's quota reached).
+    g.cli(0, &["bucket", "set-quotas", &g.bucket, "--max-size", "1MiB"]).unwrap();
+    let (code, _, err) = run(a, &g.env(), &["roam", "push", &sbx]);
+    assert_ne!(code, 0, "a push into a full tier fails");
+    assert!(err.contains(&g.endpoint()), "{err}");
+    assert_eq!(state_on(a, &sbx), "suspended");
+    assert!(blob_check(&g).whole());
+    g.cli(0, &["bucket", "set-quotas", &g.bucket, "--max-size", "none"]).unwrap();
     retried_and_resumed(a, &g.env(), b, &env_b, &sbx, &sum, "refused");
     assert!(blob_check(&g).whole());
 }

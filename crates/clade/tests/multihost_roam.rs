@@ -1,7 +1,8 @@
 //! Three clade hosts sharing only a real Garage cluster (3 nodes, replication factor 3), on both backends
 //! (docs/roam.md): a sandbox with a running process and an open file runs on host A, is suspended and pushed;
 //! hosts B and C resume it at the same moment while one Garage node is down, and exactly one of them gets it,
-//! the other being refused with the winner's name; the winner pushes it on, the other resumes it, and A takes
+//! the other being refused with the winner's name; the winner pushes it on (the node still down), the other
+//! resumes it once the node is back, and A takes
 //! it back fetching only what it lacked. The process, its open file's position and the files survive every
 //! move, and the blob tier stays whole (every published root readable from it alone).
 
@@ -164,13 +165,14 @@ fn three_hosts(g: &mut Garage, homes: [&Path; 3], template: &str, backend: &str)
     let row = hosts.as_array().unwrap().iter().find(|r| r["host"] == w.id().as_str()).cloned();
     let owns = row.as_ref().and_then(|r| r["owns"].as_array().cloned()).unwrap_or_default();
     assert!(owns.iter().any(|s| s == sbx.as_str()), "{} owns {sbx}: {hosts}", w.name);
-    g.start_node(2).unwrap();
 
-    // The winner changes it and pushes it on; the other host resumes it.
+    // The winner changes it and pushes it on (the node still down), the node comes back, and the other host
+    // resumes it.
     sh(&w.home, &w.env, &sbx, "echo onward >> /root/note");
     let last = counter(w, &sbx);
     ok(&w.home, &w.env, &["suspend", &sbx, "--json"]);
     ok(&w.home, &w.env, &["roam", "push", &sbx, "--json"]);
+    g.start_node(2).unwrap();
     let res = ok(&l.home, &l.env, &["resume", &sbx, "--json"]);
     eprintln!(
         "{backend}: {} resumed in {:.0} ms, fetched {} bytes",
