@@ -212,6 +212,6 @@ pub(crate) struct BlobMeta {
 }
 
 /// Milliseconds since the epoch, now.
-fn now_millis() -> i64 {
+pub(crate) fn now_millis() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }

@@ -6,6 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::blobgc::key_stem as stem;
 use crate::ids::{FrameId, ManifestId, PackId, TreeId};
 use crate::manifest::Manifest;
 use crate::tree::Tree;
@@ -33,11 +34,6 @@ impl BlobCheckReport {
     pub fn whole(&self) -> bool {
         self.problems.is_empty()
     }
-}
-
-fn stem(key: &str) -> &str {
-    let name = key.rsplit('/').next().unwrap_or("");
-    name.split('.').next().unwrap_or(name)
 }
 
 impl Store {

@@ -70,7 +70,7 @@ pub struct BlobGcReport {
 }
 
 /// The id in a key such as `packs/ab/<hex>.idx` or `manifests/ab/<hex>`.
-fn key_stem(key: &str) -> &str {
+pub(crate) fn key_stem(key: &str) -> &str {
     fsutil::stem(Path::new(key.rsplit('/').next().unwrap_or("")))
 }
 

@@ -49,15 +49,15 @@ fn key(host: &str) -> Result<String, StoreError> {
     Ok(format!("leases/{host}.json"))
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+fn now_ms() -> u64 {
+    crate::blob::now_millis().max(0) as u64
 }
 
 impl Store {
     /// Write (or rewrite) `host`'s lease on `roots` in the blob tier, honoured for `ttl`. Every root must be
     /// readable here (it is this host's: local, or in the blob tier).
     pub fn blob_lease(&self, host: &str, roots: &[Root], ttl: Duration) -> Result<HostLease, StoreError> {
-        let blob = self.blob_or_err()?;
+        let blob = self.need_blob()?;
         let mut packs = BTreeSet::new();
         let mut lines = Vec::new();
         for r in roots {
@@ -87,12 +87,12 @@ impl Store {
 
     /// Remove `host`'s lease record (absent is fine).
     pub fn blob_unlease(&self, host: &str) -> Result<(), StoreError> {
-        self.blob_or_err()?.delete(&key(host)?)
+        self.need_blob()?.delete(&key(host)?)
     }
 
     /// Every host's lease record in the blob tier, live or expired (records that do not parse are skipped).
     pub fn blob_leases(&self) -> Result<Vec<HostLease>, StoreError> {
-        let blob = self.blob_or_err()?;
+        let blob = self.need_blob()?;
         let mut out = Vec::new();
         for k in blob.list("leases")? {
             if let Some(b) = blob.get(&k)? {
@@ -115,16 +115,10 @@ impl Store {
             } else {
                 expired += 1;
                 if !dry_run {
-                    self.blob_or_err()?.delete(&key(&l.host)?)?;
+                    self.need_blob()?.delete(&key(&l.host)?)?;
                 }
             }
         }
         Ok((packs, live, expired))
-    }
-
-    fn blob_or_err(&self) -> Result<&crate::blob::Blob, StoreError> {
-        self.inner.blob.as_ref().ok_or_else(|| {
-            StoreError::Invalid("this store has no blob tier: set CLADE_BLOB=s3://BUCKET (docs/roam.md)".into())
-        })
     }
 }

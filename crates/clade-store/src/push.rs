@@ -53,7 +53,7 @@ impl crate::Store {
         (FETCHED_BYTES.load(Ordering::Relaxed), FETCHES.load(Ordering::Relaxed))
     }
 
-    fn need_blob(&self) -> Result<&crate::blob::Blob, StoreError> {
+    pub(crate) fn need_blob(&self) -> Result<&crate::blob::Blob, StoreError> {
         self.inner.blob.as_ref().ok_or_else(|| {
             StoreError::Invalid("this store has no blob tier: set CLADE_BLOB=s3://BUCKET (docs/roam.md)".into())
         })

@@ -12,35 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clade_store::testkit::Garage;
-
 mod common;
 
-type Env = Vec<(&'static str, String)>;
-
-fn run(home: &Path, env: &Env, args: &[&str]) -> (i32, String, String) {
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    common::clade_with(home, &env, args)
-}
-
-fn ok(home: &Path, env: &Env, args: &[&str]) -> serde_json::Value {
-    let (code, out, err) = run(home, env, args);
-    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
-}
-
-fn sh(home: &Path, env: &Env, sbx: &str, script: &str) -> String {
-    let out = ok(home, env, &["exec", sbx, "--json", "--", "sh", "-c", script]);
-    assert_eq!(out["code"], 0, "{script}: {out}");
-    out["stdout"].as_str().unwrap_or("").trim().to_string()
-}
-
-/// The blob tier as a store handle of a host that holds nothing.
-fn blob_check(g: &Garage) -> clade_store::BlobCheckReport {
-    let d = tempfile::tempdir().unwrap();
-    let cfg = clade_store::StoreConfig { blob: Some(g.config()), ..Default::default() };
-    clade_store::Store::open(d.path(), cfg).unwrap().check_blob().unwrap()
-}
+use common::{blob_check, ok_env as ok, run_env as run, sh_env as sh, Env};
 
 fn state_on(home: &Path, sbx: &str) -> String {
     let (code, out, err) = common::clade(home, &["ls", "--json"]);

@@ -142,3 +142,33 @@ pub fn ct_template_record(home: &Path) {
     });
     std::fs::write(dir.join("template.json"), serde_json::to_vec_pretty(&record).unwrap()).unwrap();
 }
+
+/// A clade subprocess's extra environment, owned (the blob tier's variables and friends).
+pub type Env = Vec<(&'static str, String)>;
+
+/// [`clade_with`] with an owned environment.
+pub fn run_env(home: &Path, env: &Env, args: &[&str]) -> (i32, String, String) {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    clade_with(home, &env, args)
+}
+
+/// [`run_env`] that must succeed and print JSON.
+pub fn ok_env(home: &Path, env: &Env, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = run_env(home, env, args);
+    assert_eq!(code, 0, "clade {args:?}: {err}{out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("clade {args:?} printed no JSON ({e}): {out}"))
+}
+
+/// A shell script in a sandbox that must exit 0; its stdout, trimmed.
+pub fn sh_env(home: &Path, env: &Env, sbx: &str, script: &str) -> String {
+    let out = ok_env(home, env, &["exec", sbx, "--json", "--", "sh", "-c", script]);
+    assert_eq!(out["code"], 0, "{script}: {out}");
+    out["stdout"].as_str().unwrap_or("").trim().to_string()
+}
+
+/// The blob tier checked through a store handle of a host that holds nothing (`Store::check_blob`).
+pub fn blob_check(g: &clade_store::testkit::Garage) -> clade_store::BlobCheckReport {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = clade_store::StoreConfig { blob: Some(g.config()), ..Default::default() };
+    clade_store::Store::open(d.path(), cfg).unwrap().check_blob().unwrap()
+}
