@@ -51,6 +51,11 @@ struct Host {
 
 impl Host {
     fn call(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+        self.call_logged(args).map(|(v, _)| v)
+    }
+
+    /// [`Host::call`], with what clade printed on stderr (its progress lines).
+    fn call_logged(&self, args: &[&str]) -> anyhow::Result<(serde_json::Value, String)> {
         let out = Command::new(clade_host::supervisor::clade_exe()?)
             .args(args)
             .env("CLADE_HOME", &self.home)
@@ -61,7 +66,8 @@ impl Host {
         if !out.status.success() {
             bail!("clade {args:?} on {}: {}{text}", self.home.display(), String::from_utf8_lossy(&out.stderr));
         }
-        serde_json::from_str(&text).with_context(|| format!("clade {args:?} printed no JSON: {text}"))
+        let v = serde_json::from_str(&text).with_context(|| format!("clade {args:?} printed no JSON: {text}"))?;
+        Ok((v, String::from_utf8_lossy(&out.stderr).into_owned()))
     }
 
     fn sh(&self, sbx: &str, script: &str) -> anyhow::Result<String> {
@@ -165,7 +171,8 @@ fn round(a: &Host, b: &Host, template: &str, backend: BackendKind, work: Duratio
     let disk_before =
         if backend == BackendKind::Vm { sectors_read(&local.sh(&sbx, "cat /sys/block/vda/stat")?) } else { 0 };
     local.call(&["suspend", &sbx, "--json"])?;
-    let pushed = a.call(&["roam", "push", &sbx, "--json"])?;
+    let (pushed, log) = a.call_logged(&["roam", "push", &sbx, "--json"])?;
+    eprint!("{log}");
     let push_bytes = pushed["bytes_uploaded"].as_u64().unwrap_or(0);
     let push_ms = pushed["push_ms"].as_f64().unwrap_or(f64::NAN);
     let py = a.home.join("py/bin/python");

@@ -66,6 +66,12 @@ fn retry_config() -> object_store::RetryConfig {
     }
 }
 
+/// How many uploads run at once: `CLADE_BLOB_CONCURRENCY`, else 8 (a pack is up to 32 MiB, so at most
+/// ~256 MiB in flight; one stream at a time left a push at a third of a multipart peer's throughput).
+pub(crate) fn upload_concurrency() -> usize {
+    std::env::var("CLADE_BLOB_CONCURRENCY").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(8).clamp(1, 64)
+}
+
 impl Blob {
     pub fn open(cfg: &BlobConfig) -> Result<Self, StoreError> {
         let (store, desc, at): (Arc<dyn ObjectStore>, String, String) = match cfg {
@@ -128,21 +134,98 @@ impl Blob {
         Ok(())
     }
 
+    /// Upload groups of local files, up to [`upload_concurrency`] groups at once. The files of one group go
+    /// in order (a pack, then its index), and a group whose last key the tier already holds is skipped
+    /// whole: the last key is written last, so its presence says the rest are there. Answers the bytes sent
+    /// per group (0: it was there). The first error is returned; uploads still in flight are dropped.
+    pub fn upload_groups(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
+        use futures::TryStreamExt;
+        let what = groups.first().and_then(|g| g.last()).map(|(k, _)| k.as_str()).unwrap_or("");
+        self.block_on(
+            what,
+            futures::stream::iter(groups.iter().map(|g| self.upload_group(g)))
+                .buffered(upload_concurrency())
+                .try_collect::<Vec<u64>>(),
+        )?
+    }
+
+    async fn upload_group(&self, g: &[(String, PathBuf)]) -> Result<u64, StoreError> {
+        let Some((last, _)) = g.last() else { return Ok(0) };
+        match self.store.head(&BlobPath::from(last.as_str())).await {
+            Ok(_) => return Ok(0),
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(berr(&self.at, "head", last, e)),
+        }
+        let mut sent = 0;
+        for (key, path) in g {
+            let data = tokio::fs::read(path).await.map_err(|e| {
+                StoreError::io("read for the blob tier (it is neither there nor complete locally)", path, e)
+            })?;
+            sent += data.len() as u64;
+            self.store
+                .put(&BlobPath::from(key.as_str()), PutPayload::from(data))
+                .await
+                .map_err(|e| berr(&self.at, "put", key, e))?;
+        }
+        Ok(sent)
+    }
+
     /// The whole object, or `None` if it does not exist.
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let p = BlobPath::from(key);
-        let r = self.block_on(key, async {
-            match self.store.get(&p).await {
-                Ok(g) => g.bytes().await.map(Some),
-                Err(object_store::Error::NotFound { .. }) => Ok(None),
-                Err(e) => Err(e),
-            }
-        })?;
-        let r = r.map(|o| o.map(|b| b.to_vec())).map_err(|e| berr(&self.at, "get", key, e))?;
+        let r = self.block_on(key, self.get_one(key))??;
         if let Some(b) = &r {
             crate::push::count_fetch(b.len());
         }
         Ok(r)
+    }
+
+    async fn get_one(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.store.get(&BlobPath::from(key)).await {
+            Ok(g) => g.bytes().await.map(|b| Some(b.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| berr(&self.at, "get", key, e))
+    }
+
+    /// Several whole objects, up to [`upload_concurrency`] requests at once, in the order asked (`None`:
+    /// absent).
+    pub fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        use futures::TryStreamExt;
+        let what = keys.first().map(String::as_str).unwrap_or("");
+        let got = self.block_on(
+            what,
+            futures::stream::iter(keys.iter().map(|k| self.get_one(k)))
+                .buffered(upload_concurrency())
+                .try_collect::<Vec<_>>(),
+        )??;
+        for b in got.iter().flatten() {
+            crate::push::count_fetch(b.len());
+        }
+        Ok(got)
+    }
+
+    /// Several byte ranges, up to [`upload_concurrency`] requests at once, in the order asked.
+    pub fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Result<Vec<Vec<u8>>, StoreError> {
+        use futures::TryStreamExt;
+        let one = |(key, range): &(String, Range<u64>)| {
+            let p = BlobPath::from(key.as_str());
+            let (store, at, range) = (self.store.clone(), self.at.clone(), range.clone());
+            let key = key.clone();
+            async move { store.get_range(&p, range).await.map_err(|e| berr(&at, "get range", &key, e)) }
+        };
+        let what = reqs.first().map(|r| r.0.as_str()).unwrap_or("");
+        let got = self.block_on(
+            what,
+            futures::stream::iter(reqs.iter().map(one)).buffered(upload_concurrency()).try_collect::<Vec<_>>(),
+        )??;
+        Ok(got
+            .into_iter()
+            .map(|b| {
+                crate::push::count_fetch(b.len());
+                b.to_vec()
+            })
+            .collect())
     }
 
     pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
@@ -151,16 +234,6 @@ impl Blob {
             self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr(&self.at, "get range", key, e))?;
         crate::push::count_fetch(b.len());
         Ok(b.to_vec())
-    }
-
-    /// Whether `key` exists.
-    pub fn exists(&self, key: &str) -> Result<bool, StoreError> {
-        let p = BlobPath::from(key);
-        match self.block_on(key, self.store.head(&p))? {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::NotFound { .. }) => Ok(false),
-            Err(e) => Err(berr(&self.at, "head", key, e)),
-        }
     }
 
     /// Keys under `prefix`.

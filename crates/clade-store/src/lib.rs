@@ -31,6 +31,7 @@ mod manifest;
 #[allow(unsafe_code)]
 mod map;
 mod pack;
+mod prefetch;
 mod push;
 mod reader;
 mod statcache;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ids::{ManifestId, PackId, TreeId};
 use crate::manifest::Manifest;
-use crate::{pack, StoreError};
+use crate::StoreError;
 
 /// What [`Store::push_roots`] found and uploaded.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -63,19 +63,18 @@ impl crate::Store {
     /// in, uploading what it lacks from the local tier.
     pub fn push_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PushReport, StoreError> {
         let blob = self.need_blob()?;
-        let have: HashSet<String> =
-            blob.list("packs")?.into_iter().chain(blob.list("manifests")?).chain(blob.list("trees")?).collect();
         let mut rep = PushReport::default();
         let mut mans: Vec<std::sync::Arc<Manifest>> = Vec::new();
-        let mut root_paths = Vec::new();
+        let (mut man_files, mut tree_files) = (Vec::new(), Vec::new());
+        let file = |path: std::path::PathBuf| vec![(crate::store::blob_key(&path, &self.inner.dir), path)];
         for id in manifests {
             mans.push(self.manifest(id)?);
-            root_paths.push(self.manifest_path(id));
+            man_files.push(file(self.manifest_path(id)));
         }
         for t in trees {
             let tree = self.tree(t)?;
             mans.extend(tree.manifests().cloned().map(std::sync::Arc::new));
-            root_paths.push(self.tree_path(t));
+            tree_files.push(file(self.tree_path(t)));
         }
         let mut packs: HashSet<PackId> = HashSet::new();
         for m in &mans {
@@ -84,26 +83,13 @@ impl crate::Store {
             }
         }
         rep.packs = packs.len();
-        let upload = |path: std::path::PathBuf, rep: &mut PushReport| -> Result<bool, StoreError> {
-            let key = crate::store::blob_key(&path, &self.inner.dir);
-            if have.contains(&key) {
-                return Ok(false);
-            }
-            let data = std::fs::read(&path).map_err(|e| {
-                StoreError::io("read for the blob tier (it is neither there nor complete locally)", &path, e)
-            })?;
-            rep.bytes_uploaded += data.len() as u64;
-            blob.put(&key, data)?;
-            Ok(true)
-        };
-        for p in &packs {
-            // Pack first, then its index: a reader that sees the index finds the pack.
-            let sent = upload(pack::pack_path(&self.inner.packs, p), &mut rep)?;
-            let sent = upload(pack::idx_path(&self.inner.packs, p), &mut rep)? || sent;
-            rep.packs_uploaded += sent as usize;
-        }
-        for p in root_paths {
-            rep.roots_uploaded += upload(p, &mut rep)? as usize;
+        // Packs (each before its index), then the manifests naming their frames, then the trees naming those:
+        // a reader that finds a key finds everything it names.
+        (rep.packs_uploaded, rep.bytes_uploaded) = self.blob_upload_packs(packs)?;
+        for files in [man_files, tree_files] {
+            let sent = blob.upload_groups(&files)?;
+            rep.roots_uploaded += sent.iter().filter(|b| **b > 0).count();
+            rep.bytes_uploaded += sent.iter().sum::<u64>();
         }
         Ok(rep)
     }

@@ -130,6 +130,7 @@ impl Store {
     /// destination is a working copy, the store holds the durable one.
     pub fn get_file(&self, id: &ManifestId, dest: &Path) -> Result<(), StoreError> {
         let m = self.manifest(id)?;
+        self.prefetch([&*m])?;
         let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let tmp = fsutil::temp_path(dir, ".clade-get");
         let res = (|| {

@@ -128,6 +128,8 @@ pub(crate) struct Inner {
 #[derive(Clone)]
 pub struct Store {
     pub(crate) inner: Arc<Inner>,
+    /// Puts through this handle stay local (see [`Store::deferred`]).
+    pub(crate) deferred: bool,
 }
 
 pub(crate) fn corrupt(kind: &'static str, id: String, location: &Path, e: DecodeError) -> StoreError {
@@ -177,7 +179,7 @@ impl Store {
         }
         let lock = inner.dir.join("lock");
         crate::lease::lock_options().open(&lock).ctx("create lock file", &lock)?;
-        let store = Store { inner: Arc::new(inner) };
+        let store = Store { inner: Arc::new(inner), deferred: false };
         *store.inner.gc_gen.lock().unwrap_or_else(|p| p.into_inner()) = store.read_gc_gen();
         Ok(store)
     }
@@ -338,15 +340,14 @@ impl Store {
     /// Load pack indexes from the blob tier that are not known yet. Returns how many were added.
     pub(crate) fn refresh_from_blob(&self) -> Result<usize, StoreError> {
         let Some(blob) = &self.inner.blob else { return Ok(0) };
-        let keys = blob.list("packs")?;
+        let seen = |k: &String| self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(k);
+        let keys: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx") && !seen(k)).collect();
+        // The indexes this host has not read yet, several at once (a host joining a tier reads them all).
         let mut added = 0;
-        for k in keys.into_iter().filter(|k| k.ends_with(".idx")) {
-            if self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(&k) {
-                continue;
-            }
+        for (k, got) in keys.iter().zip(blob.get_many(&keys)?) {
             let name = k.rsplit('/').next().unwrap_or("");
             let Ok(id) = fsutil::stem(Path::new(name)).parse::<PackId>() else { continue };
-            if let Some(bytes) = blob.get(&k)? {
+            if let Some(bytes) = got {
                 if PackId::of(&bytes) != id {
                     return Err(StoreError::Corrupt {
                         kind: "pack index",
@@ -364,7 +365,7 @@ impl Store {
                 self.write_index().add_pack(id, frames);
                 added += 1;
             }
-            self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).insert(k);
+            self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).insert(k.clone());
         }
         Ok(added)
     }
@@ -513,9 +514,22 @@ impl Store {
         self.manifest_path(id).exists()
     }
 
-    /// Upload a local file to the blob tier under the same relative key (no-op without a blob tier).
+    /// The same store, whose puts do not write through to the blob tier: what they store stays local until
+    /// [`Store::push_roots`] uploads it, several objects at once (writing through uploads each pack as it is
+    /// published, one at a time). Reads still fall back to the blob tier.
+    pub fn deferred(&self) -> Store {
+        Store { inner: self.inner.clone(), deferred: true }
+    }
+
+    /// The blob tier puts write through to: none without one, or through a [`Store::deferred`] handle.
+    fn write_through(&self) -> Option<&Blob> {
+        self.inner.blob.as_ref().filter(|_| !self.deferred)
+    }
+
+    /// Write a local file through to the blob tier under the same relative key (no-op without a blob tier,
+    /// or through a [`Store::deferred`] handle).
     pub(crate) fn blob_upload(&self, path: &Path) -> Result<(), StoreError> {
-        let Some(blob) = &self.inner.blob else { return Ok(()) };
+        let Some(blob) = self.write_through() else { return Ok(()) };
         let data = std::fs::read(path).ctx("read", path)?;
         blob.put(&blob_key(path, &self.inner.dir), data)
     }
@@ -531,26 +545,40 @@ impl Store {
     /// against a pack written before this home named a blob tier lives only here until then, and a root in
     /// the blob tier must never name a frame the blob tier lacks (another host reads it from there alone).
     pub(crate) fn blob_cover<'a>(&self, manifests: impl IntoIterator<Item = &'a Manifest>) -> Result<(), StoreError> {
-        let Some(blob) = &self.inner.blob else { return Ok(()) };
+        if self.write_through().is_none() {
+            return Ok(());
+        }
         let mut packs = std::collections::HashSet::new();
         for m in manifests {
             for f in &m.frames {
                 packs.insert(self.frame_loc(f)?.pack);
             }
         }
+        self.blob_upload_packs(packs).map(|_| ())
+    }
+
+    /// Make sure the blob tier holds `packs` (each pack, then its index), uploading those it lacks several
+    /// at once. Answers how many were uploaded and the bytes sent.
+    pub(crate) fn blob_upload_packs(
+        &self,
+        packs: impl IntoIterator<Item = PackId>,
+    ) -> Result<(usize, u64), StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok((0, 0)) };
+        let key = |path: &Path| (blob_key(path, &self.inner.dir), path.to_path_buf());
+        let (mut ids, mut groups) = (Vec::new(), Vec::new());
         for p in packs {
             let idx = crate::pack::idx_path(&self.inner.packs, &p);
-            let key = blob_key(&idx, &self.inner.dir);
-            if self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+            if self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(&key(&idx).0) {
                 continue;
             }
-            if !blob.exists(&key)? {
-                self.blob_upload(&crate::pack::pack_path(&self.inner.packs, &p))?;
-                self.blob_upload(&idx)?;
-            }
-            self.blob_has_pack(&p);
+            groups.push(vec![key(&crate::pack::pack_path(&self.inner.packs, &p)), key(&idx)]);
+            ids.push(p);
         }
-        Ok(())
+        let sent = blob.upload_groups(&groups)?;
+        for p in &ids {
+            self.blob_has_pack(p);
+        }
+        Ok((sent.iter().filter(|b| **b > 0).count(), sent.iter().sum()))
     }
 }
 

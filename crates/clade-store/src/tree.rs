@@ -307,6 +307,7 @@ impl Store {
         if dest.exists() {
             return Err(StoreError::Invalid(format!("{} exists; restore a tree into a new path", dest.display())));
         }
+        self.prefetch(tree.manifests())?;
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let tmp = fsutil::temp_path(parent, ".clade-get-dir");
         fs::create_dir(&tmp).ctx("create", &tmp)?;

@@ -370,7 +370,7 @@ pub(crate) fn publish_pack(store: &Store, pack: Option<PackWriter>) -> Result<bo
     let (id, path, frames) = pack.finish(&inner.packs, &inner.tmp)?;
     store.blob_upload(&path)?;
     store.blob_upload(&crate::pack::idx_path(&inner.packs, &id))?;
-    if inner.blob.is_some() {
+    if inner.blob.is_some() && !store.deferred {
         store.blob_has_pack(&id);
     }
     store.write_index().add_pack(id, frames);

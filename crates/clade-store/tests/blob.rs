@@ -118,6 +118,42 @@ fn roots_written_through_bring_their_older_packs() {
     assert_eq!(std::fs::read(d.path().join("out/f.img")).unwrap(), pages(8, 40));
 }
 
+/// Puts through a deferred handle stay local (nothing in the blob tier, and another host cannot read them);
+/// `push_roots` then uploads the tree's packs, several at once, and its root, and reports the bytes it sent;
+/// a second push sends nothing. Another host reads the tree from the blob tier alone.
+#[test]
+fn deferred_puts_stay_local_until_pushed() {
+    let d = tempfile::tempdir().unwrap();
+    let tier = d.path().join("tier");
+    let s = Store::open(
+        &d.path().join("home"),
+        StoreConfig { blob: Some(BlobConfig::Local { root: tier.clone() }), pack_bytes: 1 << 20, ..cfg() },
+    )
+    .unwrap();
+    let src = d.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..6u64 {
+        std::fs::write(src.join(format!("f{i}.img")), pages(100 + i, 300)).unwrap();
+    }
+    let t = s.deferred().put_dir(&src).unwrap().id;
+    let rep = s.check_blob().unwrap();
+    assert_eq!((rep.packs, rep.trees), (0, 0), "a deferred put wrote nothing through: {rep:?}");
+    let b = with_blob(&d.path().join("b"), BlobConfig::Local { root: tier.clone() });
+    assert!(b.get_dir(&t, &d.path().join("early")).is_err(), "another host cannot read it yet");
+    let pushed = s.push_roots(&[], &[t]).unwrap();
+    assert!(pushed.packs >= 2 && pushed.packs_uploaded == pushed.packs && pushed.roots_uploaded == 1, "{pushed:?}");
+    assert!(pushed.bytes_uploaded > 0, "{pushed:?}");
+    let rep = s.check_blob().unwrap();
+    assert!(rep.whole() && rep.trees == 1 && rep.packs == pushed.packs as u64, "{rep:?}");
+    let again = s.push_roots(&[], &[t]).unwrap();
+    assert_eq!((again.packs_uploaded, again.roots_uploaded, again.bytes_uploaded), (0, 0, 0), "{again:?}");
+    let b = with_blob(&d.path().join("b2"), BlobConfig::Local { root: tier });
+    b.get_dir(&t, &d.path().join("out")).unwrap();
+    for i in 0..6u64 {
+        assert_eq!(std::fs::read(d.path().join(format!("out/f{i}.img"))).unwrap(), pages(100 + i, 300));
+    }
+}
+
 fn http(port: u16, req: &str) -> std::io::Result<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;

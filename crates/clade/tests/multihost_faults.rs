@@ -4,16 +4,15 @@
 //! each, the blob tier holds the mark whole or not at all (never a root whose data is missing), host A still has
 //! the sandbox, suspended, and the push retried completes; host B then resumes it with its files.
 
-use std::io::{BufRead, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::io::BufRead;
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod common;
 
+use common::hostnet::{HostNet, Link, NETNS_VAR};
 use common::{blob_check, ok_env as ok, run_env as run, sh_env as sh, Env};
 
 fn state_on(home: &Path, sbx: &str) -> String {
@@ -23,66 +22,6 @@ fn state_on(home: &Path, sbx: &str) -> String {
     let rows = v.as_array().cloned().unwrap_or_default();
     let row = rows.iter().find(|r| r["sandbox"] == sbx || r["id"] == sbx);
     row.map(|r| r["state"].as_str().unwrap_or("").to_string()).unwrap_or_else(|| "absent".into())
-}
-
-/// A TCP relay to the store that can be cut (every connection reset, new ones refused) and restored: the
-/// network between host A and the blob tier.
-struct Link {
-    port: u16,
-    cut: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-    /// Bytes relayed from host A to the store.
-    up: Arc<AtomicU64>,
-}
-
-impl Link {
-    fn to(target: u16) -> Link {
-        let lis = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = lis.local_addr().unwrap().port();
-        let cut = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let up = Arc::new(AtomicU64::new(0));
-        let (c2, k2, u2) = (cut.clone(), conns.clone(), up.clone());
-        std::thread::spawn(move || {
-            for s in lis.incoming() {
-                let Ok(client) = s else { continue };
-                if c2.load(Ordering::SeqCst) {
-                    let _ = client.shutdown(Shutdown::Both);
-                    continue;
-                }
-                let Ok(up) = TcpStream::connect(("127.0.0.1", target)) else { continue };
-                let mut k = k2.lock().unwrap();
-                k.push(client.try_clone().unwrap());
-                k.push(up.try_clone().unwrap());
-                let pairs =
-                    [(client.try_clone().unwrap(), up.try_clone().unwrap(), Some(u2.clone())), (up, client, None)];
-                for (mut from, mut to, count) in pairs {
-                    std::thread::spawn(move || {
-                        let mut buf = [0u8; 65536];
-                        while let Ok(n) = from.read(&mut buf) {
-                            if n == 0 || to.write_all(&buf[..n]).is_err() {
-                                break;
-                            }
-                            if let Some(c) = &count {
-                                c.fetch_add(n as u64, Ordering::SeqCst);
-                            }
-                        }
-                        let _ = to.shutdown(Shutdown::Both);
-                    });
-                }
-            }
-        });
-        Link { port, cut, conns, up }
-    }
-    fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-    }
-    fn restore(&self) {
-        self.cut.store(false, Ordering::SeqCst);
-    }
 }
 
 /// Start `clade roam push` on `a` (whose endpoint is `link`) and stop it (by `stop`) once `at` bytes went up
@@ -95,17 +34,16 @@ fn interrupt_push(
     at: u64,
     stop: &dyn Fn(&mut std::process::Child),
 ) -> String {
-    let before = link.up.load(Ordering::SeqCst);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_clade"))
+    let before = link.up();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut child = common::clade_cmd(a, &env)
         .args(["roam", "push", sbx, "--json"])
-        .env("CLADE_HOME", a)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let start = Instant::now();
-    while link.up.load(Ordering::SeqCst) - before < at {
+    while link.up() - before < at {
         assert!(child.try_wait().unwrap().is_none(), "the push ended before it could be interrupted");
         assert!(start.elapsed() < Duration::from_secs(60), "the push uploaded too little in 60 s");
         std::thread::sleep(Duration::from_millis(1));
@@ -128,9 +66,16 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     let b = tempfile::Builder::new().prefix("clade-faults-b").tempdir_in("/var/tmp").unwrap();
     std::os::unix::fs::symlink(common::real_home().join("criu"), b.path().join("criu")).unwrap();
     let (a, b) = (a.path(), b.path());
-    let env_b: Env = g.env();
+    // Each host runs in a network namespace of its own and reaches the store through a relay; A's counts the
+    // bytes going up (and can be cut).
+    let (net, net_b) = (HostNet::new("faults-a", &g), HostNet::new("faults-b", &g));
+    let link = &net.link;
+    let env_b: Env = net_b.env(&g);
+    let mut env_a = net.env(&g);
+    env_a.push(("CLADE_BLOB_RETRY_S", "3".into()));
+    let endpoint_a = format!("http://127.0.0.1:{}", link.port);
     // Host A works without the blob tier until it pushes, so the push has the whole mark to upload.
-    let none: Env = Vec::new();
+    let none: Env = vec![(NETNS_VAR, net.ns.name.clone())];
     let new_sandbox = |tag: &str| -> (String, String) {
         let r = ok(a, &none, &["run", "ctbox", "--backend", "ct", "--json"]);
         let sbx = r["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
@@ -139,17 +84,10 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
         (sbx, sum)
     };
 
-    // Host A reaches the store through a relay that counts the bytes going up (and can be cut).
-    let link = Link::to(g.nodes[0].s3_port);
-    let mut env_a = g.env();
-    env_a.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
-    env_a.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{}", link.port)));
-    env_a.push(("CLADE_BLOB_RETRY_S", "3".into()));
-
     // 1. The pushing process is killed (SIGKILL) midway: once 44 MiB went up, the lower layers (~6 MiB) and one
     // of the mark's two packs (32 and 16 MiB) are up, the other is not.
     let (sbx, sum) = new_sandbox("killed");
-    let err = interrupt_push(a, &env_a, &sbx, &link, 44 << 20, &|c| {
+    let err = interrupt_push(a, &env_a, &sbx, link, 44 << 20, &|c| {
         let _ = c.kill();
     });
     let rep = blob_check(&g);
@@ -168,7 +106,7 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     // 2. The network between A and the store is cut midway (20 MiB of the mark's 48 up).
     let (sbx, sum) = new_sandbox("cut");
     let t = Instant::now();
-    let err = interrupt_push(a, &env_a, &sbx, &link, 20 << 20, &|c| {
+    let err = interrupt_push(a, &env_a, &sbx, link, 20 << 20, &|c| {
         link.cut();
         // The push notices by itself, within its retry time.
         let start = Instant::now();
@@ -187,15 +125,15 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
 
     // 3. Wrong credentials, and a tier that does not answer: clear errors, nothing changed, retry works.
     let (sbx, sum) = new_sandbox("refused");
-    let mut wrong = g.env();
+    let mut wrong = env_a.clone();
     wrong.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
     wrong.push(("AWS_SECRET_ACCESS_KEY", "0".repeat(64)));
     let (code, _, err) = run(a, &wrong, &["roam", "push", &sbx]);
     assert_ne!(code, 0);
-    assert!(err.contains(&g.endpoint()) && err.contains("credentials"), "{err}");
+    assert!(err.contains(&endpoint_a) && err.contains("credentials"), "{err}");
     let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut away = g.env();
-    away.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT");
+    let mut away = env_a.clone();
+    away.retain(|(k, _)| *k != "CLADE_BLOB_ENDPOINT" && *k != "CLADE_BLOB_RETRY_S");
     away.push(("CLADE_BLOB_ENDPOINT", format!("http://127.0.0.1:{dead}")));
     away.push(("CLADE_BLOB_RETRY_S", "2".into()));
     let (code, _, err) = run(a, &away, &["roam", "push", &sbx]);
@@ -204,13 +142,13 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     assert_eq!(state_on(a, &sbx), "suspended");
     // A full tier (the bucket's quota reached).
     g.cli(0, &["bucket", "set-quotas", &g.bucket, "--max-size", "1MiB"]).unwrap();
-    let (code, _, err) = run(a, &g.env(), &["roam", "push", &sbx]);
+    let (code, _, err) = run(a, &env_a, &["roam", "push", &sbx]);
     assert_ne!(code, 0, "a push into a full tier fails");
-    assert!(err.contains(&g.endpoint()), "{err}");
+    assert!(err.contains(&endpoint_a), "{err}");
     assert_eq!(state_on(a, &sbx), "suspended");
     assert!(blob_check(&g).whole());
     g.cli(0, &["bucket", "set-quotas", &g.bucket, "--max-size", "none"]).unwrap();
-    retried_and_resumed(a, &g.env(), b, &env_b, &sbx, &sum, "refused");
+    retried_and_resumed(a, &env_a, b, &env_b, &sbx, &sum, "refused");
     assert!(blob_check(&g).whole());
 }
 

@@ -4,7 +4,8 @@
 //! the other being refused with the winner's name; the winner pushes it on (the node still down), the other
 //! resumes it once the node is back, and A takes
 //! it back fetching only what it lacked. The process, its open file's position and the files survive every
-//! move, and the blob tier stays whole (every published root readable from it alone).
+//! move, and the blob tier stays whole (every published root readable from it alone). Each host runs in a
+//! network namespace of its own and reaches the store only through its link (common::hostnet).
 
 use std::path::{Path, PathBuf};
 
@@ -12,21 +13,25 @@ use clade_store::testkit::Garage;
 
 mod common;
 
+use common::hostnet::HostNet;
 use common::{blob_check, ok_env as ok, run_env as run, sh_env as sh, Env};
 
-/// A host: its home and its environment (the shared blob tier, its own guest-RAM directory).
+/// A host: its home, its network namespace and link to the store, and its environment (the shared blob tier
+/// through the link, its own guest-RAM directory).
 struct Host {
     name: &'static str,
     home: PathBuf,
     env: Env,
+    _net: HostNet,
 }
 
 impl Host {
     fn new(name: &'static str, home: &Path, g: &Garage) -> Host {
-        let mut env = g.env();
+        let net = HostNet::new(&format!("mh-{}", name.to_lowercase()), g);
+        let mut env = net.env(g);
         env.push(("CLADE_ROAM_SETTLE_MS", "500".into()));
         env.push(("CLADE_SHM", format!("/dev/shm/{}", home.file_name().unwrap().to_string_lossy())));
-        Host { name, home: home.to_path_buf(), env }
+        Host { name, home: home.to_path_buf(), env, _net: net }
     }
     fn id(&self) -> String {
         std::fs::read_to_string(self.home.join("host-id")).unwrap_or_default().trim().to_string()

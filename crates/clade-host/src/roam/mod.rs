@@ -118,6 +118,37 @@ pub fn host_id(engine: &Engine) -> anyhow::Result<String> {
     Ok(id)
 }
 
+/// A lower layer of this home as a store tree. An overlay's lower layers never change while a mark names them
+/// (a template's root file system and the agent's cache are named by content or version, and a rebuild makes
+/// a new directory), so the tree stored for a directory (its path, inode and modification time) is
+/// remembered in `cache/layer-trees/` and reused while the store holds it: a second push does not walk the
+/// whole root file system again. Stored locally through a deferred handle: push_roots uploads it with the
+/// rest, several packs at once.
+fn layer_as_tree(engine: &Engine, dir: &Path) -> anyhow::Result<TreeId> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(dir).with_context(|| format!("lower layer {}", dir.display()))?;
+    let name = format!("{}@{}.{}", dir.display(), md.ino(), md.mtime_nsec() + md.mtime() * 1_000_000_000);
+    let memo = engine.home.root().join("cache/layer-trees").join(name.trim_start_matches('/').replace('/', "%"));
+    if let Some(t) = std::fs::read_to_string(&memo).ok().and_then(|s| s.trim().parse::<TreeId>().ok()) {
+        if engine.store.has_tree(&t) {
+            return Ok(t);
+        }
+    }
+    let r = engine.store.deferred().put_dir(dir).with_context(|| format!("store lower layer {}", dir.display()))?;
+    if let Some(parent) = memo.parent() {
+        std::fs::create_dir_all(parent)?;
+        let tmp = memo.with_extension("tmp");
+        std::fs::write(&tmp, r.id.to_string())?;
+        std::fs::rename(&tmp, &memo)?;
+    }
+    Ok(r.id)
+}
+
+/// Milliseconds since `start`, for progress lines.
+fn ms(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
+}
+
 /// Push a suspended sandbox to the blob tier and forget it here.
 pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PushOutcome> {
     check_id(sandbox)?;
@@ -142,8 +173,9 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         .head(&rec.branch)?
         .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to push")))?;
     let (mans, mut trees, mut full) = roots_of(engine, &head)?;
-    // The roots in flight are leased in the blob tier before anything is uploaded (and again once the lower
-    // layers are trees), so no host's blob gc frees the packs this push uploads before the roots naming them.
+    // The roots in flight are leased in the blob tier before anything is uploaded (the lower layers are stored
+    // locally first, uploading nothing), so no host's blob gc frees the packs this push uploads before the
+    // roots naming them.
     let lease = |trees: &[TreeId]| -> Vec<clade_store::Root> {
         mans.iter()
             .copied()
@@ -151,7 +183,6 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
             .chain(trees.iter().copied().map(clade_store::Root::Tree))
             .collect()
     };
-    beat(engine, &me, &lease(&trees))?;
     // Layers in this home (a ct mark's overlay lowers) travel as trees; installed paths elsewhere must exist on
     // every host.
     let fp = footprint(from_ledger(head.backend));
@@ -164,23 +195,33 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
                 full += engine.store.tree(&t)?.manifests().map(|m| m.size).sum::<u64>();
                 Some(t.to_string())
             } else if Path::new(path).starts_with(engine.home.root()) {
-                progress(&format!("push: lower layer {path}"));
-                let r = engine.store.put_dir(Path::new(path)).with_context(|| format!("store lower layer {path}"))?;
-                full += r.data.size;
-                trees.push(r.id);
-                Some(r.id.to_string())
+                progress(&format!("push [{:.0} ms]: lower layer {path}", ms(start)));
+                let t = layer_as_tree(engine, Path::new(path))?;
+                full += engine.store.tree(&t)?.manifests().map(|m| m.size).sum::<u64>();
+                trees.push(t);
+                Some(t.to_string())
             } else {
                 None
             };
             lowers.push(Lower { path: path.to_string(), tree });
         }
     }
-    progress(&format!("push: {} manifests, {} trees of mark {} to {tier}", mans.len(), trees.len(), head.id));
+    progress(&format!(
+        "push [{:.0} ms]: {} manifests, {} trees of mark {} to {tier}",
+        ms(start),
+        mans.len(),
+        trees.len(),
+        head.id
+    ));
     beat(engine, &me, &lease(&trees))?;
     let rep = engine.store.push_roots(&mans, &trees)?;
     progress(&format!(
-        "push: {} packs ({} uploaded, {} bytes), {} roots uploaded",
-        rep.packs, rep.packs_uploaded, rep.bytes_uploaded, rep.roots_uploaded
+        "push [{:.0} ms]: {} packs ({} uploaded, {} bytes), {} roots uploaded",
+        ms(start),
+        rep.packs,
+        rep.packs_uploaded,
+        rep.bytes_uploaded,
+        rep.roots_uploaded
     ));
     let record = Record {
         format: 1,
@@ -205,7 +246,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         l.remove_sandbox(&id)?;
     }
     if let Err(e) = beat(engine, &me, &[]) {
-        progress(&format!("push: warning: heartbeat: {e:#}"));
+        progress(&format!("push [{:.0} ms]: warning: heartbeat: {e:#}", ms(start)));
     }
     let took = start.elapsed();
     engine.op("push", None, Some(&head.id), took, None, serde_json::json!({"sandbox": sandbox, "report": rep}));

@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub mod hostnet;
+
 /// The installed home whose kernel, CRIU and caches the tests borrow (`CLADE_TEST_HOME`, else /var/lib/clade).
 pub fn real_home() -> PathBuf {
     PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
@@ -16,17 +18,31 @@ pub fn clade(home: &Path, args: &[&str]) -> (i32, String, String) {
 
 /// [`clade`] with more environment variables.
 pub fn clade_with(home: &Path, env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_clade"))
-        .args(args)
-        .env("CLADE_HOME", home)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
+    let out = clade_cmd(home, env).args(args).output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The built `clade` with `CLADE_HOME=home` and `env`; where `env` names a network namespace
+/// ([`hostnet::NETNS_VAR`]), the command runs in it (only its network namespace changes).
+pub fn clade_cmd(home: &Path, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_clade"));
+    cmd.env("CLADE_HOME", home).envs(env.iter().copied().filter(|(k, _)| *k != hostnet::NETNS_VAR));
+    if let Some((_, name)) = env.iter().find(|(k, _)| *k == hostnet::NETNS_VAR) {
+        let ns = std::fs::File::open(Path::new("/run/netns").join(name)).expect("the host's network namespace");
+        // SAFETY: the closure runs in the forked child before exec and makes one system call (setns) on a
+        // descriptor opened before the fork and owned by the closure, which the Command keeps alive.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                use std::os::fd::AsFd;
+                nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+            });
+        }
+    }
+    cmd
 }
 
 /// A temp home borrowing the real home's CRIU, with the `ctbox` template's ct base built on clade-ct's test
