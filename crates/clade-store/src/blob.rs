@@ -139,22 +139,29 @@ impl Blob {
     /// whole: the last key is written last, so its presence says the rest are there. Answers the bytes sent
     /// per group (0: it was there). The first error is returned; uploads still in flight are dropped.
     pub fn upload_groups(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
+        self.upload(groups, true)
+    }
+
+    /// [`Blob::upload_groups`] without asking first whether the tier has them (the caller knows it lacks them).
+    pub fn upload_groups_unchecked(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
+        self.upload(groups, false)
+    }
+
+    fn upload(&self, groups: &[Vec<(String, PathBuf)>], check: bool) -> Result<Vec<u64>, StoreError> {
         use futures::TryStreamExt;
         let what = groups.first().and_then(|g| g.last()).map(|(k, _)| k.as_str()).unwrap_or("");
         self.block_on(
             what,
-            futures::stream::iter(groups.iter().map(|g| self.upload_group(g)))
+            futures::stream::iter(groups.iter().map(|g| self.upload_group(g, check)))
                 .buffered(upload_concurrency())
                 .try_collect::<Vec<u64>>(),
         )?
     }
 
-    async fn upload_group(&self, g: &[(String, PathBuf)]) -> Result<u64, StoreError> {
+    async fn upload_group(&self, g: &[(String, PathBuf)], check: bool) -> Result<u64, StoreError> {
         let Some((last, _)) = g.last() else { return Ok(0) };
-        match self.store.head(&BlobPath::from(last.as_str())).await {
-            Ok(_) => return Ok(0),
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(e) => return Err(berr(&self.at, "head", last, e)),
+        if check && self.has(last).await? {
+            return Ok(0);
         }
         let mut sent = 0;
         for (key, path) in g {
@@ -186,6 +193,24 @@ impl Blob {
             Err(e) => Err(e),
         }
         .map_err(|e| berr(&self.at, "get", key, e))
+    }
+
+    async fn has(&self, key: &str) -> Result<bool, StoreError> {
+        match self.store.head(&BlobPath::from(key)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(berr(&self.at, "head", key, e)),
+        }
+    }
+
+    /// Whether the tier holds each of `keys`, up to [`upload_concurrency`] requests at once.
+    pub fn has_many(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        use futures::TryStreamExt;
+        let what = keys.first().map(String::as_str).unwrap_or("");
+        self.block_on(
+            what,
+            futures::stream::iter(keys.iter().map(|k| self.has(k))).buffered(upload_concurrency()).try_collect(),
+        )?
     }
 
     /// Several whole objects, up to [`upload_concurrency`] requests at once, in the order asked (`None`:

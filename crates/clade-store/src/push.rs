@@ -84,11 +84,22 @@ impl crate::Store {
         }
         rep.packs = packs.len();
         // Packs (each before its index), then the manifests naming their frames, then the trees naming those:
-        // a reader that finds a key finds everything it names.
-        (rep.packs_uploaded, rep.bytes_uploaded) = self.blob_upload_packs(packs)?;
+        // a reader that finds a key finds everything it names. Which roots the tier lacks is asked meanwhile.
+        let root_keys: Vec<String> = man_files.iter().chain(&tree_files).map(|g| g[0].0.clone()).collect();
+        let (packs, have) = std::thread::scope(|s| {
+            let have = s.spawn(|| blob.has_many(&root_keys));
+            let packs = self.blob_upload_packs(packs);
+            (packs, have.join().unwrap_or_else(|_| Err(StoreError::Invalid("a blob request thread panicked".into()))))
+        });
+        (rep.packs_uploaded, rep.bytes_uploaded) = packs?;
+        let mut have = have?.into_iter();
+        let mut missing = |files: Vec<Vec<(String, std::path::PathBuf)>>| -> Vec<_> {
+            files.into_iter().filter(|_| !have.next().unwrap_or(false)).collect()
+        };
+        let (man_files, tree_files) = (missing(man_files), missing(tree_files));
         for files in [man_files, tree_files] {
-            let sent = blob.upload_groups(&files)?;
-            rep.roots_uploaded += sent.iter().filter(|b| **b > 0).count();
+            let sent = blob.upload_groups_unchecked(&files)?;
+            rep.roots_uploaded += sent.len();
             rep.bytes_uploaded += sent.iter().sum::<u64>();
         }
         Ok(rep)

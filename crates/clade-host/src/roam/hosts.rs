@@ -125,7 +125,6 @@ pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
     drop(l);
     roots.sort_by_key(|r| format!("{r:?}"));
     roots.dedup();
-    engine.store.blob_lease(me, &roots, every * 3)?;
     let beat = Beat {
         host: me.to_string(),
         hostname: std::fs::read_to_string("/etc/hostname").unwrap_or_default().trim().to_string(),
@@ -136,7 +135,14 @@ pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
         suspended,
         leased_roots: roots.len(),
     };
-    engine.store.blob_put_meta(&beat_key(me), serde_json::to_vec(&beat)?)?;
+    // Both records at once: each is a round trip through the store's quorum.
+    let record = serde_json::to_vec(&beat)?;
+    std::thread::scope(|s| {
+        let lease = s.spawn(|| engine.store.blob_lease(me, &roots, every * 3));
+        engine.store.blob_put_meta(&beat_key(me), record)?;
+        lease.join().map_err(|_| anyhow::anyhow!("the lease writer panicked"))??;
+        anyhow::Ok(())
+    })?;
     Ok(beat)
 }
 

@@ -214,15 +214,6 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         head.id
     ));
     beat(engine, &me, &lease(&trees))?;
-    let rep = engine.store.push_roots(&mans, &trees)?;
-    progress(&format!(
-        "push [{:.0} ms]: {} packs ({} uploaded, {} bytes), {} roots uploaded",
-        ms(start),
-        rep.packs,
-        rep.packs_uploaded,
-        rep.bytes_uploaded,
-        rep.roots_uploaded
-    ));
     let record = Record {
         format: 1,
         sandbox: sandbox.to_string(),
@@ -235,7 +226,24 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         pushed_by: me.clone(),
         pushed_ms: now_ms(),
     };
-    engine.store.blob_put_meta(&record_key(sandbox), serde_json::to_vec_pretty(&record)?)?;
+    // The state record goes up beside the data: no host pulls before the owner record says `pushed`, which is
+    // written once both are up (a record left by a push that failed names a mark no owner record offers).
+    let record = serde_json::to_vec_pretty(&record)?;
+    let rep = std::thread::scope(|s| {
+        let put = s.spawn(|| engine.store.blob_put_meta(&record_key(sandbox), record));
+        let rep = engine.store.push_roots(&mans, &trees);
+        let put = put.join().map_err(|_| anyhow::anyhow!("the record writer panicked"))?;
+        put?;
+        anyhow::Ok(rep?)
+    })?;
+    progress(&format!(
+        "push [{:.0} ms]: {} packs ({} uploaded, {} bytes), {} roots uploaded",
+        ms(start),
+        rep.packs,
+        rep.packs_uploaded,
+        rep.bytes_uploaded,
+        rep.roots_uploaded
+    ));
     write_owner(&engine.store, sandbox, &me, "pushed")?;
     // This host forgets the sandbox; its branch and head stay (pinned) so local gc never unpublishes objects
     // another host now resumes from (delete_manifest unpublishes in the blob tier too).
