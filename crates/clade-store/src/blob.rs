@@ -134,35 +134,21 @@ impl Blob {
         Ok(())
     }
 
-    /// Upload groups of local files, up to [`upload_concurrency`] groups at once. The files of one group go
-    /// in order (a pack, then its index), and a group whose last key the tier already holds is skipped
-    /// whole: the last key is written last, so its presence says the rest are there. Answers the bytes sent
-    /// per group (0: it was there). The first error is returned; uploads still in flight are dropped.
+    /// Upload groups of local files, up to [`upload_concurrency`] groups at once; the files of one group go in
+    /// order (a pack, then its index). The caller knows the tier lacks them ([`Blob::has_many`]). Answers the
+    /// bytes sent per group. The first error is returned; uploads still in flight are dropped.
     pub fn upload_groups(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
-        self.upload(groups, true)
-    }
-
-    /// [`Blob::upload_groups`] without asking first whether the tier has them (the caller knows it lacks them).
-    pub fn upload_groups_unchecked(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
-        self.upload(groups, false)
-    }
-
-    fn upload(&self, groups: &[Vec<(String, PathBuf)>], check: bool) -> Result<Vec<u64>, StoreError> {
         use futures::TryStreamExt;
         let what = groups.first().and_then(|g| g.last()).map(|(k, _)| k.as_str()).unwrap_or("");
         self.block_on(
             what,
-            futures::stream::iter(groups.iter().map(|g| self.upload_group(g, check)))
+            futures::stream::iter(groups.iter().map(|g| self.upload_group(g)))
                 .buffered(upload_concurrency())
                 .try_collect::<Vec<u64>>(),
         )?
     }
 
-    async fn upload_group(&self, g: &[(String, PathBuf)], check: bool) -> Result<u64, StoreError> {
-        let Some((last, _)) = g.last() else { return Ok(0) };
-        if check && self.has(last).await? {
-            return Ok(0);
-        }
+    async fn upload_group(&self, g: &[(String, PathBuf)]) -> Result<u64, StoreError> {
         let mut sent = 0;
         for (key, path) in g {
             let data = tokio::fs::read(path).await.map_err(|e| {
@@ -203,13 +189,14 @@ impl Blob {
         }
     }
 
-    /// Whether the tier holds each of `keys`, up to [`upload_concurrency`] requests at once.
+    /// Whether the tier holds each of `keys`, up to four times [`upload_concurrency`] requests at once (a HEAD
+    /// carries no data: a push of a mark whose base is up asks about every pack of the base).
     pub fn has_many(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
         use futures::TryStreamExt;
         let what = keys.first().map(String::as_str).unwrap_or("");
         self.block_on(
             what,
-            futures::stream::iter(keys.iter().map(|k| self.has(k))).buffered(upload_concurrency()).try_collect(),
+            futures::stream::iter(keys.iter().map(|k| self.has(k))).buffered(4 * upload_concurrency()).try_collect(),
         )?
     }
 

@@ -83,22 +83,22 @@ impl crate::Store {
             }
         }
         rep.packs = packs.len();
-        // Packs (each before its index), then the manifests naming their frames, then the trees naming those:
-        // a reader that finds a key finds everything it names. Which roots the tier lacks is asked meanwhile.
-        let root_keys: Vec<String> = man_files.iter().chain(&tree_files).map(|g| g[0].0.clone()).collect();
-        let (packs, have) = std::thread::scope(|s| {
-            let have = s.spawn(|| blob.has_many(&root_keys));
-            let packs = self.blob_upload_packs(packs);
-            (packs, have.join().unwrap_or_else(|_| Err(StoreError::Invalid("a blob request thread panicked".into()))))
-        });
-        (rep.packs_uploaded, rep.bytes_uploaded) = packs?;
-        let mut have = have?.into_iter();
+        // Which packs (by their index) and roots the tier lacks, asked at once; then the packs (each before its
+        // index), then the manifests naming their frames, then the trees naming those: a reader that finds a
+        // key finds everything it names.
+        let (ids, groups) = self.pack_groups(packs);
+        let mut keys: Vec<String> = groups.iter().map(|g| g[1].0.clone()).collect();
+        keys.extend(man_files.iter().chain(&tree_files).map(|g| g[0].0.clone()));
+        let have = blob.has_many(&keys)?;
+        let (pack_have, root_have) = have.split_at(groups.len());
+        (rep.packs_uploaded, rep.bytes_uploaded) = self.blob_upload_missing(&ids, &groups, pack_have)?;
+        let mut root_have = root_have.iter();
         let mut missing = |files: Vec<Vec<(String, std::path::PathBuf)>>| -> Vec<_> {
-            files.into_iter().filter(|_| !have.next().unwrap_or(false)).collect()
+            files.into_iter().filter(|_| !root_have.next().copied().unwrap_or(false)).collect()
         };
         let (man_files, tree_files) = (missing(man_files), missing(tree_files));
         for files in [man_files, tree_files] {
-            let sent = blob.upload_groups_unchecked(&files)?;
+            let sent = blob.upload_groups(&files)?;
             rep.roots_uploaded += sent.len();
             rep.bytes_uploaded += sent.iter().sum::<u64>();
         }

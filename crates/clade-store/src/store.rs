@@ -563,7 +563,17 @@ impl Store {
         &self,
         packs: impl IntoIterator<Item = PackId>,
     ) -> Result<(usize, u64), StoreError> {
+        let (ids, groups) = self.pack_groups(packs);
         let Some(blob) = &self.inner.blob else { return Ok((0, 0)) };
+        let have = blob.has_many(&groups.iter().map(|g| g[1].0.clone()).collect::<Vec<_>>())?;
+        self.blob_upload_missing(&ids, &groups, &have)
+    }
+
+    /// The packs among `packs` this process has not seen in the blob tier, with their (pack, index) files.
+    pub(crate) fn pack_groups(
+        &self,
+        packs: impl IntoIterator<Item = PackId>,
+    ) -> (Vec<PackId>, Vec<Vec<(String, PathBuf)>>) {
         let key = |path: &Path| (blob_key(path, &self.inner.dir), path.to_path_buf());
         let (mut ids, mut groups) = (Vec::new(), Vec::new());
         for p in packs {
@@ -574,11 +584,25 @@ impl Store {
             groups.push(vec![key(&crate::pack::pack_path(&self.inner.packs, &p)), key(&idx)]);
             ids.push(p);
         }
-        let sent = blob.upload_groups(&groups)?;
-        for p in &ids {
+        (ids, groups)
+    }
+
+    /// Upload the pack groups whose index the tier lacks (`have[i]` false), several at once; answers how many
+    /// were uploaded and the bytes sent.
+    pub(crate) fn blob_upload_missing(
+        &self,
+        ids: &[PackId],
+        groups: &[Vec<(String, PathBuf)>],
+        have: &[bool],
+    ) -> Result<(usize, u64), StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok((0, 0)) };
+        let missing: Vec<Vec<(String, PathBuf)>> =
+            groups.iter().zip(have).filter(|(_, h)| !**h).map(|(g, _)| g.clone()).collect();
+        let sent = blob.upload_groups(&missing)?;
+        for p in ids {
             self.blob_has_pack(p);
         }
-        Ok((sent.iter().filter(|b| **b > 0).count(), sent.iter().sum()))
+        Ok((sent.len(), sent.iter().sum()))
     }
 }
 

@@ -163,11 +163,6 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
             rec.state.as_str()
         )));
     }
-    if let Some(o) = read_owner(&engine.store, sandbox)? {
-        if o.state == "taken" && o.host != me {
-            return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
-        }
-    }
     let head = engine
         .ledger()
         .head(&rec.branch)?
@@ -213,7 +208,18 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         trees.len(),
         head.id
     ));
-    beat(engine, &me, &lease(&trees))?;
+    // The owner record is read while the lease goes up (each a round trip through the store's quorum): a lease
+    // written for a push that is then refused only keeps its roots until the next beat.
+    std::thread::scope(|s| {
+        let owner = s.spawn(|| read_owner(&engine.store, sandbox));
+        let beat = beat(engine, &me, &lease(&trees));
+        if let Some(o) = owner.join().map_err(|_| anyhow::anyhow!("the owner reader panicked"))?? {
+            if o.state == "taken" && o.host != me {
+                return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
+            }
+        }
+        beat.map(|_| ())
+    })?;
     let record = Record {
         format: 1,
         sandbox: sandbox.to_string(),
