@@ -1,8 +1,8 @@
 //! Suspend on one host, resume on another (docs/roam.md), on both backends: two `$CLADE_HOME`s that share
-//! only a blob tier (a real moto S3 server on loopback). Host A runs a sandbox, changes its files, suspends and
-//! pushes it; host B, which has never seen the sandbox, its template or its base, resumes it by name: the
-//! same files, hostname and machine-id come back, and B reports the bytes it fetched. A third pull is refused
-//! while B holds it; B pushes it back and A resumes it again.
+//! only a blob tier (a real 3-node Garage cluster on loopback). Host A runs a sandbox, changes its files,
+//! suspends and pushes it; host B, which has never seen the sandbox, its template or its base, resumes it by
+//! name: the same files, hostname and machine-id come back, and B reports the bytes it fetched. A third pull is
+//! refused while B holds it; B pushes it back and A resumes it again.
 
 use std::path::Path;
 
@@ -22,24 +22,24 @@ fn sh(home: &Path, env: &[(&str, &str)], sbx: &str, script: &str) -> String {
 
 #[test]
 fn guest_roam_ct_suspend_on_a_resume_on_b_and_back() {
-    let Some(moto) = common::moto("clade-roam-ct") else { return };
+    let Some(tier) = common::garage("clade-roam-ct") else { return };
     let Some(a) = common::ct_home("clade-roam-ct-a") else { return };
     let b = tempfile::Builder::new().prefix("clade-roam-ct-b").tempdir_in("/var/tmp").unwrap();
     std::os::unix::fs::symlink(common::real_home().join("criu"), b.path().join("criu")).unwrap();
-    round_trip(&moto, a.path(), b.path(), "ctbox", "ct");
+    round_trip(&tier, a.path(), b.path(), "ctbox", "ct");
 }
 
 #[test]
 fn guest_roam_vm_suspend_on_a_resume_on_b_and_back() {
-    let Some(moto) = common::moto("clade-roam-vm") else { return };
+    let Some(tier) = common::garage("clade-roam-vm") else { return };
     let Some(a) = common::vm_home("clade-roam-vm-a") else { return };
     let b = common::vm_bare_home("clade-roam-vm-b");
-    round_trip(&moto, a.path(), b.path(), "busybox", "vm");
+    round_trip(&tier, a.path(), b.path(), "busybox", "vm");
 }
 
 /// Run, change, suspend and push on `a`; resume on `b` by name; back again.
-fn round_trip(moto: &clade_store::testkit::Moto, a: &Path, b: &Path, template: &str, backend: &str) {
-    let owned = moto.env();
+fn round_trip(tier: &clade_store::testkit::Garage, a: &Path, b: &Path, template: &str, backend: &str) {
+    let owned = tier.env();
     let env: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
     // Host B keeps its guest RAM files apart from A's, as another machine would.
     let shm = ShmDir(Path::new("/dev/shm").join(b.file_name().unwrap()));
