@@ -134,18 +134,24 @@ impl Blob {
         Ok(())
     }
 
+    /// Run `requests` on the blob runtime, up to `n` at once; their answers in the order asked, or the first
+    /// error (requests still in flight are dropped).
+    fn run_many<T, F: std::future::Future<Output = Result<T, StoreError>>>(
+        &self,
+        what: &str,
+        requests: impl Iterator<Item = F>,
+        n: usize,
+    ) -> Result<Vec<T>, StoreError> {
+        use futures::TryStreamExt;
+        self.block_on(what, futures::stream::iter(requests).buffered(n).try_collect())?
+    }
+
     /// Upload groups of local files, up to [`upload_concurrency`] groups at once; the files of one group go in
     /// order (a pack, then its index). The caller knows the tier lacks them ([`Blob::has_many`]). Answers the
     /// bytes sent per group. The first error is returned; uploads still in flight are dropped.
     pub fn upload_groups(&self, groups: &[Vec<(String, PathBuf)>]) -> Result<Vec<u64>, StoreError> {
-        use futures::TryStreamExt;
         let what = groups.first().and_then(|g| g.last()).map(|(k, _)| k.as_str()).unwrap_or("");
-        self.block_on(
-            what,
-            futures::stream::iter(groups.iter().map(|g| self.upload_group(g)))
-                .buffered(upload_concurrency())
-                .try_collect::<Vec<u64>>(),
-        )?
+        self.run_many(what, groups.iter().map(|g| self.upload_group(g)), upload_concurrency())
     }
 
     async fn upload_group(&self, g: &[(String, PathBuf)]) -> Result<u64, StoreError> {
@@ -192,60 +198,36 @@ impl Blob {
     /// Whether the tier holds each of `keys`, up to four times [`upload_concurrency`] requests at once (a HEAD
     /// carries no data: a push of a mark whose base is up asks about every pack of the base).
     pub fn has_many(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
-        use futures::TryStreamExt;
         let what = keys.first().map(String::as_str).unwrap_or("");
-        self.block_on(
-            what,
-            futures::stream::iter(keys.iter().map(|k| self.has(k))).buffered(4 * upload_concurrency()).try_collect(),
-        )?
+        self.run_many(what, keys.iter().map(|k| self.has(k)), 4 * upload_concurrency())
     }
 
     /// Several whole objects, up to [`upload_concurrency`] requests at once, in the order asked (`None`:
     /// absent).
     pub fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
-        use futures::TryStreamExt;
         let what = keys.first().map(String::as_str).unwrap_or("");
-        let got = self.block_on(
-            what,
-            futures::stream::iter(keys.iter().map(|k| self.get_one(k)))
-                .buffered(upload_concurrency())
-                .try_collect::<Vec<_>>(),
-        )??;
+        let got = self.run_many(what, keys.iter().map(|k| self.get_one(k)), upload_concurrency())?;
         for b in got.iter().flatten() {
             crate::push::count_fetch(b.len());
         }
         Ok(got)
     }
 
+    async fn range_one(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
+        let b =
+            self.store.get_range(&BlobPath::from(key), range).await.map_err(|e| berr(&self.at, "get range", key, e))?;
+        crate::push::count_fetch(b.len());
+        Ok(b.to_vec())
+    }
+
     /// Several byte ranges, up to [`upload_concurrency`] requests at once, in the order asked.
     pub fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Result<Vec<Vec<u8>>, StoreError> {
-        use futures::TryStreamExt;
-        let one = |(key, range): &(String, Range<u64>)| {
-            let p = BlobPath::from(key.as_str());
-            let (store, at, range) = (self.store.clone(), self.at.clone(), range.clone());
-            let key = key.clone();
-            async move { store.get_range(&p, range).await.map_err(|e| berr(&at, "get range", &key, e)) }
-        };
         let what = reqs.first().map(|r| r.0.as_str()).unwrap_or("");
-        let got = self.block_on(
-            what,
-            futures::stream::iter(reqs.iter().map(one)).buffered(upload_concurrency()).try_collect::<Vec<_>>(),
-        )??;
-        Ok(got
-            .into_iter()
-            .map(|b| {
-                crate::push::count_fetch(b.len());
-                b.to_vec()
-            })
-            .collect())
+        self.run_many(what, reqs.iter().map(|(k, r)| self.range_one(k, r.clone())), upload_concurrency())
     }
 
     pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {
-        let p = BlobPath::from(key);
-        let b =
-            self.block_on(key, self.store.get_range(&p, range))?.map_err(|e| berr(&self.at, "get range", key, e))?;
-        crate::push::count_fetch(b.len());
-        Ok(b.to_vec())
+        self.block_on(key, self.range_one(key, range))?
     }
 
     /// Keys under `prefix`.

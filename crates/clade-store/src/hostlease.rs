@@ -65,11 +65,7 @@ impl Store {
                 Root::Manifest(m) => vec![self.manifest(m)?],
                 Root::Tree(t) => self.tree(t)?.manifests().cloned().map(std::sync::Arc::new).collect(),
             };
-            for m in &mans {
-                for f in &m.frames {
-                    packs.insert(self.frame_loc(f)?.pack.to_hex());
-                }
-            }
+            packs.extend(self.packs_of(mans.iter().map(|m| &**m))?.iter().map(|p| p.to_hex()));
             lines.push(r.line().trim().to_string());
         }
         let at_ms = now_ms();

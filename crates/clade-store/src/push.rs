@@ -6,10 +6,9 @@
 //! Metadata records (`roam/...`) live beside `packs/`, `manifests/` and `trees/`, which blob gc alone
 //! touches.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ids::{ManifestId, PackId, TreeId};
+use crate::ids::{ManifestId, TreeId};
 use crate::manifest::Manifest;
 use crate::StoreError;
 
@@ -76,12 +75,7 @@ impl crate::Store {
             mans.extend(tree.manifests().cloned().map(std::sync::Arc::new));
             tree_files.push(file(self.tree_path(t)));
         }
-        let mut packs: HashSet<PackId> = HashSet::new();
-        for m in &mans {
-            for f in &m.frames {
-                packs.insert(self.frame_loc(f)?.pack);
-            }
-        }
+        let packs = self.packs_of(mans.iter().map(|m| &**m))?;
         rep.packs = packs.len();
         // Which packs (by their index) and roots the tier lacks, asked at once; then the packs (each before its
         // index), then the manifests naming their frames, then the trees naming those: a reader that finds a

@@ -548,13 +548,21 @@ impl Store {
         if self.write_through().is_none() {
             return Ok(());
         }
-        let mut packs = std::collections::HashSet::new();
+        self.blob_upload_packs(self.packs_of(manifests)?).map(|_| ())
+    }
+
+    /// The packs the frames of `manifests` live in.
+    pub(crate) fn packs_of<'a>(
+        &self,
+        manifests: impl IntoIterator<Item = &'a Manifest>,
+    ) -> Result<std::collections::BTreeSet<PackId>, StoreError> {
+        let mut packs = std::collections::BTreeSet::new();
         for m in manifests {
             for f in &m.frames {
                 packs.insert(self.frame_loc(f)?.pack);
             }
         }
-        self.blob_upload_packs(packs).map(|_| ())
+        Ok(packs)
     }
 
     /// Make sure the blob tier holds `packs` (each pack, then its index), uploading those it lacks several

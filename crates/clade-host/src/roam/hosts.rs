@@ -137,12 +137,12 @@ pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
     };
     // Both records at once: each is a round trip through the store's quorum.
     let record = serde_json::to_vec(&beat)?;
-    std::thread::scope(|s| {
-        let lease = s.spawn(|| engine.store.blob_lease(me, &roots, every * 3));
-        engine.store.blob_put_meta(&beat_key(me), record)?;
-        lease.join().map_err(|_| anyhow::anyhow!("the lease writer panicked"))??;
-        anyhow::Ok(())
-    })?;
+    let (lease, put) = super::at_once(
+        || engine.store.blob_lease(me, &roots, every * 3),
+        || engine.store.blob_put_meta(&beat_key(me), record),
+    )?;
+    put?;
+    lease?;
     Ok(beat)
 }
 

@@ -144,6 +144,15 @@ fn layer_as_tree(engine: &Engine, dir: &Path) -> anyhow::Result<TreeId> {
     Ok(r.id)
 }
 
+/// Run `a` on a thread of its own while `b` runs here: two round trips through the blob tier's quorum at once.
+pub(crate) fn at_once<A: Send, B>(a: impl FnOnce() -> A + Send, b: impl FnOnce() -> B) -> anyhow::Result<(A, B)> {
+    std::thread::scope(|s| {
+        let a = s.spawn(a);
+        let b = b();
+        Ok((a.join().map_err(|_| anyhow::anyhow!("a blob request thread panicked"))?, b))
+    })
+}
+
 /// Milliseconds since `start`, for progress lines.
 fn ms(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1e3
@@ -210,16 +219,13 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     ));
     // The owner record is read while the lease goes up (each a round trip through the store's quorum): a lease
     // written for a push that is then refused only keeps its roots until the next beat.
-    std::thread::scope(|s| {
-        let owner = s.spawn(|| read_owner(&engine.store, sandbox));
-        let beat = beat(engine, &me, &lease(&trees));
-        if let Some(o) = owner.join().map_err(|_| anyhow::anyhow!("the owner reader panicked"))?? {
-            if o.state == "taken" && o.host != me {
-                return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
-            }
+    let (owner, leased) = at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees)))?;
+    if let Some(o) = owner? {
+        if o.state == "taken" && o.host != me {
+            return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
         }
-        beat.map(|_| ())
-    })?;
+    }
+    leased?;
     let record = Record {
         format: 1,
         sandbox: sandbox.to_string(),
@@ -235,13 +241,12 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     // The state record goes up beside the data: no host pulls before the owner record says `pushed`, which is
     // written once both are up (a record left by a push that failed names a mark no owner record offers).
     let record = serde_json::to_vec_pretty(&record)?;
-    let rep = std::thread::scope(|s| {
-        let put = s.spawn(|| engine.store.blob_put_meta(&record_key(sandbox), record));
-        let rep = engine.store.push_roots(&mans, &trees);
-        let put = put.join().map_err(|_| anyhow::anyhow!("the record writer panicked"))?;
-        put?;
-        anyhow::Ok(rep?)
-    })?;
+    let (put, rep) = at_once(
+        || engine.store.blob_put_meta(&record_key(sandbox), record),
+        || engine.store.push_roots(&mans, &trees),
+    )?;
+    put?;
+    let rep = rep?;
     progress(&format!(
         "push [{:.0} ms]: {} packs ({} uploaded, {} bytes), {} roots uploaded",
         ms(start),

@@ -75,17 +75,6 @@ pub fn ct_home(prefix: &str) -> Option<tempfile::TempDir> {
     Some(t)
 }
 
-/// A moto S3 server on loopback with one bucket (`clade_store::testkit`); `None` (and a printed reason) where
-/// the setup did not install moto.
-pub fn moto(bucket: &str) -> Option<clade_store::testkit::Moto> {
-    let bin = real_home().join("py/bin/moto_server");
-    if !bin.exists() {
-        eprintln!("skip: {} is not installed (run ./x setup)", bin.display());
-        return None;
-    }
-    Some(clade_store::testkit::Moto::start(&bin, bucket).expect("start moto"))
-}
-
 /// A 3-node Garage cluster on loopback with one bucket (`clade_store::testkit`); `None` (and a printed reason)
 /// where the setup did not build Garage.
 pub fn garage(bucket: &str) -> Option<clade_store::testkit::Garage> {
