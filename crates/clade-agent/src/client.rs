@@ -377,9 +377,21 @@ impl AgentClient {
 
     /// Creates or atomically replaces `path` with everything `src` yields; returns the byte count.
     pub fn write_file(&self, path: &str, src: &mut dyn Read, mode: Option<u32>, mkdirs: bool) -> Result<u64> {
+        self.write_file_with(path, src, &WriteOptions::mode(mode), mkdirs)
+    }
+
+    /// [`AgentClient::write_file`] with an owner and extended attributes too.
+    pub fn write_file_with(&self, path: &str, src: &mut dyn Read, opts: &WriteOptions, mkdirs: bool) -> Result<u64> {
         let (tx, rx) = mpsc::channel();
         let id = self.register(Pending::Plain(tx))?;
-        self.send_request(id, &Request::WriteFile { path: path.into(), mode, mkdirs })?;
+        let req = Request::WriteFile {
+            path: path.into(),
+            mode: opts.mode,
+            mkdirs,
+            owner: opts.owner,
+            xattrs: opts.xattrs.clone(),
+        };
+        self.send_request(id, &req)?;
         let mut buf = vec![0u8; DATA_CHUNK];
         loop {
             // The agent answers early on a refused path: stop sending then.
@@ -413,7 +425,10 @@ impl AgentClient {
     pub fn write_file_bytes(&self, path: &str, data: &[u8], mode: Option<u32>) -> Result<u64> {
         let (tx, rx) = mpsc::channel();
         let id = self.register(Pending::Plain(tx))?;
-        self.send_request(id, &Request::WriteFile { path: path.into(), mode, mkdirs: false })?;
+        self.send_request(
+            id,
+            &Request::WriteFile { path: path.into(), mode, mkdirs: false, owner: None, xattrs: Default::default() },
+        )?;
         for chunk in data.chunks(DATA_CHUNK) {
             if let Ok(Incoming::Reply(r)) = rx.try_recv() {
                 return match r? {
@@ -448,7 +463,12 @@ impl AgentClient {
 
     /// `mkdir -p`.
     pub fn mkdir_p(&self, path: &str, mode: Option<u32>) -> Result<()> {
-        self.done(Request::MkdirP { path: path.into(), mode }, "mkdir_p")
+        self.mkdir_p_owned(path, mode, None)
+    }
+
+    /// `mkdir -p`, the directories it creates owned by `owner`.
+    pub fn mkdir_p_owned(&self, path: &str, mode: Option<u32>, owner: Option<FileOwner>) -> Result<()> {
+        self.done(Request::MkdirP { path: path.into(), mode, owner }, "mkdir_p")
     }
 
     /// Removes a path (directories only with `recursive`).

@@ -60,6 +60,13 @@ pub enum Request {
         /// Create missing parent directories.
         #[serde(default)]
         mkdirs: bool,
+        /// Owner of the file and of the parents it creates (default: the agent's own, root).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<FileOwner>,
+        /// Extended attributes of the new file, full names in the `user.` namespace (others are refused).
+        /// The file replaces the old one whole, so attributes the old one had are gone.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        xattrs: BTreeMap<String, String>,
     },
     /// Replies [`Reply::Stat`] (without following a final symlink).
     Stat {
@@ -81,6 +88,9 @@ pub enum Request {
         /// Permission bits of created directories (default 0o755).
         #[serde(default)]
         mode: Option<u32>,
+        /// Owner of the directories it creates (default: the agent's own, root).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<FileOwner>,
     },
     /// Removes a file, a symlink, or (with `recursive`) a directory tree.
     Remove {
@@ -440,6 +450,39 @@ pub struct FileStat {
     pub mtime_ns: i64,
     /// Symlink target.
     pub link_target: Option<String>,
+    /// Extended attributes in the `user.` namespace (full names; values read as UTF-8, lossily).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
+}
+
+/// Who owns what a write or a `mkdir -p` creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileOwner {
+    /// User id.
+    pub uid: u32,
+    /// Group id.
+    pub gid: u32,
+}
+
+/// How a file is written: its mode, owner and extended attributes (each optional).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteOptions {
+    /// Permission bits (default 0o644).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+    /// Owner of the file and of parents created for it (default: root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<FileOwner>,
+    /// Extended attributes, full names in the `user.` namespace.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
+}
+
+impl WriteOptions {
+    /// Only a mode.
+    pub fn mode(mode: Option<u32>) -> WriteOptions {
+        WriteOptions { mode, ..WriteOptions::default() }
+    }
 }
 
 /// One `list_dir` entry.

@@ -241,12 +241,24 @@ impl SandboxApi for Remote {
         Ok((data.len() as u64, Box::new(std::io::Cursor::new(data))))
     }
 
-    fn write_file_from(&self, sandbox: &str, path: &str, mode: Option<u32>, src: &mut dyn Read) -> anyhow::Result<u64> {
+    fn write_file_from(
+        &self,
+        sandbox: &str,
+        path: &str,
+        opts: &WriteOptions,
+        src: &mut dyn Read,
+    ) -> anyhow::Result<u64> {
         let mut data = Vec::new();
         src.read_to_end(&mut data)?;
         let mut route = format!("/v1/sandboxes/{}/files?path={}", seg(sandbox), encode(path));
-        if let Some(m) = mode {
+        if let Some(m) = opts.mode {
             route.push_str(&format!("&mode={m:o}"));
+        }
+        if let Some(o) = opts.owner {
+            route.push_str(&format!("&uid={}&gid={}", o.uid, o.gid));
+        }
+        if !opts.xattrs.is_empty() {
+            route.push_str(&format!("&xattrs={}", encode(&serde_json::to_string(&opts.xattrs)?)));
         }
         let resp = self.raw_ok("PUT", &route, Some(&data), "application/octet-stream")?;
         let v: serde_json::Value = serde_json::from_slice(&resp)?;
@@ -379,12 +391,14 @@ impl SandboxApi for Remote {
         Ok(serde_json::from_value(v["entries"].clone())?)
     }
 
-    fn make_dir(&self, sandbox: &str, path: &str) -> anyhow::Result<bool> {
-        let v: serde_json::Value = self.typed(
-            "POST",
-            &format!("/v1/sandboxes/{}/fs/mkdir", seg(sandbox)),
-            Some(&serde_json::json!({"path": path})),
-        )?;
+    fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool> {
+        let mut body = serde_json::json!({"path": path});
+        if let Some(o) = owner {
+            body["uid"] = o.uid.into();
+            body["gid"] = o.gid.into();
+        }
+        let v: serde_json::Value =
+            self.typed("POST", &format!("/v1/sandboxes/{}/fs/mkdir", seg(sandbox)), Some(&body))?;
         Ok(v["created"].as_bool().unwrap_or(true))
     }
 

@@ -14,11 +14,12 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use clade_agent::proto::{FileStat, FileType};
+use clade_agent::proto::{FileOwner, FileStat, FileType, WriteOptions};
 use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 use clade_e2b::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
+    Upload,
 };
 use clade_host::api::{ExecEvent, ExecEvents, ForkOutcome, ForkRequest, MarkRequest, SandboxApi};
 
@@ -95,6 +96,7 @@ fn entry_of(path: &str, st: FileStat) -> Entry {
         gid: st.gid,
         mtime_ns: st.mtime_ns,
         link_target: st.link_target,
+        xattrs: st.xattrs,
     }
 }
 
@@ -317,8 +319,9 @@ impl Host for CladeHost {
         Ok(es.into_iter().map(|e| entry_of(&e.path, e.stat)).collect())
     }
 
-    fn mkdir(&self, id: &str, path: &str) -> HostResult<bool> {
-        self.api.make_dir(id, path).map_err(host_err)
+    fn mkdir(&self, id: &str, path: &str, owner: Option<(u32, u32)>) -> HostResult<bool> {
+        let owner = owner.map(|(uid, gid)| FileOwner { uid, gid });
+        self.api.make_dir(id, path, owner).map_err(host_err)
     }
 
     fn rename(&self, id: &str, from: &str, to: &str) -> HostResult<()> {
@@ -333,7 +336,12 @@ impl Host for CladeHost {
         self.api.open_file(id, path).map_err(host_err)
     }
 
-    fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64> {
-        self.api.write_file_from(id, path, None, src).map_err(host_err)
+    fn write_file(&self, id: &str, path: &str, up: &Upload, src: &mut dyn Read) -> HostResult<u64> {
+        let opts = WriteOptions {
+            mode: None,
+            owner: up.owner.map(|(uid, gid)| FileOwner { uid, gid }),
+            xattrs: up.xattrs.clone(),
+        };
+        self.api.write_file_from(id, path, &opts, src).map_err(host_err)
     }
 }

@@ -66,14 +66,21 @@ fn every_operation_answers_through_http_what_the_library_answers() {
     assert_eq!((out.code, out.stdout.as_slice()), (0, &b"a b\n"[..]));
     assert_eq!(drain(api.exec_stream(&id, echo.clone()).unwrap()), drain(s.fake.exec_stream(&id, echo).unwrap()));
 
-    assert_eq!(api.write_file_from(&id, "/d/f", Some(0o600), &mut &b"hello"[..]).unwrap(), 5);
+    let how = WriteOptions {
+        mode: Some(0o600),
+        owner: Some(FileOwner { uid: 1000, gid: 1001 }),
+        xattrs: [("user.e2b.k".to_string(), "v w".to_string())].into(),
+    };
+    assert_eq!(api.write_file_from(&id, "/d/f", &how, &mut &b"hello"[..]).unwrap(), 5);
+    let st = api.stat(&id, "/d/f").unwrap();
+    assert_eq!((st.mode, st.uid, st.gid, &st.xattrs), (0o600, 1000, 1001, &how.xattrs), "mode, owner, xattrs carried");
     let (size, mut r) = api.open_file(&id, "/d/f").unwrap();
     let mut got = Vec::new();
     std::io::Read::read_to_end(&mut r, &mut got).unwrap();
     assert_eq!((size, got.as_slice()), (5, &b"hello"[..]));
     same(s.fake.stat(&id, "/d/f").unwrap(), api.stat(&id, "/d/f").unwrap());
     same(s.fake.list_dir(&id, "/d", 1).unwrap(), api.list_dir(&id, "/d", 1).unwrap());
-    assert!(api.make_dir(&id, "/d/e").unwrap());
+    assert!(api.make_dir(&id, "/d/e", Some(FileOwner { uid: 1000, gid: 1000 })).unwrap());
     api.rename(&id, "/d/f", "/d/g").unwrap();
     assert_eq!(api.stat(&id, "/d/g").unwrap().size, 5);
     api.remove(&id, "/d/g").unwrap();

@@ -23,6 +23,8 @@ struct State {
     sandboxes: BTreeMap<String, SandboxRow>,
     marks: Vec<MarkRow>,
     files: BTreeMap<(String, String), Vec<u8>>,
+    /// How each file was written (owner, attributes).
+    written: BTreeMap<(String, String), WriteOptions>,
     next: u32,
 }
 
@@ -167,7 +169,7 @@ impl SandboxApi for Fake {
         &self,
         sandbox: &str,
         path: &str,
-        _mode: Option<u32>,
+        opts: &WriteOptions,
         src: &mut dyn Read,
     ) -> anyhow::Result<u64> {
         let mut data = Vec::new();
@@ -175,6 +177,7 @@ impl SandboxApi for Fake {
         let mut st = self.state.lock();
         st.running(sandbox)?;
         let n = data.len() as u64;
+        st.written.insert((sandbox.to_string(), path.to_string()), opts.clone());
         st.files.insert((sandbox.to_string(), path.to_string()), data);
         Ok(n)
     }
@@ -314,15 +317,18 @@ impl SandboxApi for Fake {
         let mut st = self.state.lock();
         st.running(sandbox)?;
         let data = st.files.get(&(sandbox.to_string(), path.to_string()));
-        let data = data.ok_or_else(|| not_found(format!("stat {path}: no such file")))?;
+        let size = data.ok_or_else(|| not_found(format!("stat {path}: no such file")))?.len() as u64;
+        let how = st.written.get(&(sandbox.to_string(), path.to_string())).cloned().unwrap_or_default();
+        let owner = how.owner.unwrap_or(FileOwner { uid: 0, gid: 0 });
         Ok(FileStat {
             file_type: FileType::File,
-            size: data.len() as u64,
-            mode: 0o644,
-            uid: 0,
-            gid: 0,
+            size,
+            mode: how.mode.unwrap_or(0o644),
+            uid: owner.uid,
+            gid: owner.gid,
             mtime_ns: 0,
             link_target: None,
+            xattrs: how.xattrs,
         })
     }
 
@@ -336,7 +342,7 @@ impl SandboxApi for Fake {
         names.into_iter().map(|p| Ok(DirEntry { stat: self.stat(sandbox, &p)?, path: p, depth: 1 })).collect()
     }
 
-    fn make_dir(&self, sandbox: &str, _path: &str) -> anyhow::Result<bool> {
+    fn make_dir(&self, sandbox: &str, _path: &str, _owner: Option<FileOwner>) -> anyhow::Result<bool> {
         self.state.lock().running(sandbox).map(|_| true)
     }
 

@@ -3,6 +3,7 @@
 //! write, stat, list, mkdir, rename, remove). Every handler is one [`SandboxApi`] operation; output streams are
 //! NDJSON lines (`{"pid"}`, `{"stdout"}`/`{"stderr"}` chunks, then `{"exit"}` or `{"error"}`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -75,6 +76,23 @@ struct FileQuery {
     path: String,
     #[serde(default)]
     mode: Option<String>,
+    /// Owner of the file written (and of parents created for it): both or neither.
+    #[serde(default)]
+    uid: Option<u32>,
+    #[serde(default)]
+    gid: Option<u32>,
+    /// Extended attributes of the file written: a JSON object of `user.` names to string values.
+    #[serde(default)]
+    xattrs: Option<String>,
+}
+
+/// `uid` and `gid`, both or neither.
+fn owner_of(uid: Option<u32>, gid: Option<u32>) -> Result<Option<clade_host::api::FileOwner>, ApiError> {
+    match (uid, gid) {
+        (Some(uid), Some(gid)) => Ok(Some(clade_host::api::FileOwner { uid, gid })),
+        (None, None) => Ok(None),
+        _ => Err(ApiError::bad_request("uid and gid: give both or neither")),
+    }
 }
 
 fn check_path(p: &str) -> Result<(), ApiError> {
@@ -137,6 +155,12 @@ async fn write_file(
         Some(Ok(m)) if m <= 0o7777 => Some(m),
         Some(_) => return Err(ApiError::bad_request("mode: an octal permission such as 644")),
     };
+    let xattrs = match q.xattrs.as_deref().map(serde_json::from_str::<BTreeMap<String, String>>) {
+        None => BTreeMap::new(),
+        Some(Ok(x)) => x,
+        Some(Err(e)) => return Err(ApiError::bad_request(format!("xattrs: a JSON object of names to strings: {e}"))),
+    };
+    let opts = clade_host::api::WriteOptions { mode, owner: owner_of(q.uid, q.gid)?, xattrs };
     use futures_util::StreamExt;
     let limit = app.max_upload;
     let too_large = || {
@@ -158,7 +182,7 @@ async fn write_file(
         tokio::task::spawn_blocking(move || {
             let mut src = ChannelReader { rx, cur: Bytes::new() };
             wake(&app, &id)?;
-            app.api.write_file_from(&id, &q.path, mode, &mut src)
+            app.api.write_file_from(&id, &q.path, &opts, &mut src)
         })
     };
     let mut stream = body.into_data_stream();
@@ -261,15 +285,20 @@ async fn list_dir(State(app): State<Arc<App>>, Path(id): Path<String>, Query(q):
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PathReq {
+struct MkdirReq {
     path: String,
+    #[serde(default)]
+    uid: Option<u32>,
+    #[serde(default)]
+    gid: Option<u32>,
 }
 
-async fn make_dir(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Body<PathReq>) -> Reply {
+async fn make_dir(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Body<MkdirReq>) -> Reply {
     check_path(&req.path)?;
+    let owner = owner_of(req.uid, req.gid)?;
     let created = blocking(&app, "mkdir", move |a| {
         wake(a, &id)?;
-        a.api.make_dir(&id, &req.path)
+        a.api.make_dir(&id, &req.path, owner)
     })
     .await?;
     Ok(json(serde_json::json!({"created": created})))

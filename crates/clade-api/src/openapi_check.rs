@@ -135,7 +135,16 @@ fn pull() -> PullOutcome {
 }
 
 fn stat() -> FileStat {
-    FileStat { file_type: FileType::Symlink, size: 1, mode: 0o644, uid: 0, gid: 0, mtime_ns: 1, link_target: None }
+    FileStat {
+        file_type: FileType::Symlink,
+        size: 1,
+        mode: 0o644,
+        uid: 0,
+        gid: 0,
+        mtime_ns: 1,
+        link_target: None,
+        xattrs: [("user.k".to_string(), "v".to_string())].into(),
+    }
 }
 
 /// One typed answer per route that answers one: (method, path, success status, the answer as JSON).

@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::api::header_str;
 use crate::connect::{self, Code, RpcError};
-use crate::host::{Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status};
+use crate::host::{Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status, Upload};
 use crate::state::{random_hex, rfc3339_ns};
 use crate::App;
 
@@ -57,31 +57,39 @@ fn host_status(e: &HostError) -> StatusCode {
     }
 }
 
+/// The sandbox a request names: `E2b-Sandbox-Id`, else a `49983-<id>.<domain>` Host as E2B's own hosts name
+/// sandboxes.
+fn named_sandbox(h: &HeaderMap) -> Option<String> {
+    if let Some(id) = header_str(h, "e2b-sandbox-id") {
+        return Some(id.to_string());
+    }
+    let host = header_str(h, "host").unwrap_or("");
+    match host.split('.').next().and_then(|l| l.split_once('-')) {
+        Some((_, id)) if !id.is_empty() => Some(id.to_string()),
+        _ => None,
+    }
+}
+
 /// The sandbox a request is for: its id, after checking it exists, runs, and the access token matches.
 async fn sandbox_of<H: Host>(app: &Arc<App<H>>, h: &HeaderMap) -> Result<String, Response> {
-    let id = match header_str(h, "e2b-sandbox-id") {
-        Some(id) => id.to_string(),
-        None => {
-            // `49983-<id>.<domain>` as E2B's own hosts name sandboxes.
-            let host = header_str(h, "host").unwrap_or("");
-            match host.split('.').next().and_then(|l| l.split_once('-')) {
-                Some((_, id)) if !id.is_empty() => id.to_string(),
-                _ => {
-                    return Err(plain(
-                        StatusCode::BAD_REQUEST,
-                        "no E2b-Sandbox-Id header: say which sandbox this request is for".into(),
-                    ))
-                }
-            }
-        }
+    let Some(id) = named_sandbox(h) else {
+        return Err(plain(
+            StatusCode::BAD_REQUEST,
+            "no E2b-Sandbox-Id header: say which sandbox this request is for".into(),
+        ));
     };
-    let gone = || plain(StatusCode::NOT_FOUND, format!("The sandbox {id} was not found"));
     if app.state.get(&id).is_none() {
-        return Err(gone());
+        return Err(plain(StatusCode::NOT_FOUND, format!("The sandbox {id} was not found")));
     }
     if !app.state.token_ok(&id, header_str(h, "x-access-token")) {
         return Err(plain(StatusCode::UNAUTHORIZED, format!("wrong or missing X-Access-Token for sandbox {id}")));
     }
+    running(app, id).await
+}
+
+/// `id` while it runs; the answer E2B's proxy gives otherwise.
+async fn running<H: Host>(app: &Arc<App<H>>, id: String) -> Result<String, Response> {
+    let gone = || plain(StatusCode::NOT_FOUND, format!("The sandbox {id} was not found"));
     let i = id.clone();
     match app.blocking(move |h| h.status(&i)).await.unwrap_or(Status::Gone) {
         Status::Running => Ok(id),
@@ -247,10 +255,52 @@ async fn init<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap) -> Response
 struct FileQuery {
     path: Option<String>,
     username: Option<String>,
+    /// A signed URL's `v1_<base64 sha256>` (E2B's `download_url` / `upload_url`).
+    signature: Option<String>,
+    signature_expiration: Option<i64>,
+}
+
+/// E2B's v1 file URL signature: `v1_` and the unpadded base64 of
+/// `sha256("<path>:<read|write>:<username>:<access token>[:<expiration>]")`.
+fn file_signature(path: &str, op: &str, user: &str, token: &str, expiration: Option<i64>) -> String {
+    use sha2::Digest;
+    let raw = match expiration {
+        Some(e) => format!("{path}:{op}:{user}:{token}:{e}"),
+        None => format!("{path}:{op}:{user}:{token}"),
+    };
+    let b64 = base64::engine::general_purpose::STANDARD_NO_PAD;
+    format!("v1_{}", b64.encode(sha2::Sha256::digest(raw.as_bytes())))
+}
+
+/// The sandbox of a `/files` request: by its access token as any envd request, or by a signed URL's signature.
+/// A signed URL need not name its sandbox (behind one `E2B_SANDBOX_URL` it cannot): the signature is checked
+/// against the sandbox named, else against each known sandbox's token, and names the one it was made with.
+async fn files_sandbox<H: Host>(app: &Arc<App<H>>, h: &HeaderMap, q: &FileQuery, op: &str) -> Result<String, Response> {
+    let Some(sig) = q.signature.as_deref() else { return sandbox_of(app, h).await };
+    if let Some(exp) = q.signature_expiration {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+        if exp < now {
+            return Err(plain(StatusCode::UNAUTHORIZED, "signature is already expired".into()));
+        }
+    }
+    let path = q.path.as_deref().unwrap_or("");
+    let user = q.username.as_deref().unwrap_or("");
+    let signs = |r: &crate::state::Record| {
+        let want = file_signature(path, op, user, &r.token, q.signature_expiration);
+        crate::state::same_secret(want.as_bytes(), sig.as_bytes())
+    };
+    let found = match named_sandbox(h) {
+        Some(id) => app.state.get(&id).filter(|r| signs(r)),
+        None => app.state.all().into_iter().find(|r| signs(r)),
+    };
+    match found {
+        Some(r) => running(app, r.id).await,
+        None => Err(plain(StatusCode::UNAUTHORIZED, "invalid signature".into())),
+    }
 }
 
 async fn download<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap, Query(q): Query<FileQuery>) -> Response {
-    let id = match sandbox_of(&app, &h).await {
+    let id = match files_sandbox(&app, &h, &q, "read").await {
         Ok(id) => id,
         Err(r) => return r,
     };
@@ -330,6 +380,7 @@ async fn write_from<H: Host, S>(
     app: &Arc<App<H>>,
     id: &str,
     path: &str,
+    up: Upload,
     gzip: bool,
     mut chunks: S,
 ) -> Result<u64, HostError>
@@ -341,10 +392,10 @@ where
     let writer = app.blocking(move |h| {
         let r = ChanReader { rx, cur: Bytes::new() };
         if gzip {
-            h.write_file(&i, &p, &mut flate2::read::MultiGzDecoder::new(r))
+            h.write_file(&i, &p, &up, &mut flate2::read::MultiGzDecoder::new(r))
         } else {
             let mut r = r;
-            h.write_file(&i, &p, &mut r)
+            h.write_file(&i, &p, &up, &mut r)
         }
     });
     let feed = async move {
@@ -362,21 +413,65 @@ where
     Ok(n)
 }
 
-fn written(paths: &[String]) -> Response {
-    let v: Vec<Value> =
-        paths.iter().map(|p| json!({"path": p, "name": p.rsplit('/').next().unwrap_or(""), "type": "file"})).collect();
+fn written(paths: &[String], metadata: &BTreeMap<String, String>) -> Response {
+    let v: Vec<Value> = paths
+        .iter()
+        .map(|p| {
+            let mut v = json!({"path": p, "name": p.rsplit('/').next().unwrap_or(""), "type": "file"});
+            if !metadata.is_empty() {
+                v["metadata"] = json!(metadata);
+            }
+            v
+        })
+        .collect();
     axum::Json(v).into_response()
+}
+
+/// E2B's file metadata lives in extended attributes under this prefix (envd >= 0.6.2).
+const METADATA_XATTR: &str = "user.e2b.";
+const METADATA_HEADER: &str = "x-metadata-";
+
+/// The `X-Metadata-<key>: value` headers of an upload, keys lowercased, as envd reads them: a key is an HTTP
+/// token, a value printable US-ASCII.
+fn metadata_of(h: &HeaderMap) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for (name, value) in h {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else { continue };
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| format!("metadata value of {key:?} must be printable US-ASCII"))?;
+        if key.is_empty() || METADATA_XATTR.len() + key.len() > 255 {
+            return Err(format!("metadata key {key:?} must be 1 to {} characters", 255 - METADATA_XATTR.len()));
+        }
+        out.insert(key.to_ascii_lowercase(), value.to_string());
+    }
+    Ok(out)
+}
+
+/// What an upload by `user` with `metadata` asks of the host: the user owns the file and the parents made
+/// for it, as envd writes them as the user.
+fn upload_of(user: &User, metadata: &BTreeMap<String, String>) -> Upload {
+    Upload {
+        owner: Some((user.uid, user.gid)),
+        xattrs: metadata.iter().map(|(k, v)| (format!("{METADATA_XATTR}{k}"), v.clone())).collect(),
+    }
 }
 
 async fn upload<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<FileQuery>, req: Request) -> Response {
     let h = req.headers().clone();
-    let id = match sandbox_of(&app, &h).await {
+    let id = match files_sandbox(&app, &h, &q, "write").await {
         Ok(id) => id,
         Err(r) => return r,
     };
     let user = match user_of(&app, &id, &h, q.username.as_deref()).await {
         Ok(u) => u,
         Err(m) => return plain(StatusCode::UNAUTHORIZED, m),
+    };
+    let metadata = match metadata_of(&h) {
+        Ok(m) => m,
+        Err(m) => return plain(StatusCode::BAD_REQUEST, m),
     };
     let ctype = header_str(&h, "content-type").unwrap_or("").to_ascii_lowercase();
     let gzip = header_str(&h, "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
@@ -400,7 +495,7 @@ async fn upload<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<FileQue
             };
             let path = resolve(&user, &target);
             let stream = field.map(|r| r.map_err(|e| e.to_string()));
-            match write_from(&app, &id, &path, false, Box::pin(stream)).await {
+            match write_from(&app, &id, &path, upload_of(&user, &metadata), false, Box::pin(stream)).await {
                 Ok(_) => done.push(path),
                 Err(e) => return plain(host_status(&e), e.to_string()),
             }
@@ -408,15 +503,15 @@ async fn upload<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<FileQue
         if done.is_empty() {
             return plain(StatusCode::BAD_REQUEST, "the multipart body has no file part".into());
         }
-        return written(&done);
+        return written(&done, &metadata);
     }
     let Some(p) = q.path.as_deref() else {
         return plain(StatusCode::BAD_REQUEST, "path is required for an application/octet-stream upload".into());
     };
     let path = resolve(&user, p);
     let stream = req.into_body().into_data_stream().map(|r| r.map_err(|e| e.to_string()));
-    match write_from(&app, &id, &path, gzip, Box::pin(stream)).await {
-        Ok(_) => written(&[path]),
+    match write_from(&app, &id, &path, upload_of(&user, &metadata), gzip, Box::pin(stream)).await {
+        Ok(_) => written(&[path], &metadata),
         Err(e) => plain(host_status(&e), e.to_string()),
     }
 }
@@ -801,6 +896,42 @@ fn perm_string(kind: Kind, mode: u32) -> String {
     s
 }
 
+/// A symlink as envd reports it: the type, size, mode and owner of what it points to, and the absolute path
+/// it resolves to as `symlinkTarget` (followed through up to 8 links). A dangling link stays a symlink.
+fn followed<H: Host>(h: &H, id: &str, e: Entry) -> Entry {
+    if e.kind != Kind::Symlink {
+        return e;
+    }
+    let mut at = e.path.clone();
+    let mut cur = e.clone();
+    for _ in 0..8 {
+        let Some(t) = cur.link_target.as_deref() else { return e };
+        let dir = at.rsplit_once('/').map(|(d, _)| d).unwrap_or("");
+        at = normalize(&if t.starts_with('/') { t.to_string() } else { format!("{dir}/{t}") });
+        match h.stat(id, &at) {
+            Ok(next) if next.kind == Kind::Symlink => cur = next,
+            Ok(next) => return Entry { path: e.path, link_target: Some(at), ..next },
+            Err(_) => return e,
+        }
+    }
+    e
+}
+
+/// `/a/./b/../c` -> `/a/c`, lexically.
+fn normalize(p: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for c in p.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    format!("/{}", parts.join("/"))
+}
+
 fn entry_json(e: &Entry, users: &Users) -> Value {
     let kind = match e.kind {
         Kind::File => "FILE_TYPE_FILE",
@@ -816,6 +947,11 @@ fn entry_json(e: &Entry, users: &Users) -> Value {
     });
     if let Some(t) = &e.link_target {
         v["symlinkTarget"] = json!(t);
+    }
+    let metadata: BTreeMap<&str, &str> =
+        e.xattrs.iter().filter_map(|(k, val)| Some((k.strip_prefix(METADATA_XATTR)?, val.as_str()))).collect();
+    if !metadata.is_empty() {
+        v["metadata"] = json!(metadata);
     }
     v
 }
@@ -849,7 +985,8 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
     match method.as_str() {
         "Stat" => {
             let p = resolve(&user, &r.path);
-            connect::unary(call(&app, move |h| h.stat(&i, &p)).await.map(|e| json!({"entry": entry_json(&e, &users)})))
+            let res = call(&app, move |h| h.stat(&i, &p).map(|e| followed(h, &i, e))).await;
+            connect::unary(res.map(|e| json!({"entry": entry_json(&e, &users)})))
         }
         "ListDir" => {
             let p = resolve(&user, &r.path);
@@ -864,7 +1001,10 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
                 if st.kind != Kind::Dir {
                     return Err(RpcError::new(Code::InvalidArgument, format!("path {p} is not a directory")));
                 }
-                call(&app, move |h| h.list_dir(&i, &p, depth)).await
+                call(&app, move |h| {
+                    h.list_dir(&i, &p, depth).map(|es| es.into_iter().map(|e| followed(h, &i, e)).collect::<Vec<_>>())
+                })
+                .await
             };
             connect::unary(
                 res.await.map(|es| json!({"entries": es.iter().map(|e| entry_json(e, &users)).collect::<Vec<_>>()})),
@@ -874,9 +1014,10 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
             let p = resolve(&user, &r.path);
             let res = async {
                 let pp = p.clone();
+                let owner = Some((user.uid, user.gid));
                 let created = call(&app, {
                     let i = i.clone();
-                    move |h| h.mkdir(&i, &pp)
+                    move |h| h.mkdir(&i, &pp, owner)
                 })
                 .await?;
                 if !created {
@@ -910,14 +1051,14 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
         }
         "WatchDir" => {
             let p = resolve(&user, &r.path);
-            match Watcher::start(&app, &id, &p, r.recursive).await {
+            match Watcher::start(&app, &id, &p, r.recursive, r.include_entry).await {
                 Ok(w) => watch_stream(app.clone(), w, users),
                 Err(e) => connect::stream_error(e),
             }
         }
         "CreateWatcher" => {
             let p = resolve(&user, &r.path);
-            connect::unary(match Watcher::start(&app, &id, &p, r.recursive).await {
+            connect::unary(match Watcher::start(&app, &id, &p, r.recursive, r.include_entry).await {
                 Ok(w) => {
                     let wid = random_hex(8);
                     app.watchers.lock().insert(wid.clone(), w);
@@ -958,17 +1099,25 @@ pub struct Watcher {
     sandbox: String,
     path: String,
     depth: u32,
+    /// Events carry the entry they are about (`include_entry`, envd >= 0.6.3).
+    with_entry: bool,
     seen: HashMap<String, Entry>,
 }
 
 struct FsEvent {
     name: String,
     kind: &'static str,
+    /// The entry as it is now (not for a removal).
+    entry: Option<Entry>,
 }
 
 impl FsEvent {
-    fn json(&self, _u: &Users) -> Value {
-        json!({"name": self.name, "type": self.kind})
+    fn json(&self, u: &Users) -> Value {
+        let mut v = json!({"name": self.name, "type": self.kind});
+        if let Some(e) = &self.entry {
+            v["entry"] = entry_json(e, u);
+        }
+        v
     }
 }
 
@@ -989,6 +1138,7 @@ impl Watcher {
         sandbox: &str,
         path: &str,
         recursive: bool,
+        with_entry: bool,
     ) -> Result<Watcher, RpcError> {
         let (i, p) = (sandbox.to_string(), path.to_string());
         let st = call(app, move |h| h.stat(&i, &p)).await?;
@@ -997,29 +1147,30 @@ impl Watcher {
         }
         let depth = if recursive { 32 } else { 1 };
         let seen = Self::listing(app, sandbox, path, depth).await?;
-        Ok(Watcher { sandbox: sandbox.into(), path: path.trim_end_matches('/').to_string(), depth, seen })
+        Ok(Watcher { sandbox: sandbox.into(), path: path.trim_end_matches('/').to_string(), depth, with_entry, seen })
     }
 
     async fn poll<H: Host>(&mut self, app: &Arc<App<H>>) -> Result<Vec<FsEvent>, RpcError> {
         let now = Self::listing(app, &self.sandbox, &self.path, self.depth).await?;
         let rel = |p: &str| p.strip_prefix(&format!("{}/", self.path)).unwrap_or(p).to_string();
+        let with = |e: &Entry| self.with_entry.then(|| e.clone());
         let mut out = Vec::new();
         for (p, e) in &now {
             match self.seen.get(p) {
-                None => out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CREATE" }),
+                None => out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CREATE", entry: with(e) }),
                 Some(old) => {
                     if old.kind != Kind::Dir && (old.size != e.size || old.mtime_ns != e.mtime_ns) {
-                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_WRITE" });
+                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_WRITE", entry: with(e) });
                     }
-                    if old.mode != e.mode {
-                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CHMOD" });
+                    if old.mode != e.mode || old.uid != e.uid || old.gid != e.gid || old.xattrs != e.xattrs {
+                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CHMOD", entry: with(e) });
                     }
                 }
             }
         }
         for p in self.seen.keys() {
             if !now.contains_key(p) {
-                out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_REMOVE" });
+                out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_REMOVE", entry: None });
             }
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -1072,10 +1223,25 @@ mod tests {
         assert_eq!(u.owner(0), "root");
         assert_eq!(u.group(1000), "1000");
         assert_eq!(perm_string(Kind::Dir, 0o755), "drwxr-xr-x");
+        assert_eq!(normalize("/home/user/d/./../x"), "/home/user/x");
+        assert_eq!(normalize("/../a//b/"), "/a/b");
         assert_eq!(perm_string(Kind::File, 0o640), "-rw-r-----");
         assert_eq!(signal_of(Some(&json!("SIGNAL_SIGKILL"))).unwrap(), 9);
         assert_eq!(signal_of(Some(&json!(15))).unwrap(), 15);
         assert!(signal_of(None).is_err());
+    }
+
+    #[test]
+    fn file_signatures_are_e2bs_v1() {
+        // Vectors from the Python SDK's e2b.sandbox.signature.get_signature.
+        assert_eq!(
+            file_signature("a.txt", "read", "user", "tok", None),
+            "v1_wPjHOh/p+K3FbqiyGd5vwPNc/g4IPd8sigMxb1gqu9I"
+        );
+        assert_eq!(
+            file_signature("a.txt", "write", "", "tok", Some(1_700_000_000)),
+            "v1_ynwN4qqj2sEXxAURgzwm1HWNT+RQ03EBkBe4oJxeqs8"
+        );
     }
 
     #[test]

@@ -11,6 +11,8 @@ use crate::host::*;
 pub struct Fake {
     pub sandboxes: Mutex<HashMap<String, Status>>,
     pub files: Mutex<BTreeMap<(String, String), Vec<u8>>>,
+    /// What each upload asked for (owner, attributes), by file.
+    pub uploads: Mutex<BTreeMap<(String, String), Upload>>,
     next: Mutex<u32>,
 }
 
@@ -34,7 +36,17 @@ impl Fake {
 }
 
 fn entry(path: &str, kind: Kind, size: u64) -> Entry {
-    Entry { path: path.into(), kind, size, mode: 0o644, uid: 0, gid: 0, mtime_ns: 0, link_target: None }
+    Entry {
+        path: path.into(),
+        kind,
+        size,
+        mode: 0o644,
+        uid: 0,
+        gid: 0,
+        mtime_ns: 0,
+        link_target: None,
+        xattrs: BTreeMap::new(),
+    }
 }
 
 impl Host for Fake {
@@ -103,7 +115,9 @@ impl Host for Fake {
         self.live(id)?;
         let f = self.files.lock().unwrap();
         if let Some(d) = f.get(&(id.to_string(), path.to_string())) {
-            return Ok(entry(path, Kind::File, d.len() as u64));
+            let up = self.uploads.lock().unwrap().get(&(id.to_string(), path.to_string())).cloned().unwrap_or_default();
+            let (uid, gid) = up.owner.unwrap_or((0, 0));
+            return Ok(Entry { uid, gid, xattrs: up.xattrs, ..entry(path, Kind::File, d.len() as u64) });
         }
         let prefix = format!("{}/", path.trim_end_matches('/'));
         if path == "/" || f.keys().any(|(s, p)| s == id && p.starts_with(&prefix)) {
@@ -120,7 +134,7 @@ impl Host for Fake {
             .map(|((_, p), d)| entry(p, Kind::File, d.len() as u64))
             .collect())
     }
-    fn mkdir(&self, id: &str, _path: &str) -> HostResult<bool> {
+    fn mkdir(&self, id: &str, _path: &str, _owner: Option<(u32, u32)>) -> HostResult<bool> {
         self.live(id)?;
         Ok(true)
     }
@@ -147,11 +161,12 @@ impl Host for Fake {
             .ok_or_else(|| HostError::NotFound(format!("{path}: no such file")))?;
         Ok((d.len() as u64, Box::new(std::io::Cursor::new(d))))
     }
-    fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64> {
+    fn write_file(&self, id: &str, path: &str, up: &Upload, src: &mut dyn Read) -> HostResult<u64> {
         self.live(id)?;
         let mut d = Vec::new();
         src.read_to_end(&mut d).map_err(|e| HostError::Internal(e.to_string()))?;
         let n = d.len() as u64;
+        self.uploads.lock().unwrap().insert((id.into(), path.into()), up.clone());
         self.files.lock().unwrap().insert((id.into(), path.into()), d);
         Ok(n)
     }

@@ -103,6 +103,17 @@ pub struct Entry {
     pub gid: u32,
     pub mtime_ns: i64,
     pub link_target: Option<String>,
+    /// Extended attributes in the `user.` namespace (full names).
+    pub xattrs: BTreeMap<String, String>,
+}
+
+/// How an upload is written: who owns the file (and the parents made for it), and its `user.` extended
+/// attributes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Upload {
+    /// (uid, gid)
+    pub owner: Option<(u32, u32)>,
+    pub xattrs: BTreeMap<String, String>,
 }
 
 /// A snapshot the host took.
@@ -144,13 +155,13 @@ pub trait Host: Send + Sync + 'static {
     fn stat(&self, id: &str, path: &str) -> HostResult<Entry>;
     /// Entries below `path` down to `depth` levels (1: its own entries).
     fn list_dir(&self, id: &str, path: &str, depth: u32) -> HostResult<Vec<Entry>>;
-    /// `mkdir -p`; false when it already existed.
-    fn mkdir(&self, id: &str, path: &str) -> HostResult<bool>;
+    /// `mkdir -p`, the directories made owned by `owner` (uid, gid); false when it already existed.
+    fn mkdir(&self, id: &str, path: &str, owner: Option<(u32, u32)>) -> HostResult<bool>;
     fn rename(&self, id: &str, from: &str, to: &str) -> HostResult<()>;
     /// Removes a file or a whole tree.
     fn remove(&self, id: &str, path: &str) -> HostResult<()>;
     /// The file's size and its bytes.
     fn read_file(&self, id: &str, path: &str) -> HostResult<(u64, Box<dyn Read + Send>)>;
     /// Create or replace (atomically, parents created) from `src`; bytes written.
-    fn write_file(&self, id: &str, path: &str, src: &mut dyn Read) -> HostResult<u64>;
+    fn write_file(&self, id: &str, path: &str, up: &Upload, src: &mut dyn Read) -> HostResult<u64>;
 }

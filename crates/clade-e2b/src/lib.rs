@@ -22,13 +22,15 @@ use parking_lot::Mutex;
 
 pub use host::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
+    Upload,
 };
 
 /// Settings of the E2B layer.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The envd version reported to SDKs: it selects their code paths (0.5.7: default user, stdin, octet-stream
-    /// uploads, no file metadata).
+    /// The envd version reported to SDKs: it selects their code paths. 0.6.4: default user, stdin,
+    /// octet-stream uploads, file metadata (0.6.2), entry info in watch events (0.6.3), watches that allow
+    /// network mounts (0.6.4; clade's watches poll, so any mount is watched the same way).
     pub envd_version: String,
     /// The user processes and files run as when a request names none, where the sandbox has it (E2B's `user`,
     /// home /home/user); a sandbox without it runs such requests as root.
@@ -44,7 +46,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            envd_version: "0.5.7".into(),
+            envd_version: "0.6.4".into(),
             default_user: "user".into(),
             default_timeout_s: 300,
             state_file: None,

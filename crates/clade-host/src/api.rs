@@ -17,7 +17,7 @@ pub use crate::gc::GcOutcome;
 pub use crate::roam::{Beat, HostRow, Owner, PullOutcome, PushOutcome, RoamRow};
 pub use crate::siblings::{Control, SiblingAudit};
 pub use crate::supervisor::protocol::{ProcListing, ProcSpec, Ready};
-pub use clade_agent::proto::{DirEntry, FileStat, FileType};
+pub use clade_agent::proto::{DirEntry, FileOwner, FileStat, FileType, WriteOptions};
 pub use clade_ledger::Mark;
 
 /// A command to run in a sandbox.
@@ -369,12 +369,13 @@ pub trait SandboxApi: Send + Sync {
     /// A file of the sandbox as a stream: its size, and a reader of its bytes.
     fn open_file(&self, sandbox: &str, path: &str) -> anyhow::Result<(u64, Box<dyn std::io::Read + Send>)>;
     /// Write a file of the sandbox from a stream (created or replaced whole: a failed upload leaves the old
-    /// file); the bytes written.
+    /// file, and attributes of the old file do not carry over); the bytes written. `opts`: its mode, owner
+    /// (also of the parents created for it) and `user.` extended attributes.
     fn write_file_from(
         &self,
         sandbox: &str,
         path: &str,
-        mode: Option<u32>,
+        opts: &WriteOptions,
         src: &mut dyn std::io::Read,
     ) -> anyhow::Result<u64>;
     /// Checkpoint a running sandbox; it keeps running.
@@ -456,8 +457,9 @@ pub trait SandboxApi: Send + Sync {
     fn stat(&self, sandbox: &str, path: &str) -> anyhow::Result<FileStat>;
     /// Entries under `path`, down to `depth` levels (1: its own entries).
     fn list_dir(&self, sandbox: &str, path: &str, depth: u32) -> anyhow::Result<Vec<DirEntry>>;
-    /// Make a directory and its parents; whether it was created (false: it existed).
-    fn make_dir(&self, sandbox: &str, path: &str) -> anyhow::Result<bool>;
+    /// Make a directory and its parents (those created owned by `owner`, default root); whether it was
+    /// created (false: it existed).
+    fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool>;
     fn rename(&self, sandbox: &str, from: &str, to: &str) -> anyhow::Result<()>;
     /// Remove a file or a directory tree.
     fn remove(&self, sandbox: &str, path: &str) -> anyhow::Result<()>;

@@ -356,11 +356,11 @@ impl SandboxApi for Ops {
         &self,
         sandbox: &str,
         path: &str,
-        mode: Option<u32>,
+        opts: &WriteOptions,
         src: &mut dyn std::io::Read,
     ) -> anyhow::Result<u64> {
         check_id(sandbox)?;
-        client::write_stream(self.home(), sandbox, path, mode, src).map_err(|e| self.explain(sandbox, e))
+        client::write_stream(self.home(), sandbox, path, opts, src).map_err(|e| self.explain(sandbox, e))
     }
 
     fn proc_start(&self, sandbox: &str, spec: ProcSpec) -> anyhow::Result<(u32, ExecEvents)> {
@@ -409,8 +409,8 @@ impl SandboxApi for Ops {
         answer(v["entries"].clone(), "list_dir")
     }
 
-    fn make_dir(&self, sandbox: &str, path: &str) -> anyhow::Result<bool> {
-        let v = self.sup_call(sandbox, &Request::Mkdir { path: path.into() })?;
+    fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool> {
+        let v = self.sup_call(sandbox, &Request::Mkdir { path: path.into(), owner })?;
         Ok(v["created"].as_bool().unwrap_or(true))
     }
 

@@ -140,11 +140,13 @@ pub fn write_stream(
     home: &CladeHome,
     sandbox: &str,
     path: &str,
-    mode: Option<u32>,
+    opts: &clade_agent::WriteOptions,
     src: &mut dyn std::io::Read,
 ) -> anyhow::Result<u64> {
     let mut s = connect(home, sandbox)?;
-    send(&mut s, &Request::WriteStream { path: path.into(), mode })?;
+    let req =
+        Request::WriteStream { path: path.into(), mode: opts.mode, owner: opts.owner, xattrs: opts.xattrs.clone() };
+    send(&mut s, &req)?;
     let copied = {
         let mut w = std::io::BufWriter::with_capacity(256 * 1024, &s);
         std::io::copy(src, &mut w).and_then(|_| w.flush())

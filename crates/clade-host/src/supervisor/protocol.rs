@@ -95,6 +95,9 @@ pub enum Request {
     /// `mkdir -p`; `{"created": false}` when the directory already existed.
     Mkdir {
         path: String,
+        /// Owner of the directories created (default root).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<clade_agent::FileOwner>,
     },
     /// `rename(2)`.
     Move {
@@ -114,6 +117,12 @@ pub enum Request {
         path: String,
         #[serde(default)]
         mode: Option<u32>,
+        /// Owner of the file and the parents created for it (default root).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<clade_agent::FileOwner>,
+        /// Extended attributes of the new file (`user.` namespace).
+        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+        xattrs: std::collections::BTreeMap<String, String>,
     },
 }
 

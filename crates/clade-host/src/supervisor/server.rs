@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use clade_agent::client::{AgentClient, ClientError};
-use clade_agent::proto::{AgentError, ExecSpec, FileType};
+use clade_agent::proto::{AgentError, ExecSpec, FileType, WriteOptions};
 use clade_core::backend::{Backend, MarkOptions, Sandbox};
 use clade_core::engine::{Engine, EngineError};
 use clade_core::time::now_ms;
@@ -415,8 +415,8 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             }
         },
         Request::ReadStream { path } => read_stream(sup, &mut out, &path),
-        Request::WriteStream { path, mode } => {
-            let resp = write_stream(sup, &mut reader, &path, mode);
+        Request::WriteStream { path, mode, owner, xattrs } => {
+            let resp = write_stream(sup, &mut reader, &path, &WriteOptions { mode, owner, xattrs });
             let _ = send_line(&mut out, &resp);
         }
         Request::Mark { .. } | Request::Retake { .. } | Request::Suspend | Request::Kill => {
@@ -491,7 +491,7 @@ fn read_stream(sup: &Supervisor, out: &mut UnixStream, path: &str) {
     }
 }
 
-fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, mode: Option<u32>) -> Response {
+fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, opts: &WriteOptions) -> Response {
     let agent = {
         let _g = sup.gate.read();
         sup.agent()
@@ -500,7 +500,7 @@ fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, mode: Option<
         Ok(a) => a,
         Err(r) => return r,
     };
-    match agent.write_file(path, src, mode, true) {
+    match agent.write_file_with(path, src, opts, true) {
         Ok(n) => Response::ok(serde_json::json!({"bytes": n})),
         Err(e) => client_err(&format!("write {path}"), e),
     }
@@ -640,13 +640,13 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
             Ok(entries) => Response::ok(serde_json::json!({"entries": entries})),
             Err(e) => client_err(&format!("list {path}"), e),
         },
-        Request::Mkdir { path } => {
+        Request::Mkdir { path, owner } => {
             match agent.stat(&path) {
                 Ok(st) if st.file_type == FileType::Dir => return Response::ok(serde_json::json!({"created": false})),
                 Ok(_) => return Response::err(ErrorKind::Conflict, format!("{path} exists and is not a directory")),
                 Err(_) => {}
             }
-            match agent.mkdir_p(&path, None) {
+            match agent.mkdir_p_owned(&path, None, owner) {
                 Ok(()) => Response::ok(serde_json::json!({"created": true})),
                 Err(e) => client_err(&format!("mkdir {path}"), e),
             }

@@ -24,7 +24,7 @@ root = sbx.commands.run("whoami", user="root")
 check("root when asked", root.stdout.strip() == "root", repr(root.stdout))
 info = sbx.files.write("note.txt", "relative to the user's home")
 check("relative file path is under /home/user", info.path == "/home/user/note.txt", repr(info))
-# Not checked yet: the file's owner (clade writes uploads as root; E2B as the user; docs/e2b.md).
+check("the upload belongs to the user", sbx.files.get_info("note.txt").owner == "user")
 tools = sbx.commands.run("python --version && python3 -m pip --version && curl --version && git --version && node --version")
 check("python (as python), pip, curl, git, node", tools.exit_code == 0, tools.stdout.replace("\n", " | ")[:200])
 if os.environ.get("E2B_SUDO") == "1":

@@ -3,10 +3,11 @@
 
 use crate::conn::Conn;
 use clade_agent::wire::{encode_header, Chan, Kind, DATA_CHUNK};
-use clade_agent::{AgentError, DirEntry, FileStat, FileType, Reply, Response};
+use clade_agent::{AgentError, DirEntry, FileOwner, FileStat, FileType, Reply, Response, WriteOptions};
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{fchown, lchown, DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 const MAX_LIST: usize = 100_000;
@@ -67,7 +68,80 @@ fn to_stat(path: &Path, m: &fs::Metadata) -> FileStat {
         } else {
             None
         },
+        xattrs: if ft.is_file() || ft.is_dir() { user_xattrs(path) } else { BTreeMap::new() },
     }
+}
+
+/// Names a write may set: the `user.` namespace only (the others are the kernel's or need privileges a
+/// caller of the agent should not borrow), within the kernel's limits.
+const XATTR_PREFIX: &str = "user.";
+const XATTR_NAME_MAX: usize = 255;
+const XATTR_VALUE_MAX: usize = 64 * 1024;
+/// At most this many attributes are read back per entry (a listing stays bounded).
+const XATTR_READ_MAX: usize = 64;
+
+/// The `user.` extended attributes of a file or directory (none where the filesystem has none).
+fn user_xattrs(path: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let Ok(names) = xattr::list(path) else { return out };
+    for name in names {
+        let Some(n) = name.to_str() else { continue };
+        if !n.starts_with(XATTR_PREFIX) {
+            continue;
+        }
+        if out.len() >= XATTR_READ_MAX {
+            break;
+        }
+        if let Ok(Some(v)) = xattr::get(path, n) {
+            out.insert(n.to_string(), String::from_utf8_lossy(&v).into_owned());
+        }
+    }
+    out
+}
+
+fn check_xattrs(path: &str, xattrs: &BTreeMap<String, String>) -> Result<(), AgentError> {
+    for (name, value) in xattrs {
+        let reason = if !name.starts_with(XATTR_PREFIX) || name.len() == XATTR_PREFIX.len() {
+            format!("extended attribute {name:?} is not in the `user.` namespace")
+        } else if name.len() > XATTR_NAME_MAX || name.contains('\0') {
+            format!("extended attribute name {name:?} is longer than {XATTR_NAME_MAX} bytes or holds a NUL")
+        } else if value.len() > XATTR_VALUE_MAX {
+            format!("extended attribute {name:?} is over {XATTR_VALUE_MAX} bytes")
+        } else {
+            continue;
+        };
+        return Err(AgentError::BadPath { path: path.into(), reason });
+    }
+    Ok(())
+}
+
+/// `mkdir -p` of `dir`, each directory it creates given `mode` and, when named, `owner`.
+fn make_dirs(dir: &Path, mode: u32, owner: Option<FileOwner>) -> Result<(), AgentError> {
+    let Some(owner) = owner else {
+        return fs::DirBuilder::new().recursive(true).mode(mode).create(dir).map_err(|e| io_err("mkdir -p", dir, &e));
+    };
+    // The missing ancestors, nearest the root last.
+    let mut missing = Vec::new();
+    let mut cur = Some(dir);
+    while let Some(d) = cur {
+        if fs::symlink_metadata(d).is_ok() {
+            break;
+        }
+        missing.push(d);
+        cur = d.parent();
+    }
+    for d in missing.into_iter().rev() {
+        match fs::DirBuilder::new().mode(mode).create(d) {
+            Ok(()) => lchown(d, Some(owner.uid), Some(owner.gid)).map_err(|e| io_err("chown", d, &e))?,
+            // Made meanwhile by someone else: theirs, left as it is.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io_err("mkdir", d, &e)),
+        }
+    }
+    if !fs::metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return Err(AgentError::BadPath { path: dir.display().to_string(), reason: "not a directory".into() });
+    }
+    Ok(())
 }
 
 pub fn stat(path: &str) -> Result<FileStat, AgentError> {
@@ -123,12 +197,16 @@ pub struct PendingWrite {
     target: PathBuf,
     file: File,
     mode: u32,
+    owner: Option<FileOwner>,
+    xattrs: BTreeMap<String, String>,
     n: u64,
 }
 
 impl PendingWrite {
-    pub fn open(path: &str, mode: Option<u32>, mkdirs: bool) -> Result<PendingWrite, AgentError> {
+    pub fn open(path: &str, opts: WriteOptions, mkdirs: bool) -> Result<PendingWrite, AgentError> {
+        let WriteOptions { mode, owner, xattrs } = opts;
         let target = check_path(path)?;
+        check_xattrs(path, &xattrs)?;
         if fs::metadata(&target).is_ok_and(|m| m.is_dir()) {
             return Err(AgentError::IsADirectory { path: path.into() });
         }
@@ -136,7 +214,7 @@ impl PendingWrite {
             return Err(AgentError::BadPath { path: path.into(), reason: "it names no file".into() });
         };
         if mkdirs {
-            fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| io_err("mkdir -p", dir, &e))?;
+            make_dirs(dir, 0o755, owner)?;
         }
         let tmp = tmp_path(&target);
         let mode = mode.unwrap_or(0o644) & 0o7777;
@@ -146,7 +224,7 @@ impl PendingWrite {
             .mode(mode)
             .open(&tmp)
             .map_err(|e| io_err("creating", &tmp, &e))?;
-        Ok(PendingWrite { tmp, target, file, mode, n: 0 })
+        Ok(PendingWrite { tmp, target, file, mode, owner, xattrs, n: 0 })
     }
 
     pub fn write(&mut self, data: &[u8]) -> Result<(), AgentError> {
@@ -156,7 +234,16 @@ impl PendingWrite {
     }
 
     pub fn finish(self) -> Response {
-        let res = fs::set_permissions(&self.tmp, fs::Permissions::from_mode(self.mode))
+        // Owner first (a chown clears set-id bits), then the mode, the attributes, and only then the name.
+        let owned = match self.owner {
+            Some(o) => fchown(&self.file, Some(o.uid), Some(o.gid)),
+            None => Ok(()),
+        };
+        let res = owned
+            .and_then(|_| fs::set_permissions(&self.tmp, fs::Permissions::from_mode(self.mode)))
+            .and_then(|_| {
+                self.xattrs.iter().try_for_each(|(k, v)| xattr::FileExt::set_xattr(&self.file, k, v.as_bytes()))
+            })
             .and_then(|_| fs::rename(&self.tmp, &self.target));
         if let Err(e) = res {
             let _ = fs::remove_file(&self.tmp);
@@ -201,13 +288,9 @@ fn walk(dir: &Path, level: u32, max: u32, out: &mut Vec<DirEntry>) -> Result<(),
     Ok(())
 }
 
-pub fn mkdir_p(path: &str, mode: Option<u32>) -> Response {
+pub fn mkdir_p(path: &str, mode: Option<u32>, owner: Option<FileOwner>) -> Response {
     let p = check_path(path)?;
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(mode.unwrap_or(0o755))
-        .create(&p)
-        .map_err(|e| io_err("mkdir -p", &p, &e))?;
+    make_dirs(&p, mode.unwrap_or(0o755), owner)?;
     Ok(Reply::Done)
 }
 
