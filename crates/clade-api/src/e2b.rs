@@ -19,9 +19,9 @@ use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 use clade_e2b::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
-    Upload,
+    Upload, Usage,
 };
-use clade_host::api::{ExecEvent, ExecEvents, ForkOutcome, ForkRequest, MarkRequest, SandboxApi};
+use clade_host::api::{ExecEvent, ExecEvents, ExecRequest, ForkOutcome, ForkRequest, MarkRequest, SandboxApi};
 
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
 pub async fn spawn(
@@ -195,6 +195,19 @@ impl Host for CladeHost {
         Ok(s)
     }
 
+    fn template_exists(&self, name: &str) -> bool {
+        // `base` is always there: its base is built on the first create.
+        if name == "base" {
+            return true;
+        }
+        let (name, backend) = match name.rsplit_once(':') {
+            Some((n, "ct")) => (n, BackendKind::Ct),
+            Some((n, "vm")) => (n, BackendKind::Vm),
+            _ => (name, self.default_backend),
+        };
+        self.api.mark_info(name, Some(backend)).is_ok()
+    }
+
     fn status(&self, id: &str) -> Status {
         if clade_host::error::check_id(id).is_err() {
             return Status::Gone;
@@ -308,6 +321,20 @@ impl Host for CladeHost {
 
     fn proc_resize(&self, id: &str, pid: u32, rows: u16, cols: u16) -> HostResult<()> {
         self.api.proc_resize(id, pid, rows, cols).map_err(host_err)
+    }
+
+    fn usage(&self, id: &str) -> HostResult<Usage> {
+        let info = self.api.get(id).map_err(host_err)?;
+        let live = info.live.ok_or_else(|| HostError::NotFound(format!("sandbox {id} is not running")))?;
+        // The root filesystem as the sandbox sees it: `df -P /` (1024-byte blocks, in busybox and coreutils).
+        let df = ExecRequest { argv: vec!["df".into(), "-P".into(), "/".into()], ..Default::default() };
+        let disk = self.api.exec(id, df).ok().filter(|o| o.code == 0).and_then(|o| {
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            let f: Vec<u64> =
+                out.lines().nth(1)?.split_whitespace().skip(1).take(2).filter_map(|v| v.parse().ok()).collect();
+            (f.len() == 2).then(|| (f[1] * 1024, f[0] * 1024))
+        });
+        Ok(Usage { cpu_busy: live.cpu_busy, mem_used: live.pss, disk })
     }
 
     fn stat(&self, id: &str, path: &str) -> HostResult<Entry> {

@@ -125,6 +125,15 @@ pub struct TemplateImage {
     pub shape: Shape,
     /// Whether the sandbox gets a route out (NAT egress); loopback only when false.
     pub egress: bool,
+    /// ct: the jail sets `no_new_privs` (the default). A template that needs setuid programs (`sudo`) turns
+    /// it off: such a program then gains at most the sandbox root's own bounded capabilities in the sandbox's
+    /// user namespace (docs/security.md, "no_new_privs").
+    #[serde(default = "yes")]
+    pub no_new_privs: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Who the new sandbox is: every sibling gets its own.

@@ -206,7 +206,17 @@ pub fn programs() -> Result<Vec<BpfProgram>, String> {
 
 /// In the sandbox's init, after its mounts and just before exec: reduce the capability sets to
 /// [`KEEP_CAPS`], set `no_new_privs` and install `programs` (built before the fork).
-pub fn enter(programs: &[BpfProgram]) -> Result<(), String> {
+///
+/// Without `no_new_privs` (a template's `[jail] no_new_privs = false`, for `sudo`), the filters go in first,
+/// while the init still holds CAP_SYS_ADMIN in the sandbox's user namespace (the kernel's condition for a
+/// filter without the flag), then the capabilities are cut as always. A setuid program then gains at most
+/// [`KEEP_CAPS`] (the bounding set) in that namespace: what the sandbox's root has anyway.
+pub fn enter(programs: &[BpfProgram], no_new_privs: bool) -> Result<(), String> {
+    if !no_new_privs {
+        for p in programs {
+            install_without_no_new_privs(p)?;
+        }
+    }
     let keep: caps::CapsHashSet = KEEP_CAPS.iter().copied().collect();
     for c in caps::all() {
         if !keep.contains(&c) {
@@ -217,9 +227,36 @@ pub fn enter(programs: &[BpfProgram]) -> Result<(), String> {
     for set in [caps::CapSet::Inheritable, caps::CapSet::Effective, caps::CapSet::Permitted] {
         caps::set(None, set, &keep).map_err(|e| format!("set {set:?} capabilities: {e}"))?;
     }
-    for p in programs {
-        // Sets no_new_privs first, then seccomp(SECCOMP_SET_MODE_FILTER).
-        seccompiler::apply_filter(p).map_err(|e| format!("install the seccomp filter: {e}"))?;
+    if no_new_privs {
+        for p in programs {
+            // Sets no_new_privs first, then seccomp(SECCOMP_SET_MODE_FILTER).
+            seccompiler::apply_filter(p).map_err(|e| format!("install the seccomp filter: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// seccomp(SECCOMP_SET_MODE_FILTER) of one program without setting `no_new_privs` first (seccompiler's
+/// `apply_filter` always sets it). The kernel accepts it only from a task with CAP_SYS_ADMIN in its user
+/// namespace.
+fn install_without_no_new_privs(p: &BpfProgram) -> Result<(), String> {
+    if p.is_empty() || p.len() > u16::MAX as usize {
+        return Err(format!("seccomp: a program of {} instructions", p.len()));
+    }
+    let prog = libc::sock_fprog { len: p.len() as u16, filter: p.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: `prog` points at `p`'s instructions, which outlive the call; `BpfProgram` is a Vec of
+    // `sock_filter`-layout instructions (seccompiler's own `apply_filter` passes it the same way). The
+    // kernel copies the program and keeps no pointer into it.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            0 as libc::c_ulong,
+            &prog as *const libc::sock_fprog,
+        )
+    };
+    if rc != 0 {
+        return Err(format!("install the seccomp filter (without no_new_privs): {}", std::io::Error::last_os_error()));
     }
     Ok(())
 }

@@ -12,6 +12,10 @@ use serde::Serialize;
 pub struct JailAudit {
     pub policy: &'static str,
     pub processes: usize,
+    /// Whether the sandbox runs with `no_new_privs` (the default; a template's `[jail] no_new_privs = false`
+    /// turns it off). Read from its init: the flag can never be cleared once set, so a jailed init (seccomp
+    /// on) without it shows what the sandbox was started with, and every other process must show the same.
+    pub no_new_privs: bool,
     /// Per field of /proc/PID/status (CapBnd, CapEff, CapPrm, Seccomp, NoNewPrivs): the values seen (all
     /// processes agree when there is one value).
     pub status: BTreeMap<String, Vec<String>>,
@@ -50,6 +54,13 @@ fn ns_inode(pid: &str, ns: &str) -> Option<std::path::PathBuf> {
 pub fn audit(sandbox_id: &str, pids: &[u32]) -> JailAudit {
     let mut dev = Vec::new();
     let want_caps = format!("{:016x}", crate::jail::keep_mask());
+    // A template's opt-out shows as a jailed init (seccomp filtering) without the flag; an init without
+    // seccomp is no jail at all, and its missing flag a deviation like the rest.
+    let init: BTreeMap<String, String> =
+        pids.first().and_then(|p| proc_status(*p)).unwrap_or_default().into_iter().collect();
+    let opted_out =
+        init.get("NoNewPrivs").map(String::as_str) == Some("0") && init.get("Seccomp").map(String::as_str) == Some("2");
+    let want_nnp = if opted_out { "0" } else { "1" };
     let mut status: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut seen = 0;
     for &pid in pids {
@@ -59,7 +70,7 @@ pub fn audit(sandbox_id: &str, pids: &[u32]) -> JailAudit {
             let want = match k.as_str() {
                 "CapBnd" | "CapEff" | "CapPrm" => Some(want_caps.as_str()),
                 "Seccomp" => Some("2"),
-                "NoNewPrivs" => Some("1"),
+                "NoNewPrivs" => Some(want_nnp),
                 _ => None,
             };
             // CapEff/CapPrm may be narrower than the policy (a process that dropped more), never wider.
@@ -147,6 +158,7 @@ pub fn audit(sandbox_id: &str, pids: &[u32]) -> JailAudit {
     JailAudit {
         policy: crate::jail::POLICY,
         processes: seen,
+        no_new_privs: want_nnp == "1",
         status,
         uid_map,
         own_cgroup_namespace,

@@ -102,6 +102,7 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         netns: res.net.as_ref().map(crate::net::SandboxNet::netns_path),
         jail: programs,
         userns: idmapped,
+        no_new_privs: image.no_new_privs,
     };
     res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
     let pid = res.init.unwrap_or_default();

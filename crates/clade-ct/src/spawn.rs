@@ -49,6 +49,8 @@ pub struct InitSpec {
     /// Jailed: the sandbox runs in its own user namespace (crate::userns); the lower layers are mounted
     /// idmapped at these `(layer, mount point)` pairs, whose mount points `lower` then names.
     pub userns: Option<Vec<(PathBuf, PathBuf)>>,
+    /// Jailed: set `no_new_privs` (off only where the template asks: crate::jail::enter).
+    pub no_new_privs: bool,
 }
 
 /// Start the sandbox's init; returns its host pid once it has exec'd the agent.
@@ -258,7 +260,7 @@ fn middle(
 /// PID 1 of the new namespaces: returns only with the reason it could not exec.
 fn init_stage(spec: &InitSpec, overlay: &str, argv: &[CString], env: &[CString], err_w: &OwnedFd) -> String {
     let jailed = prepare_root(spec, overlay, err_w).and_then(|()| match &spec.jail {
-        Some(programs) => crate::jail::enter(programs),
+        Some(programs) => crate::jail::enter(programs, spec.no_new_privs),
         None => Ok(()),
     });
     match jailed {

@@ -17,6 +17,7 @@ pub fn image(name: &str, rootfs: PathBuf, memory_mib: u32, egress: bool) -> clad
         disk_manifest: None,
         shape: clade_core::backend::Shape { memory_mib, vcpus: 1, disk_gib: 1 },
         egress,
+        no_new_privs: true,
     }
 }
 

@@ -314,3 +314,59 @@ fn guest_dirty_page_tracking_is_probed_right() {
         None => eprintln!("skip: no /proc/config.gz to compare the probe ({probed}) with"),
     }
 }
+
+/// `[jail] no_new_privs = false` (E2B's base template, for `sudo`): a setuid-root program run by uid 1000 gains
+/// root inside the sandbox, yet the jail holds: seccomp still filters (mode 2), the capability sets stay the
+/// policy's, the sandbox's root is still an unprivileged host uid, and the audit passes. Control: the same
+/// program in a default sandbox (no_new_privs set) runs as 1000, so the test can tell the two apart.
+#[test]
+fn privileged_guest_jail_no_new_privs_off_lets_setuid_gain_only_the_sandbox_root() {
+    let Some(e) = env("nnp", true) else { return };
+    let run_as_1000 = |sb: &dyn Sandbox| -> String {
+        // python keeps the euid a setuid bit gives (busybox would drop it for its applets).
+        let setup = "cp /usr/bin/python3 /usr/bin/suid-python3 && chown 0:0 /usr/bin/suid-python3 \
+                     && chmod 4755 /usr/bin/suid-python3";
+        let out = sb.agent().run(ExecSpec::new(["/bin/sh", "-c", setup])).expect("exec");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let mut spec = ExecSpec::new(["/usr/bin/suid-python3", "-c", "import os; print(os.geteuid())"]);
+        spec.uid = Some(1000);
+        spec.gid = Some(1000);
+        let out = sb.agent().run(spec).expect("exec as 1000");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    // Control: the default jail.
+    let sb = e.backend.cold_start_ct(&e.image, &id("nnp-on")).expect("cold start");
+    assert_eq!(run_as_1000(&sb), "1000", "control: with no_new_privs the setuid bit must be ignored");
+    let a = clade_ct::jail_audit::audit(sb.id(), &Sandbox::pids(&sb));
+    assert!(a.no_new_privs && a.deviations.is_empty(), "{:?}", a.deviations);
+    Box::new(sb).kill().expect("kill");
+
+    let image = clade_core::backend::TemplateImage { no_new_privs: false, ..e.image.clone() };
+    let sb = e.backend.cold_start_ct(&image, &id("nnp-off")).expect("cold start without no_new_privs");
+    assert_eq!(run_as_1000(&sb), "0", "without no_new_privs a setuid-root program runs as the sandbox's root");
+    let a = clade_ct::jail_audit::audit(sb.id(), &Sandbox::pids(&sb));
+    assert!(!a.no_new_privs, "the audit reports the template's choice");
+    assert!(a.deviations.is_empty(), "the rest of the jail holds: {:?}", a.deviations);
+    assert_eq!(a.status.get("Seccomp"), Some(&vec!["2".to_string()]), "seccomp still filters every process");
+    assert!(!a.uid_map.starts_with("0 0 "), "the sandbox's root is not host root: {}", a.uid_map);
+    // And the gain is only the sandbox's root: the escape probes are refused as in any jailed sandbox.
+    let mut r = probe(&sb, std::process::id());
+    assert_eq!(r.get("status_NoNewPrivs").and_then(Value::as_str), Some("0"), "the probe sees the flag off");
+    // Every other part of the jail is the policy's.
+    r.insert("status_NoNewPrivs".into(), Value::String("1".into()));
+    assert_jailed("no_new_privs off", &r);
+    // A restored sibling keeps the flag as its base had it (CRIU restores it per task).
+    let mut sb = sb;
+    let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark");
+    let sib = e.backend.restore_ct(&mark, &id("nnp-sib")).expect("restore");
+    let mut spec = ExecSpec::new(["/usr/bin/suid-python3", "-c", "import os; print(os.geteuid())"]);
+    (spec.uid, spec.gid) = (Some(1000), Some(1000));
+    let out = sib.agent().run(spec).expect("exec in the sibling");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "the sibling's setuid program gains its root");
+    let a = clade_ct::jail_audit::audit(sib.id(), &Sandbox::pids(&sib));
+    assert!(!a.no_new_privs && a.deviations.is_empty(), "{:?}", a.deviations);
+    for s in [Box::new(sb) as Box<dyn Sandbox>, Box::new(sib)] {
+        s.kill().expect("kill");
+    }
+}

@@ -59,11 +59,12 @@ pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect::<H>))
         .route("/sandboxes/{id}/fork", post(fork::<H>))
         .route("/sandboxes/{id}/snapshots", post(snapshot::<H>))
-        .route("/sandboxes/{id}/metrics", get(|| async { axum::Json(json!([])) }))
+        .route("/sandboxes/{id}/metrics", get(metrics::<H>))
         .route("/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": [], "logEntries": []})) }))
         .route("/v2/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": []})) }))
         .route("/snapshots", get(list_snapshots::<H>))
         .route("/templates/{id}", delete(delete_snapshot::<H>))
+        .route("/templates/aliases/{alias}", get(template_alias::<H>))
         .fallback(|| async { ApiError(StatusCode::NOT_FOUND, "no such route in clade's E2B API".into()) })
         .layer(middleware::from_fn_with_state(app.clone(), auth::<H>))
         .with_state(app)
@@ -222,6 +223,28 @@ struct ListQuery {
     state: Option<String>,
     limit: Option<usize>,
     next_token: Option<String>,
+    /// `asc` (oldest first) or `desc` (newest first, the default).
+    order: Option<String>,
+    /// RFC 3339: only sandboxes started at or after it.
+    started_after: Option<String>,
+    /// Only sandboxes of this template.
+    template: Option<String>,
+}
+
+/// What a list keeps besides state and metadata: (oldest first, started at or after ms, template).
+fn list_filters(q: &ListQuery) -> Result<(bool, u64, Option<String>), ApiError> {
+    let asc = match q.order.as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(o) => return Err(ApiError(StatusCode::BAD_REQUEST, format!("unknown order {o:?}: asc or desc"))),
+    };
+    let after = match q.started_after.as_deref() {
+        None => 0,
+        Some(t) => chrono::DateTime::parse_from_rfc3339(t)
+            .map(|d| d.timestamp_millis().max(0) as u64)
+            .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("startedAfter {t:?}: an RFC 3339 time ({e})")))?,
+    };
+    Ok((asc, after, q.template.clone().filter(|t| !t.is_empty())))
 }
 
 /// `metadata` is a query string of its own (`k=v&k2=v2`, each part percent-encoded once more).
@@ -235,8 +258,13 @@ fn metadata_filter(q: &Option<String>) -> BTreeMap<String, String> {
         .collect()
 }
 
-async fn listed<H: Host>(app: &Arc<App<H>>, q: &ListQuery, states: &[Status]) -> Vec<(Record, Status)> {
+async fn listed<H: Host>(
+    app: &Arc<App<H>>,
+    q: &ListQuery,
+    states: &[Status],
+) -> Result<Vec<(Record, Status)>, ApiError> {
     let want = metadata_filter(&q.metadata);
+    let (asc, after, template) = list_filters(q)?;
     let recs = app.state.all();
     let ids: Vec<String> = recs.iter().map(|r| r.id.clone()).collect();
     let statuses = app.blocking(move |h| ids.iter().map(|i| h.status(i)).collect::<Vec<_>>()).await.unwrap_or_default();
@@ -246,13 +274,20 @@ async fn listed<H: Host>(app: &Arc<App<H>>, q: &ListQuery, states: &[Status]) ->
             app.state.remove(&r.id);
             continue;
         }
-        if states.contains(&s) && want.iter().all(|(k, v)| r.metadata.get(k) == Some(v)) {
+        if states.contains(&s)
+            && want.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+            && r.started_ms >= after
+            && template.as_ref().is_none_or(|t| &r.template_id == t)
+        {
             out.push((r, s));
         }
     }
-    // Newest first, as E2B lists.
+    // Newest first, as E2B lists, unless asked otherwise.
     out.sort_by(|a, b| b.0.started_ms.cmp(&a.0.started_ms).then(b.0.id.cmp(&a.0.id)));
-    out
+    if asc {
+        out.reverse();
+    }
+    Ok(out)
 }
 
 fn listed_json<H: Host>(app: &App<H>, r: &Record, s: Status) -> Value {
@@ -265,7 +300,7 @@ fn listed_json<H: Host>(app: &App<H>, r: &Record, s: Status) -> Value {
 }
 
 async fn list_v1<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<ListQuery>) -> R {
-    let all = listed(&app, &q, &[Status::Running]).await;
+    let all = listed(&app, &q, &[Status::Running]).await?;
     Ok(axum::Json(all.iter().map(|(r, s)| listed_json(&app, r, *s)).collect::<Vec<_>>()).into_response())
 }
 
@@ -280,7 +315,7 @@ async fn list_v2<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<ListQu
             }
         }
     }
-    let all = listed(&app, &q, &states).await;
+    let all = listed(&app, &q, &states).await?;
     let start = match &q.next_token {
         Some(t) => all.iter().position(|(r, _)| &r.id == t).map(|i| i + 1).unwrap_or(all.len()),
         None => 0,
@@ -303,11 +338,54 @@ async fn detail<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>)
     Ok(axum::Json(detail_json(&app, &rec, s)).into_response())
 }
 
+/// E2B's alias check (`Template.exists`): 200 with the template when `create` accepts the name, else 404.
+async fn template_alias<H: Host>(State(app): State<Arc<App<H>>>, Path(alias): Path<String>) -> R {
+    let a = alias.clone();
+    if app.blocking(move |h| h.template_exists(&a)).await? {
+        Ok(axum::Json(json!({"templateID": alias, "public": true})).into_response())
+    } else {
+        Err(ApiError(StatusCode::NOT_FOUND, format!("template alias '{alias}' not found")))
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct MetricsQuery {
+    /// Unix seconds.
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+/// E2B's metrics of a running sandbox: clade keeps no history, so the answer is one entry measured now
+/// (CPU from the host's accounting of the sandbox's processes, memory as their PSS, disk as `df /` inside),
+/// or none when now is outside `start..=end`.
+async fn metrics<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, Query(q): Query<MetricsQuery>) -> R {
+    let (rec, s) = live(&app, &id).await?;
+    let now_ms = crate::state::now_ms();
+    let now = (now_ms / 1000) as i64;
+    // Second-precision bounds: the end is inclusive of its whole second.
+    if s != Status::Running || q.start.is_some_and(|t| now < t) || q.end.is_some_and(|t| now > t) {
+        return Ok(axum::Json(json!([])).into_response());
+    }
+    let i = id.clone();
+    let u = app.blocking(move |h| h.usage(&i)).await??;
+    let cpus = rec.cpu_count.max(1);
+    let (disk_used, disk_total) = u.disk.unwrap_or((0, u64::from(rec.disk_mb) << 20));
+    Ok(axum::Json(json!([{
+        "timestamp": crate::state::rfc3339(now_ms), "timestampUnix": now,
+        "cpuCount": cpus, "cpuUsedPct": (u.cpu_busy * 100.0 / f64::from(cpus)).clamp(0.0, 100.0),
+        "memUsed": u.mem_used, "memTotal": u64::from(rec.memory_mb) << 20, "memCache": 0,
+        "diskUsed": disk_used, "diskTotal": disk_total,
+    }]))
+    .into_response())
+}
+
 async fn kill<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
     live(&app, &id).await?;
     let i = id.clone();
     app.blocking(move |h| h.kill(&i)).await??;
     app.state.remove(&id);
+    app.ptys.lock().retain(|(s, _)| s != &id);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

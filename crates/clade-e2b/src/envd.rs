@@ -341,8 +341,12 @@ async fn download<H: Host>(State(app): State<Arc<App<H>>>, h: HeaderMap, Query(q
     let mut r = Response::new(body);
     let hs = r.headers_mut();
     hs.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/octet-stream"));
-    if let Ok(v) = header::HeaderValue::from_str(&size.to_string()) {
-        hs.insert(header::CONTENT_LENGTH, v);
+    // A file the kernel makes as it is read (/proc, /sys) has size 0 yet holds bytes: its length is left to
+    // the end of the (chunked) body.
+    if size > 0 {
+        if let Ok(v) = header::HeaderValue::from_str(&size.to_string()) {
+            hs.insert(header::CONTENT_LENGTH, v);
+        }
     }
     if let Ok(v) = header::HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
         hs.insert(header::CONTENT_DISPOSITION, v);
@@ -651,6 +655,11 @@ async fn process<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<Str
         Err(e) => return if streaming { connect::stream_error(e) } else { connect::unary(Err(e)) },
     };
     let keepalive = header_str(&h, "keepalive-ping-interval").and_then(|s| s.parse::<u64>().ok()).filter(|s| *s > 0);
+    // Connect's deadline for the whole stream (the SDKs' `timeout`): past it the stream ends with
+    // deadline_exceeded and the process runs on, as after any detach.
+    let deadline = header_str(&h, "connect-timeout-ms")
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     match method.as_str() {
         "Start" => {
             let user = match user_of(&app, &id, &h, None).await {
@@ -680,7 +689,12 @@ async fn process<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<Str
             };
             let i = id.clone();
             match call(&app, move |h| h.proc_start(&i, spec)).await {
-                Ok((pid, events)) => proc_stream(pid, events, pty.is_some(), keepalive),
+                Ok((pid, events)) => {
+                    if pty.is_some() {
+                        app.ptys.lock().insert((id.clone(), pid));
+                    }
+                    proc_stream(app.clone(), id.clone(), pid, events, pty.is_some(), keepalive, deadline)
+                }
                 Err(e) => connect::stream_error(e),
             }
         }
@@ -691,7 +705,10 @@ async fn process<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<Str
             };
             let i = id.clone();
             match call(&app, move |h| h.proc_connect(&i, pid)).await {
-                Ok(events) => proc_stream(pid, events, false, keepalive),
+                Ok(events) => {
+                    let pty = app.ptys.lock().contains(&(id.clone(), pid));
+                    proc_stream(app.clone(), id.clone(), pid, events, pty, keepalive, deadline)
+                }
                 Err(e) => connect::stream_error(e),
             }
         }
@@ -770,7 +787,15 @@ fn input_bytes(i: Option<&Input>) -> Result<Vec<u8>, RpcError> {
 }
 
 /// The events of a process as a Connect server stream: start, data, end (and keepalives).
-fn proc_stream(pid: u32, events: crate::host::ProcStream, pty: bool, keepalive: Option<u64>) -> Response {
+fn proc_stream<H: Host>(
+    app: Arc<App<H>>,
+    id: String,
+    pid: u32,
+    events: crate::host::ProcStream,
+    pty: bool,
+    keepalive: Option<u64>,
+    deadline: Option<tokio::time::Instant>,
+) -> Response {
     let (tx, rx) = mpsc::channel::<ProcEvent>(64);
     tokio::task::spawn_blocking(move || {
         for ev in events {
@@ -781,45 +806,68 @@ fn proc_stream(pid: u32, events: crate::host::ProcStream, pty: bool, keepalive: 
     });
     let start = json!({"event": {"start": {"pid": pid}}});
     let every = Duration::from_secs(keepalive.unwrap_or(3600));
-    let s = futures_util::stream::unfold((Some(start), rx, false), move |(first, mut rx, done)| async move {
-        if let Some(f) = first {
-            return Some((Ok(f), (None, rx, false)));
+    let s = futures_util::stream::unfold((Some(start), rx, false), move |(first, mut rx, done)| {
+        let (app, id) = (app.clone(), id.clone());
+        async move {
+            if let Some(f) = first {
+                return Some((Ok(f), (None, rx, false)));
+            }
+            if done {
+                return None;
+            }
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = tokio::time::sleep(every) => {
+                    return Some((Ok(json!({"event": {"keepalive": {}}})), (None, rx, false)));
+                }
+                _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await },
+                    if deadline.is_some() => {
+                    let e = RpcError::new(Code::DeadlineExceeded, "the command's timeout passed (the process runs on)");
+                    return Some((Err(e), (None, rx, true)));
+                }
+            };
+            let msg = match ev {
+                Some(ProcEvent::Stdout(d)) => {
+                    let k = if pty { "pty" } else { "stdout" };
+                    json!({"event": {"data": {k: B64.encode(d)}}})
+                }
+                Some(ProcEvent::Stderr(d)) => json!({"event": {"data": {"stderr": B64.encode(d)}}}),
+                Some(ProcEvent::Exit { code, signal }) => {
+                    let (exit_code, exited, status) = match (code, signal) {
+                        (Some(c), _) => (c, true, format!("exit status {c}")),
+                        (None, Some(s)) => (-1, false, format!("signal: {}", signal_name(s))),
+                        (None, None) => (-1, false, "unknown".to_string()),
+                    };
+                    let end = json!({"event": {"end": {"exitCode": exit_code, "exited": exited, "status": status}}});
+                    return Some((Ok(end), (None, rx, true)));
+                }
+                Some(ProcEvent::Error(m)) => {
+                    settle(&app, &id).await;
+                    return Some((Err(RpcError::new(Code::Unavailable, m)), (None, rx, true)));
+                }
+                None => {
+                    settle(&app, &id).await;
+                    let e = RpcError::new(Code::Unavailable, "the process stream ended without an exit");
+                    return Some((Err(e), (None, rx, true)));
+                }
+            };
+            Some((Ok(msg), (None, rx, false)))
         }
-        if done {
-            return None;
-        }
-        let ev = tokio::select! {
-            ev = rx.recv() => ev,
-            _ = tokio::time::sleep(every) => {
-                return Some((Ok(json!({"event": {"keepalive": {}}})), (None, rx, false)));
-            }
-        };
-        let msg = match ev {
-            Some(ProcEvent::Stdout(d)) => {
-                let k = if pty { "pty" } else { "stdout" };
-                json!({"event": {"data": {k: B64.encode(d)}}})
-            }
-            Some(ProcEvent::Stderr(d)) => json!({"event": {"data": {"stderr": B64.encode(d)}}}),
-            Some(ProcEvent::Exit { code, signal }) => {
-                let (exit_code, exited, status) = match (code, signal) {
-                    (Some(c), _) => (c, true, format!("exit status {c}")),
-                    (None, Some(s)) => (-1, false, format!("signal: {}", signal_name(s))),
-                    (None, None) => (-1, false, "unknown".to_string()),
-                };
-                let end = json!({"event": {"end": {"exitCode": exit_code, "exited": exited, "status": status}}});
-                return Some((Ok(end), (None, rx, true)));
-            }
-            Some(ProcEvent::Error(m)) => {
-                return Some((Err(RpcError::new(Code::Unavailable, m)), (None, rx, true)));
-            }
-            None => {
-                let e = RpcError::new(Code::Unavailable, "the process stream ended without an exit");
-                return Some((Err(e), (None, rx, true)));
-            }
-        };
-        Some((Ok(msg), (None, rx, false)))
     });
     connect::server_stream(s)
+}
+
+/// A process stream cut by its sandbox going away ends a moment before the host's records say so; the SDKs
+/// then ask `/health` whether the sandbox is gone. Wait (up to 2 s) for the records to settle first, so that
+/// answer is the true one rather than a race.
+async fn settle<H: Host>(app: &Arc<App<H>>, id: &str) {
+    for _ in 0..20 {
+        let i = id.to_string();
+        if app.blocking(move |h| h.status(&i)).await.unwrap_or(Status::Gone) != Status::Running {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn signal_name(s: i32) -> String {
@@ -1157,7 +1205,13 @@ impl Watcher {
         let mut out = Vec::new();
         for (p, e) in &now {
             match self.seen.get(p) {
-                None => out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CREATE", entry: with(e) }),
+                None => {
+                    out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_CREATE", entry: with(e) });
+                    // A file that appeared holding bytes was also written since (inotify's IN_MODIFY).
+                    if e.kind == Kind::File && e.size > 0 {
+                        out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_WRITE", entry: with(e) });
+                    }
+                }
                 Some(old) => {
                     if old.kind != Kind::Dir && (old.size != e.size || old.mtime_ns != e.mtime_ns) {
                         out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_WRITE", entry: with(e) });
@@ -1173,6 +1227,7 @@ impl Watcher {
                 out.push(FsEvent { name: rel(p), kind: "EVENT_TYPE_REMOVE", entry: None });
             }
         }
+        // By name, each name's events in the order they happened (a stable sort keeps CREATE before WRITE).
         out.sort_by(|a, b| a.name.cmp(&b.name));
         self.seen = now;
         Ok(out)

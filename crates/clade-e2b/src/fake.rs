@@ -59,6 +59,9 @@ impl Host for Fake {
         }
         Ok(self.started())
     }
+    fn template_exists(&self, name: &str) -> bool {
+        name == "base"
+    }
     fn status(&self, id: &str) -> Status {
         self.sandboxes.lock().unwrap().get(id).copied().unwrap_or(Status::Gone)
     }
@@ -110,6 +113,10 @@ impl Host for Fake {
     }
     fn proc_resize(&self, id: &str, _pid: u32, _rows: u16, _cols: u16) -> HostResult<()> {
         self.live(id)
+    }
+    fn usage(&self, id: &str) -> HostResult<Usage> {
+        self.live(id)?;
+        Ok(Usage { cpu_busy: 0.25, mem_used: 1 << 20, disk: Some((1 << 30, 4 << 30)) })
     }
     fn stat(&self, id: &str, path: &str) -> HostResult<Entry> {
         self.live(id)?;

@@ -116,6 +116,17 @@ pub struct Upload {
     pub xattrs: BTreeMap<String, String>,
 }
 
+/// What a sandbox uses now, as the host measures it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Usage {
+    /// vCPUs kept busy (CPU seconds over wall seconds since the last measure).
+    pub cpu_busy: f64,
+    /// Memory its processes hold (PSS), bytes.
+    pub mem_used: u64,
+    /// Its root filesystem: (used, total) bytes, as `df` inside it reports them.
+    pub disk: Option<(u64, u64)>,
+}
+
 /// A snapshot the host took.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
@@ -129,6 +140,8 @@ pub trait Host: Send + Sync + 'static {
     /// Start a sandbox from a template name, a base or a snapshot; `HostError::NotFound` when there is no such
     /// thing. `envs` are the sandbox's default environment for every process.
     fn create(&self, template: &str, envs: &BTreeMap<String, String>) -> HostResult<Started>;
+    /// Whether `create` accepts this template name (E2B's alias check).
+    fn template_exists(&self, name: &str) -> bool;
     fn status(&self, id: &str) -> Status;
     fn kill(&self, id: &str) -> HostResult<()>;
     /// Stop the sandbox keeping its state (E2B pause).
@@ -143,6 +156,9 @@ pub trait Host: Send + Sync + 'static {
     fn delete_snapshot(&self, _snapshot: &str) -> HostResult<bool> {
         Ok(true)
     }
+
+    /// What the sandbox uses now (E2B's metrics).
+    fn usage(&self, id: &str) -> HostResult<Usage>;
 
     fn proc_start(&self, id: &str, spec: ProcSpec) -> HostResult<(u32, ProcStream)>;
     fn proc_connect(&self, id: &str, pid: u32) -> HostResult<ProcStream>;

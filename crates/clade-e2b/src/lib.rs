@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 
 pub use host::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
-    Upload,
+    Upload, Usage,
 };
 
 /// Settings of the E2B layer.
@@ -62,13 +62,22 @@ pub struct App<H: Host> {
     pub cfg: Config,
     users: Mutex<HashMap<String, Arc<envd::Users>>>,
     watchers: Mutex<HashMap<String, envd::Watcher>>,
+    /// Processes started with a PTY, by (sandbox, pid): a `Connect` to one streams `pty` data, as its start did.
+    ptys: Mutex<std::collections::HashSet<(String, u32)>>,
 }
 
 impl<H: Host> App<H> {
     /// The app over `host`, its records loaded from `cfg.state_file` (the token key beside them made if missing).
     pub fn new(host: Arc<H>, cfg: Config) -> Result<Arc<App<H>>, state::StateError> {
         let state = state::State::open(cfg.state_file.clone())?;
-        Ok(Arc::new(App { host, state, cfg, users: Mutex::new(HashMap::new()), watchers: Mutex::new(HashMap::new()) }))
+        Ok(Arc::new(App {
+            host,
+            state,
+            cfg,
+            users: Mutex::new(HashMap::new()),
+            watchers: Mutex::new(HashMap::new()),
+            ptys: Mutex::new(Default::default()),
+        }))
     }
 
     /// Run `f` on the host from tokio's blocking pool.

@@ -224,6 +224,9 @@ pub struct LiveFacts {
     /// Summed over those pids, bytes.
     pub pss: u64,
     pub rss: u64,
+    /// vCPUs its processes kept busy since the last measure (CPU seconds over wall seconds).
+    #[serde(default)]
+    pub cpu_busy: f64,
     /// The agent's hello (its version and the guest's facts).
     #[serde(default)]
     pub hello: serde_json::Value,

@@ -78,6 +78,7 @@ pub fn image_of(r: &TemplateRecord) -> TemplateImage {
         disk_manifest: r.disk.as_ref().and_then(|d| d.manifest.clone()),
         shape: Shape { memory_mib: r.memory_mib, vcpus: r.vcpus, disk_gib: r.disk_gib },
         egress: r.egress,
+        no_new_privs: r.no_new_privs,
     }
 }
 

@@ -37,6 +37,9 @@ pub struct TemplateRecord {
     pub vcpus: u32,
     pub disk_gib: u32,
     pub egress: bool,
+    /// ct: the jail sets `no_new_privs` (`[jail]` in the spec; records of an older clade: yes).
+    #[serde(default = "crate::spec::yes")]
+    pub no_new_privs: bool,
     pub ready: Option<Ready>,
     pub services: Vec<Service>,
     /// `/etc/clade/provision.sh` exists in the rootfs.
@@ -227,6 +230,7 @@ impl Builder {
                     vcpus: spec.vcpus,
                     disk_gib: spec.disk_gib,
                     egress: spec.network.egress,
+                    no_new_privs: spec.jail.no_new_privs,
                     ready: spec.ready.clone(),
                     services: spec.services.clone(),
                     provision: spec.provision.is_some(),
@@ -243,6 +247,7 @@ impl Builder {
         record.vcpus = spec.vcpus;
         record.disk_gib = spec.disk_gib;
         record.egress = spec.network.egress;
+        record.no_new_privs = spec.jail.no_new_privs;
         record.ready = spec.ready.clone();
 
         let mut disk_cached = true;

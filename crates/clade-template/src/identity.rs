@@ -41,6 +41,14 @@ pub struct Identity {
     pub services: Vec<Service>,
     /// The clade-agent binary installed at `/usr/lib/clade/clade-agent`, by content.
     pub agent: Option<String>,
+    /// `[jail] no_new_privs = false` is part of what a base is booted with (its processes keep the flag
+    /// through every mark), so it is part of the identity; the default leaves older hashes as they were.
+    #[serde(default = "crate::spec::yes", skip_serializing_if = "is_yes")]
+    pub no_new_privs: bool,
+}
+
+fn is_yes(b: &bool) -> bool {
+    *b
 }
 
 impl Identity {
@@ -66,6 +74,7 @@ impl Identity {
             provision: spec.provision.as_deref().map(file_hash).transpose()?,
             services: spec.services.clone(),
             agent: agent.map(file_hash).transpose()?,
+            no_new_privs: spec.jail.no_new_privs,
         })
     }
 

@@ -38,6 +38,8 @@ struct RawSpec {
     disk_gib: Option<Spanned<u32>>,
     #[serde(default)]
     network: Network,
+    #[serde(default)]
+    jail: Jail,
 }
 
 #[derive(Deserialize)]
@@ -108,6 +110,26 @@ pub struct Network {
     pub egress: bool,
 }
 
+/// `[jail]`: what a ct sandbox of the template may relax of clade's jail (docs/security.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Jail {
+    /// Set `no_new_privs` (default: yes). `false` lets setuid programs such as `sudo` work: they gain the
+    /// sandbox root's bounded capabilities inside its own user namespace, nothing of the host.
+    #[serde(default = "yes")]
+    pub no_new_privs: bool,
+}
+
+impl Default for Jail {
+    fn default() -> Jail {
+        Jail { no_new_privs: true }
+    }
+}
+
+pub(crate) fn yes() -> bool {
+    true
+}
+
 /// A file or directory copied into the root filesystem.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -135,6 +157,7 @@ pub struct TemplateSpec {
     pub vcpus: u32,
     pub disk_gib: u32,
     pub network: Network,
+    pub jail: Jail,
 }
 
 /// Line (1-based) of a byte offset.
@@ -354,6 +377,7 @@ impl TemplateSpec {
             vcpus: positive(&raw.vcpus, "vcpus", DEFAULT_VCPUS)?,
             disk_gib: positive(&raw.disk_gib, "disk_gib", DEFAULT_DISK_GIB)?,
             network: raw.network,
+            jail: raw.jail,
         })
     }
 }
@@ -386,10 +410,13 @@ memory_mib = 1024
 disk_gib = 2
 [network]
 egress = true
+[jail]
+no_new_privs = false
 "#,
         )
         .unwrap();
         assert_eq!(s.packages, vec!["curl", "python3"]);
+        assert!(!s.jail.no_new_privs, "[jail] no_new_privs = false is read");
         assert_eq!(s.source, Source::Debian { suite: "bookworm".into(), mirror: DEFAULT_MIRROR.into() });
         assert_eq!(s.files[0].dest, "/etc/a.txt");
         assert_eq!(s.files[1].dest, "/opt/x");

@@ -33,6 +33,7 @@ fn guest_vm_backend_cold_mark_fork_and_mark_a_clone() {
         disk_manifest: Some(disk),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress: false,
+        no_new_privs: true,
     };
     let tag = std::process::id();
     let t = Instant::now();

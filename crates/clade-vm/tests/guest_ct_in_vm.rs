@@ -105,6 +105,7 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
         disk_manifest: Some(disk),
         shape: Shape { memory_mib: 2048, vcpus: 2, disk_gib: 1 },
         egress: false,
+        no_new_privs: true,
     };
     let id = clade_core::hygiene::new_identity(&format!("ctvm{}", std::process::id()), 0);
     let sb = backend.cold_start(&image, &id).expect("boot the guest");

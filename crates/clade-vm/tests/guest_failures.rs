@@ -37,6 +37,7 @@ fn env(tag: &str) -> Option<Env> {
         disk_manifest: Some(e.disk),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress: false,
+        no_new_privs: true,
     };
     Some(Env { _work: e.work, w, store: e.store, home: e.home, backend: e.backend, image })
 }

@@ -73,6 +73,7 @@ fn guest_vm_net_egress_siblings_and_none() {
         disk_manifest: Some(disk.clone()),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress,
+        no_new_privs: true,
     };
     let (port, seen) = listener();
     let tag = std::process::id();

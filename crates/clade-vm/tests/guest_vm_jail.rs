@@ -146,6 +146,7 @@ fn guest_vm_jail_uids_caps_seccomp_chroot_and_escape_probes() {
         disk_manifest: Some(disk),
         shape: shape.clone(),
         egress: false,
+        no_new_privs: true,
     };
     let tag = std::process::id();
     let run = |id: &str| home.run_dir().join(id);
@@ -289,6 +290,7 @@ fn guest_vm_jail_cost_cold_and_restore() {
         disk_manifest: Some(disk),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress: false,
+        no_new_privs: true,
     };
     let tag = std::process::id();
     let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;

@@ -209,8 +209,8 @@ fn guest_e2b_python_sdk_on_vm() {
 
 /// E2B's `base` on ct through the Python SDK, on a home where nothing was built: the first create builds
 /// clade's e2b-base template and its base from the shipped spec (crates/clade-api/src/e2b_base.rs), then the
-/// default user is `user` in /home/user, root when asked, and python/pip/curl/git/node are there. sudo is not
-/// checked here: the ct jail's no_new_privs refuses it (docs/e2b.md). Then envd 0.6.4's file behaviours
+/// default user is `user` in /home/user, root when asked, python/pip/curl/git/node are there, and `sudo -n`
+/// makes `user` root (the template opts out of the ct jail's no_new_privs: docs/security.md). Then envd 0.6.4's file behaviours
 /// (tests/e2b/files_parity.py): ownership by the user, metadata as xattrs, symlinks, signed URLs, watch entries.
 #[test]
 fn guest_e2b_base_template_on_ct() {
@@ -226,11 +226,18 @@ fn guest_e2b_base_template_on_ct() {
     assert!(!bases().contains("e2b-base"), "no base before the first create: {}", bases());
     let s = serve(h);
     let mut c = Command::new(&py);
-    c.arg("base_template.py");
+    // sudo works on ct too: the template turns the jail's no_new_privs off ([jail] in its template.toml).
+    c.arg("base_template.py").env("E2B_SUDO", "1");
     run_sdk(c, &s, &key, "base", "e2b base template on ct, built on first use");
     let mut c = Command::new(&py);
     c.arg("files_parity.py");
-    run_sdk(c, &s, &key, "base", "envd 0.6.4 file behaviours on ct (owner, metadata, symlinks, signed URLs, watch entries)");
+    run_sdk(
+        c,
+        &s,
+        &key,
+        "base",
+        "envd 0.6.4 file behaviours on ct (owner, metadata, symlinks, signed URLs, watch entries)",
+    );
     drop(s);
     assert!(bases().contains("e2b-base"), "the first create built e2b-base's ct base: {}", bases());
     nothing_left(h);

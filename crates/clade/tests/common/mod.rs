@@ -125,6 +125,7 @@ pub fn vm_home(prefix: &str) -> Option<tempfile::TempDir> {
         disk_manifest: Some(disk),
         shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
         egress: false,
+        no_new_privs: true,
     };
     let (mark, boot) = engine.build_base(&backend as &dyn Backend, &tid, &image, &|_| Ok(())).unwrap();
     eprintln!("vm base {} built, cold boot {boot:?}", mark.id);

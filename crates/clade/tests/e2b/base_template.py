@@ -1,7 +1,7 @@
 """E2B's `base` template as clade ships it (templates/e2b-base) through the official Python SDK: commands and
 files default to the user `user` in /home/user, as on E2B, and the tools E2B's base image documents are there.
-Env as sdk_flow.py; E2B_SUDO=1 also checks passwordless sudo (a vm guest; a ct sandbox's no_new_privs refuses
-it, docs/e2b.md)."""
+Env as sdk_flow.py; E2B_SUDO=1 also checks passwordless sudo (a vm guest's own; on ct the template turns the
+jail's no_new_privs off, docs/security.md), and that a command's envs do not leak into the next one."""
 
 import os
 import sys
@@ -30,5 +30,8 @@ check("python (as python), pip, curl, git, node", tools.exit_code == 0, tools.st
 if os.environ.get("E2B_SUDO") == "1":
     s = sbx.commands.run("sudo -n whoami")
     check("passwordless sudo", s.stdout.strip() == "root", repr(s))
+    scoped = sbx.commands.run("echo $FOO", envs={"FOO": "bar"})
+    after = sbx.commands.run('sudo echo "$FOO"')
+    check("a command's envs are its own", (scoped.stdout.strip(), after.stdout.strip()) == ("bar", ""), repr(after))
 sbx.kill()
 print("all passed")
