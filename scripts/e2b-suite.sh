@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # E2B's own Python SDK test suite against clade, run unchanged (docs/e2b.md, "E2B's suite").
 #
-#   ./x e2b-suite E2B_CHECKOUT [--backend ct|vm] [--workers N] [--timeout S] [--out DIR]
+#   ./x e2b-suite E2B_CHECKOUT [--backend ct|vm] [--sdk VERSION] [--workers N] [--timeout S] [--out DIR]
+#                              [--phase1 PHASE1.json]   (reuse a first phase of the same checkout and SDK)
 #
 # E2B_CHECKOUT is a clone of github.com/e2b-dev/E2B at the tag to test (its packages/python-sdk/tests are
 # copied, never edited). Two phases:
@@ -16,10 +17,12 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/.." && pwd)
 export CLADE_HOME=${CLADE_HOME:-/var/lib/clade}
 
-checkout=""; backend=ct; workers=4; timeout=60; out="$CLADE_HOME/e2b-suite/last"
+checkout=""; backend=ct; sdk=2.63.0; workers=4; timeout=60; out="$CLADE_HOME/e2b-suite/last"; phase1=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --backend) backend=$2; shift 2 ;;
+    --sdk) sdk=$2; shift 2 ;;
+    --phase1) phase1=$2; shift 2 ;;
     --workers) workers=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -37,12 +40,13 @@ clade=${CLADE_BIN:-$repo/target/release/clade}
 [ -x "$clade" ] || clade="$repo/target/debug/clade"
 [ -x "$clade" ] || { echo "e2b-suite: build clade first (cargo build --release -p clade -p clade-agent)" >&2; exit 2; }
 
-# The SDK version clade is tested with, and the suite's own test dependencies (its pyproject's dev group).
-venv="$CLADE_HOME/e2b-suite/venv"
+# The SDK (default: the version ./x setup installs; the suite's own tag's version for its unit tests' mocks),
+# and the suite's own test dependencies (its pyproject's dev group).
+venv="$CLADE_HOME/e2b-suite/venv-$sdk"
 if [ ! -x "$venv/bin/pytest" ]; then
   echo "e2b-suite: making $venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q "e2b==2.63.0" "pytest>=9.0.3,<10" "pytest-xdist>=3.3.1,<4" "python-dotenv>=1,<2" \
+  "$venv/bin/pip" install -q "e2b==$sdk" "pytest>=9.0.3,<10" "pytest-xdist>=3.3.1,<4" "python-dotenv>=1,<2" \
     "pytest-dotenv>=0.5.2,<0.6" "pytest-asyncio>=1.3.0,<2" "pytest-timeout>=2.4.0,<3"
 fi
 
@@ -58,11 +62,16 @@ mkdir -p "$out"
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 pytest_args=(-p e2b_suite_plugin -p no:cacheprovider -q -n "$workers" --timeout "$timeout" --continue-on-collection-errors)
 
+if [ -n "$phase1" ]; then
+  echo "e2b-suite: phase 1 from $phase1"
+  [ "$phase1" -ef "$out/phase1.json" ] || cp "$phase1" "$out/phase1.json"
+else
 echo "e2b-suite: phase 1, no server (a network namespace with loopback only)"
 (cd "$work/sdk" && env -u E2B_API_URL -u E2B_SANDBOX_URL -u E2B_DOMAIN -u E2B_DEBUG \
   E2B_API_KEY="e2b_$(printf '0%.0s' {1..40})" CLADE_SUITE_OUT="$out/phase1.json" \
   unshare -n sh -c 'ip link set lo up && exec "$0" "$@"' "$venv/bin/pytest" "${pytest_args[@]}" tests \
   > "$out/phase1.log" 2>&1) || true
+fi
 "$venv/bin/python" - "$out/phase1.json" "$work/need-server" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -98,5 +107,5 @@ done
   "$venv/bin/pytest" "${pytest_args[@]}" tests > "$out/phase2.log" 2>&1) || true
 
 "$venv/bin/python" "$here/e2b_suite_report.py" "$out/phase1.json" "$out/phase2.json" "$here/e2b_suite_skips.json" \
-  "$backend" > "$out/table.md"
+  "$backend" "$sdk" > "$out/table.md"
 cat "$out/table.md"

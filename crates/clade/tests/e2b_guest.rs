@@ -211,7 +211,9 @@ fn guest_e2b_python_sdk_on_vm() {
 /// clade's e2b-base template and its base from the shipped spec (crates/clade-api/src/e2b_base.rs), then the
 /// default user is `user` in /home/user, root when asked, python/pip/curl/git/node are there, and `sudo -n`
 /// makes `user` root (the template opts out of the ct jail's no_new_privs: docs/security.md). Then envd 0.6.4's file behaviours
-/// (tests/e2b/files_parity.py): ownership by the user, metadata as xattrs, symlinks, signed URLs, watch entries.
+/// (tests/e2b/files_parity.py): ownership by the user, metadata as xattrs, symlinks, signed URLs, watch entries;
+/// and the API's (tests/e2b/api_parity.py): list filters, metrics, Template.exists, a command's timeout, a PTY
+/// reattached, a kill under a running command.
 #[test]
 fn guest_e2b_base_template_on_ct() {
     let Some(py) = can_run("ct") else { return };
@@ -238,6 +240,10 @@ fn guest_e2b_base_template_on_ct() {
         "base",
         "envd 0.6.4 file behaviours on ct (owner, metadata, symlinks, signed URLs, watch entries)",
     );
+    let mut c = Command::new(&py);
+    c.arg("api_parity.py");
+    let what = "list filters, metrics, Template.exists, timeouts, PTY reattach, a kill under a command";
+    run_sdk(c, &s, &key, "base", what);
     drop(s);
     assert!(bases().contains("e2b-base"), "the first create built e2b-base's ct base: {}", bases());
     nothing_left(h);
