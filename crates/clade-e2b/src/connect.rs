@@ -77,11 +77,18 @@ impl Code {
 pub struct RpcError {
     pub code: Code,
     pub message: String,
+    /// In a server stream: cut the response instead of ending it with this error, as the connection to a
+    /// sandbox that went away is cut in E2B (the SDKs then ask `/health` whether it is gone).
+    pub cut: bool,
 }
 
 impl RpcError {
     pub fn new(code: Code, message: impl Into<String>) -> RpcError {
-        RpcError { code, message: message.into() }
+        RpcError { code, message: message.into(), cut: false }
+    }
+    /// A stream that ends by its connection being cut (see [`RpcError::cut`]).
+    pub fn cut(message: impl Into<String>) -> RpcError {
+        RpcError { cut: true, ..RpcError::new(Code::Unavailable, message) }
     }
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({"code": self.code.as_str(), "message": self.message})
@@ -180,6 +187,7 @@ fn async_stream(
         }
         match m.next().await {
             Some(Ok(v)) => Some((Ok(envelope(0, v.to_string().as_bytes())), (m, false))),
+            Some(Err(e)) if e.cut => Some((Err(std::io::Error::other(e.message)), (m, true))),
             Some(Err(e)) => {
                 let end = serde_json::json!({"error": e.json()});
                 Some((Ok(envelope(FLAG_END, end.to_string().as_bytes())), (m, true)))

@@ -842,12 +842,10 @@ fn proc_stream<H: Host>(
                     return Some((Ok(end), (None, rx, true)));
                 }
                 Some(ProcEvent::Error(m)) => {
-                    settle(&app, &id).await;
-                    return Some((Err(RpcError::new(Code::Unavailable, m)), (None, rx, true)));
+                    return Some((Err(ended(&app, &id, m).await), (None, rx, true)));
                 }
                 None => {
-                    settle(&app, &id).await;
-                    let e = RpcError::new(Code::Unavailable, "the process stream ended without an exit");
+                    let e = ended(&app, &id, "the process stream ended without an exit".into()).await;
                     return Some((Err(e), (None, rx, true)));
                 }
             };
@@ -857,17 +855,19 @@ fn proc_stream<H: Host>(
     connect::server_stream(s)
 }
 
-/// A process stream cut by its sandbox going away ends a moment before the host's records say so; the SDKs
-/// then ask `/health` whether the sandbox is gone. Wait (up to 2 s) for the records to settle first, so that
-/// answer is the true one rather than a race.
-async fn settle<H: Host>(app: &Arc<App<H>>, id: &str) {
+/// How a process stream that lost its process ends. When the sandbox went away, its connection is cut, as
+/// E2B's proxy cuts it (the SDKs then ask `/health`, which says it is gone); otherwise the stream ends with
+/// `unavailable`. A stream cut by a kill ends a moment before the host's records say so: wait (up to 2 s) for
+/// them to settle first, so the answer and the health probe after it are the true ones rather than a race.
+async fn ended<H: Host>(app: &Arc<App<H>>, id: &str, why: String) -> RpcError {
     for _ in 0..20 {
         let i = id.to_string();
         if app.blocking(move |h| h.status(&i)).await.unwrap_or(Status::Gone) != Status::Running {
-            return;
+            return RpcError::cut(why);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    RpcError::new(Code::Unavailable, why)
 }
 
 fn signal_name(s: i32) -> String {
