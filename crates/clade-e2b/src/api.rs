@@ -9,7 +9,7 @@ use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -60,6 +60,7 @@ pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
         .route("/sandboxes/{id}/fork", post(fork::<H>))
         .route("/sandboxes/{id}/snapshots", post(snapshot::<H>))
         .route("/sandboxes/{id}/metrics", get(metrics::<H>))
+        .route("/sandboxes/{id}/network", put(update_network::<H>))
         .route("/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": [], "logEntries": []})) }))
         .route("/v2/sandboxes/{id}/logs", get(|| async { axum::Json(json!({"logs": []})) }))
         .route("/snapshots", get(list_snapshots::<H>))
@@ -336,6 +337,18 @@ async fn list_v2<H: Host>(State(app): State<Arc<App<H>>>, Query(q): Query<ListQu
 async fn detail<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
     let (rec, s) = live(&app, &id).await?;
     Ok(axum::Json(detail_json(&app, &rec, s)).into_response())
+}
+
+/// `update_network`: clade does not enforce per-sandbox network rules yet (a sandbox's egress is its
+/// template's `[network] egress`), so the change is refused with why, rather than taken and ignored.
+async fn update_network<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+    live(&app, &id).await?;
+    Err(ApiError(
+        StatusCode::BAD_REQUEST,
+        "network rules (allowOut, denyOut, allowPublicTraffic, maskRequestHost) are not enforced by clade yet: a \
+         sandbox's egress is its template's [network] egress (docs/e2b.md, \"Not supported\")"
+            .into(),
+    ))
 }
 
 /// E2B's alias check (`Template.exists`): 200 with the template when `create` accepts the name, else 404.

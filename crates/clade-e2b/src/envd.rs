@@ -262,7 +262,7 @@ struct FileQuery {
 
 /// E2B's v1 file URL signature: `v1_` and the unpadded base64 of
 /// `sha256("<path>:<read|write>:<username>:<access token>[:<expiration>]")`.
-fn file_signature(path: &str, op: &str, user: &str, token: &str, expiration: Option<i64>) -> String {
+pub(crate) fn file_signature(path: &str, op: &str, user: &str, token: &str, expiration: Option<i64>) -> String {
     use sha2::Digest;
     let raw = match expiration {
         Some(e) => format!("{path}:{op}:{user}:{token}:{e}"),

@@ -206,6 +206,80 @@ mod tests {
             .unwrap()
     }
 
+    fn get(uri: &str) -> Request<Body> {
+        Request::get(uri).header("x-api-key", "e2b_good").body(Body::empty()).unwrap()
+    }
+
+    /// What envd 0.6.4 and the newer control plane add, over the fake: list filters and their bad input, metrics,
+    /// template aliases, network rules refused with why, upload metadata (checked, kept, answered) and owner,
+    /// and signed URLs (no token needed; expired or wrong: 401).
+    #[tokio::test]
+    async fn newer_api_and_envd_behaviours_over_the_fake() {
+        let host = Arc::new(Fake::default());
+        let app = App::new(host.clone(), Config::default()).unwrap();
+        let (a, e) = (api::router(app.clone()), envd::router(app.clone()));
+        let (_, _, b) = send(a.clone(), post("/v2/sandboxes", "e2b_good", json!({"templateID": "base"}))).await;
+        let sb: Value = serde_json::from_slice(&b).unwrap();
+        let (id, token) = (sb["sandboxID"].as_str().unwrap().to_string(), sb["envdAccessToken"].as_str().unwrap());
+
+        for (uri, want) in [
+            ("/v2/sandboxes?order=asc", StatusCode::OK),
+            ("/v2/sandboxes?order=sideways", StatusCode::BAD_REQUEST),
+            ("/v2/sandboxes?startedAfter=2020-01-01T00%3A00%3A00%2B01%3A00", StatusCode::OK),
+            ("/v2/sandboxes?startedAfter=yesterday", StatusCode::BAD_REQUEST),
+            ("/templates/aliases/base", StatusCode::OK),
+            ("/templates/aliases/nope", StatusCode::NOT_FOUND),
+        ] {
+            assert_eq!(send(a.clone(), get(uri)).await.0, want, "{uri}");
+        }
+        let (_, _, b) = send(a.clone(), get("/v2/sandboxes?startedAfter=2999-01-01T00%3A00%3A00Z")).await;
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap(), json!([]), "none started after the future");
+        let (_, _, b) = send(a.clone(), get(&format!("/sandboxes/{id}/metrics"))).await;
+        let m: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!((m[0]["cpuUsedPct"].as_f64(), m[0]["memUsed"].as_u64()), (Some(25.0), Some(1 << 20)), "{m}");
+        let (_, _, b) = send(a.clone(), get(&format!("/sandboxes/{id}/metrics?start=1&end=2"))).await;
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap(), json!([]), "none in a window long past");
+        let req = Request::put(format!("/sandboxes/{id}/network"))
+            .header("x-api-key", "e2b_good")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"denyOut":["10.0.0.1"]}"#))
+            .unwrap();
+        let (st, _, b) = send(a.clone(), req).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        assert!(String::from_utf8_lossy(&b).contains("not enforced"), "says why");
+
+        let upload = |meta: &'static [u8]| {
+            Request::post("/files?path=/root/m.txt")
+                .header("e2b-sandbox-id", &id)
+                .header("x-access-token", token)
+                .header("content-type", "application/octet-stream")
+                .header("x-metadata-Author", axum::http::HeaderValue::from_bytes(meta).unwrap())
+                .body(Body::from("x"))
+                .unwrap()
+        };
+        let (st, _, b) = send(e.clone(), upload(b"mish")).await;
+        assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()[0]["metadata"], json!({"author": "mish"}));
+        let up = host.uploads.lock().unwrap().get(&(id.clone(), "/root/m.txt".to_string())).cloned().unwrap();
+        assert_eq!(up.xattrs.get("user.e2b.author").map(String::as_str), Some("mish"), "lowercased, prefixed");
+        assert_eq!(up.owner, Some((0, 0)), "owned by the request's user (root here)");
+        assert_eq!(send(e.clone(), upload(b"caf\xe9")).await.0, StatusCode::BAD_REQUEST, "not printable ASCII");
+
+        let signed = |sig: &str, exp: Option<i64>| {
+            let exp = exp.map(|x| format!("&signature_expiration={x}")).unwrap_or_default();
+            let sig = sig.replace('+', "%2B").replace('/', "%2F");
+            Request::get(format!("/files?path=%2Froot%2Fm.txt&signature={sig}{exp}")).body(Body::empty()).unwrap()
+        };
+        let good = envd::file_signature("/root/m.txt", "read", "", token, None);
+        let (st, _, b) = send(e.clone(), signed(&good, None)).await;
+        assert_eq!((st, b.as_slice()), (StatusCode::OK, &b"x"[..]), "a signed URL names no sandbox and no token");
+        assert_eq!(send(e.clone(), signed("v1_AAAA", None)).await.0, StatusCode::UNAUTHORIZED, "wrong signature");
+        let old = envd::file_signature("/root/m.txt", "read", "", token, Some(1));
+        let (st, _, b) = send(e.clone(), signed(&old, Some(1))).await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED);
+        assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["message"], "signature is already expired");
+    }
+
     #[tokio::test]
     async fn control_plane_and_envd_over_the_fake() {
         let app = App::new(Arc::new(Fake::default()), Config::default()).unwrap();
