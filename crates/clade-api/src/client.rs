@@ -402,6 +402,11 @@ impl SandboxApi for Remote {
         Ok(v["created"].as_bool().unwrap_or(true))
     }
 
+    fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()> {
+        self.typed::<serde_json::Value>("PUT", &format!("/v1/sandboxes/{}/egress", seg(sandbox)), Some(rules))
+            .map(|_| ())
+    }
+
     fn rename(&self, sandbox: &str, from: &str, to: &str) -> anyhow::Result<()> {
         let body = serde_json::json!({"from": from, "to": to});
         self.typed::<serde_json::Value>("POST", &format!("/v1/sandboxes/{}/fs/rename", seg(sandbox)), Some(&body))

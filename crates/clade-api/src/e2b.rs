@@ -323,6 +323,11 @@ impl Host for CladeHost {
         self.api.proc_resize(id, pid, rows, cols).map_err(host_err)
     }
 
+    fn set_egress(&self, id: &str, allow: &[String], deny: &[String]) -> HostResult<()> {
+        let rules = clade_host::api::EgressRules { allow: allow.to_vec(), deny: deny.to_vec() };
+        self.api.set_egress(id, &rules).map_err(host_err)
+    }
+
     fn usage(&self, id: &str) -> HostResult<Usage> {
         let info = self.api.get(id).map_err(host_err)?;
         let live = info.live.ok_or_else(|| HostError::NotFound(format!("sandbox {id} is not running")))?;

@@ -342,6 +342,11 @@ impl SandboxApi for Fake {
         names.into_iter().map(|p| Ok(DirEntry { stat: self.stat(sandbox, &p)?, path: p, depth: 1 })).collect()
     }
 
+    fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()> {
+        rules.check().map_err(clade_host::error::invalid)?;
+        self.state.lock().running(sandbox).map(|_| ())
+    }
+
     fn make_dir(&self, sandbox: &str, _path: &str, _owner: Option<FileOwner>) -> anyhow::Result<bool> {
         self.state.lock().running(sandbox).map(|_| true)
     }

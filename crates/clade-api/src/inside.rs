@@ -311,6 +311,21 @@ struct RenameReq {
     to: String,
 }
 
+async fn set_egress(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    Body(rules): Body<clade_host::api::EgressRules>,
+) -> Reply {
+    rules.check().map_err(ApiError::bad_request)?;
+    let answer = serde_json::to_value(&rules).unwrap_or_default();
+    blocking(&app, "egress", move |a| {
+        wake(a, &id)?;
+        a.api.set_egress(&id, &rules)
+    })
+    .await?;
+    Ok(json(answer))
+}
+
 async fn rename(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): Body<RenameReq>) -> Reply {
     check_path(&req.from)?;
     check_path(&req.to)?;
@@ -439,6 +454,7 @@ pub fn routes(r: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
         .route("/v1/sandboxes/{id}/fs/list", get(list_dir))
         .route("/v1/sandboxes/{id}/fs/mkdir", post(make_dir))
         .route("/v1/sandboxes/{id}/fs/rename", post(rename))
+        .route("/v1/sandboxes/{id}/egress", axum::routing::put(set_egress))
         .route("/v1/sandboxes/{id}/processes", get(proc_list).post(proc_start))
         .route("/v1/sandboxes/{id}/processes/{pid}/events", get(proc_events))
         .route("/v1/sandboxes/{id}/processes/{pid}/input", post(proc_input))

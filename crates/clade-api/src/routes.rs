@@ -38,6 +38,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/sandboxes/{id}/fs/list"),
     ("post", "/v1/sandboxes/{id}/fs/mkdir"),
     ("post", "/v1/sandboxes/{id}/fs/rename"),
+    ("put", "/v1/sandboxes/{id}/egress"),
     ("get", "/v1/sandboxes/{id}/processes"),
     ("post", "/v1/sandboxes/{id}/processes"),
     ("get", "/v1/sandboxes/{id}/processes/{pid}/events"),

@@ -76,6 +76,37 @@ pub enum BackendError {
     Resource { resource: String, detail: String },
     #[error("{0}")]
     Failed(String),
+    /// The backend or this sandbox cannot do what was asked; the text says why and what to do instead.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Where a sandbox's outbound connections may go, enforced by the host (the sandbox cannot change it): IPv4
+/// addresses or CIDR blocks. An address in `allow` is reachable even when `deny` covers it (E2B's rule);
+/// empty lists: every destination its network allows. Loopback is never filtered.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressRules {
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub deny: Vec<String>,
+}
+
+impl EgressRules {
+    /// Every entry an IPv4 address or CIDR block (`a.b.c.d` or `a.b.c.d/n`); the first that is not, named.
+    pub fn check(&self) -> Result<(), String> {
+        for e in self.allow.iter().chain(&self.deny) {
+            let (addr, len) = e.split_once('/').unwrap_or((e.as_str(), "32"));
+            let ok = addr.parse::<std::net::Ipv4Addr>().is_ok() && len.parse::<u8>().is_ok_and(|n| n <= 32);
+            if !ok {
+                return Err(format!("{e:?} is not an IPv4 address or CIDR block (a.b.c.d or a.b.c.d/n)"));
+            }
+        }
+        Ok(())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.allow.is_empty() && self.deny.is_empty()
+    }
 }
 
 /// Check a mark's recorded facts against the host's before anything starts.
@@ -97,6 +128,16 @@ pub fn check_compat(mark: &BTreeMap<String, String>, host: &BTreeMap<String, Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn egress_rules_take_ipv4_addresses_and_blocks_only() {
+        let ok = EgressRules { allow: vec!["10.0.0.1".into()], deny: vec!["0.0.0.0/0".into()] };
+        assert!(ok.check().is_ok());
+        for bad in ["example.com", "10.0.0.1/33", "::1", "10.0.0/8", ""] {
+            let r = EgressRules { allow: vec![], deny: vec![bad.into()] };
+            assert!(r.check().unwrap_err().contains("IPv4"), "{bad}");
+        }
+    }
 
     #[test]
     fn compat_refuses_other_versions() {
@@ -191,6 +232,10 @@ pub trait Sandbox: Send {
     /// it runs. Supervisors poll it and record the sandbox as failed with this text. Default: never.
     fn exited(&mut self) -> Option<String> {
         None
+    }
+    /// Replace where the sandbox's outbound connections may go ([`EgressRules`]). Default: the backend cannot.
+    fn set_egress_rules(&mut self, _rules: &EgressRules) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(format!("{:?} sandboxes have no egress rules yet", self.kind())))
     }
 }
 

@@ -167,6 +167,33 @@ impl SandboxNet {
         ip4(u32::from(self.addr) & !3)
     }
 
+    /// Replace the sandbox's egress rules: an nftables table `inet clade_rules` inside its own namespace (the
+    /// sandbox holds no CAP_NET_ADMIN, so it cannot change it), filtering the output hook: loopback always
+    /// passes, then `allow` destinations, then `deny` ones are rejected (admin-prohibited, so a connect fails
+    /// at once). The namespace is fresh after every restore, so whoever keeps the rules applies them again.
+    pub fn set_rules(&self, rules: &clade_core::backend::EgressRules) -> Result<(), String> {
+        rules.check()?;
+        let set = |v: &[String]| v.join(", ");
+        let mut script = String::from("table inet clade_rules\ndelete table inet clade_rules\n");
+        if !rules.is_empty() {
+            script.push_str(
+                "table inet clade_rules {\n  chain out {\n    type filter hook output priority 0; policy accept;\n",
+            );
+            script.push_str("    oifname \"lo\" accept\n");
+            if !rules.allow.is_empty() {
+                script.push_str(&format!("    ip daddr {{ {} }} accept\n", set(&rules.allow)));
+            }
+            if !rules.deny.is_empty() {
+                script.push_str(&format!(
+                    "    ip daddr {{ {} }} reject with icmp type admin-prohibited\n",
+                    set(&rules.deny)
+                ));
+            }
+            script.push_str("  }\n}\n");
+        }
+        run("ip", &["netns", "exec", &self.netns, "nft", "-f", "-"], Some(&script))
+    }
+
     /// The namespace's file (`/run/netns/clade-<id>`).
     pub fn netns_path(&self) -> PathBuf {
         PathBuf::from(NETNS_DIR).join(&self.netns)

@@ -270,3 +270,36 @@ fn privileged_guest_net_egress_siblings_none_and_cleanup() {
     let after = host_state();
     assert_eq!(after, before, "clade's host network state changed over the test");
 }
+
+/// Egress rules (E2B's allow/deny lists): enforced by the host in the sandbox's own namespace, where the sandbox's
+/// root (no CAP_NET_ADMIN) cannot change them. Control first: without rules the outside and the host answer.
+#[test]
+fn privileged_guest_net_egress_rules_deny_and_allow() {
+    use clade_core::backend::EgressRules;
+    let Some(e) = env("rules") else { return };
+    let outside = Outside::new();
+    let (out_port, _) = listen(Some(outside.ns.clone()), "10.214.0.2");
+    let (host_port, _) = listen(None, "0.0.0.0");
+    let mut sb = e.backend.cold_start_ct(&e.image, &id("rules")).expect("cold start");
+    let gw = sb.net().expect("egress").host_addr.to_string();
+    let reach = |sb: &CtSandbox, host: &str, port: u16| sh(sb, &nc(host, port, "x")).1 == "pong x";
+    assert!(reach(&sb, "10.214.0.2", out_port) && reach(&sb, &gw, host_port), "control: no rules, both answer");
+
+    let deny_outside = EgressRules { allow: vec![], deny: vec!["10.214.0.2".into()] };
+    sb.set_egress_rules(&deny_outside).expect("deny one address");
+    assert!(!reach(&sb, "10.214.0.2", out_port), "a denied address must not answer");
+    assert!(reach(&sb, &gw, host_port), "what is not denied still answers");
+
+    let only_outside = EgressRules { allow: vec!["10.214.0.0/30".into()], deny: vec!["0.0.0.0/0".into()] };
+    sb.set_egress_rules(&only_outside).expect("deny all but one block");
+    assert!(reach(&sb, "10.214.0.2", out_port), "an allowed block answers though everything is denied");
+    assert!(!reach(&sb, &gw, host_port), "everything else is denied");
+    assert!(sh(&sb, "ip link set eth0 down 2>/dev/null; echo $?").1 != "0", "the sandbox cannot change its network");
+
+    sb.set_egress_rules(&EgressRules::default()).expect("clear");
+    assert!(reach(&sb, &gw, host_port) && reach(&sb, "10.214.0.2", out_port), "cleared: both answer again");
+    let bad = EgressRules { allow: vec!["example.com".into()], deny: vec![] };
+    let err = sb.set_egress_rules(&bad).expect_err("a name is not an address");
+    assert!(err.to_string().contains("IPv4"), "{err}");
+    Box::new(sb).kill().expect("kill");
+}

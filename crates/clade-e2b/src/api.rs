@@ -162,6 +162,63 @@ struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
     lifecycle: Option<Lifecycle>,
+    /// E2B's API spells this one in snake case.
+    #[serde(alias = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<NetworkOpts>,
+}
+
+/// E2B's network settings (create's `network`, and `update_network`'s body with `allowInternetAccess`).
+#[derive(Deserialize, Default, Debug)]
+#[serde(rename_all = "camelCase", default)]
+struct NetworkOpts {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    #[serde(alias = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    mask_request_host: Option<String>,
+    rules: Option<Value>,
+    egress_proxy: Option<Value>,
+    dns_servers: Option<Vec<String>>,
+}
+
+/// (allow, deny) of E2B's settings: `allowInternetAccess: false` denies everything (what `allowOut` names
+/// still passes), `denyOut`/`allowOut` as given. What clade cannot enforce is a 400 that says so.
+fn egress_of(allow_internet: Option<bool>, n: &NetworkOpts) -> Result<(Vec<String>, Vec<String>), ApiError> {
+    let unsupported = [
+        ("maskRequestHost", n.mask_request_host.is_some()),
+        ("rules", n.rules.as_ref().is_some_and(|r| !r.is_null() && r != &json!({}))),
+        ("egressProxy", n.egress_proxy.as_ref().is_some_and(|p| !p.is_null())),
+        ("dnsServers", n.dns_servers.as_ref().is_some_and(|d| !d.is_empty())),
+    ];
+    if let Some((name, _)) = unsupported.iter().find(|(_, set)| *set) {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("network.{name} is not supported by clade (allowOut, denyOut and allowInternetAccess are)"),
+        ));
+    }
+    let allow = n.allow_out.clone().unwrap_or_default();
+    let mut deny = n.deny_out.clone().unwrap_or_default();
+    if allow_internet.or(n.allow_internet_access) == Some(false) && !deny.iter().any(|d| d == "0.0.0.0/0") {
+        deny.push("0.0.0.0/0".into());
+    }
+    Ok((allow, deny))
+}
+
+/// Set a sandbox's egress rules (and keep them in its record for the next resume).
+async fn apply_egress<H: Host>(
+    app: &Arc<App<H>>,
+    id: &str,
+    allow: Vec<String>,
+    deny: Vec<String>,
+) -> Result<(), ApiError> {
+    let (i, a, d) = (id.to_string(), allow.clone(), deny.clone());
+    app.blocking(move |h| h.set_egress(&i, &a, &d)).await??;
+    app.state.update(id, |r| {
+        r.egress_allow = allow;
+        r.egress_deny = deny;
+    });
+    Ok(())
 }
 
 fn record_of<H: Host>(
@@ -184,6 +241,8 @@ fn record_of<H: Host>(
         token,
         salt,
         cpu_count: s.cpu_count,
+        egress_allow: vec![],
+        egress_deny: vec![],
         memory_mb: s.memory_mb,
         disk_mb: s.disk_mb,
     }
@@ -204,6 +263,7 @@ async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
     if template.trim().is_empty() {
         return Err(ApiError(StatusCode::BAD_REQUEST, "templateID is empty".into()));
     }
+    let (allow, deny) = egress_of(req.allow_internet_access, req.network.as_ref().unwrap_or(&NetworkOpts::default()))?;
     let envs = req.env_vars.unwrap_or_default();
     let t = template.clone();
     let started = app.blocking(move |h| h.create(&t, &envs)).await?.map_err(|e| match e {
@@ -213,7 +273,17 @@ async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
     let auto_pause =
         req.auto_pause.unwrap_or(false) || req.lifecycle.and_then(|l| l.on_timeout).is_some_and(|o| o == "pause");
     let timeout = req.timeout.unwrap_or(app.cfg.default_timeout_s);
-    let rec = record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default());
+    let mut rec = record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default());
+    if !(allow.is_empty() && deny.is_empty()) {
+        if let Err(e) = apply_egress(&app, &rec.id, allow, deny).await {
+            // A sandbox that cannot have the rules it was asked for does not run without them.
+            let i = rec.id.clone();
+            let _ = app.blocking(move |h| h.kill(&i)).await;
+            app.state.remove(&rec.id);
+            return Err(e);
+        }
+        rec = app.state.get(&rec.id).unwrap_or(rec);
+    }
     Ok((StatusCode::CREATED, axum::Json(sandbox_json(&app, &rec))).into_response())
 }
 
@@ -339,16 +409,13 @@ async fn detail<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>)
     Ok(axum::Json(detail_json(&app, &rec, s)).into_response())
 }
 
-/// `update_network`: clade does not enforce per-sandbox network rules yet (a sandbox's egress is its
-/// template's `[network] egress`), so the change is refused with why, rather than taken and ignored.
-async fn update_network<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+/// `update_network`: replace the sandbox's egress rules (`allowOut`, `denyOut`, `allowInternetAccess`).
+async fn update_network<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let n: NetworkOpts = body(&b)?;
     live(&app, &id).await?;
-    Err(ApiError(
-        StatusCode::BAD_REQUEST,
-        "network rules (allowOut, denyOut, allowPublicTraffic, maskRequestHost) are not enforced by clade yet: a \
-         sandbox's egress is its template's [network] egress (docs/e2b.md, \"Not supported\")"
-            .into(),
-    ))
+    let (allow, deny) = egress_of(None, &n)?;
+    apply_egress(&app, &id, allow, deny).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 /// E2B's alias check (`Template.exists`): 200 with the template when `create` accepts the name, else 404.
@@ -442,6 +509,10 @@ async fn pause<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) 
 async fn bring_back<H: Host>(app: &Arc<App<H>>, id: &str, t: &Timeout) -> Result<Record, ApiError> {
     let i = id.to_string();
     app.blocking(move |h| h.resume(&i)).await??;
+    // A resumed sandbox has a fresh network: its rules go back on before anyone can use it.
+    if let Some(r) = app.state.get(id).filter(|r| !(r.egress_allow.is_empty() && r.egress_deny.is_empty())) {
+        apply_egress(app, id, r.egress_allow, r.egress_deny).await?;
+    }
     let secs = t.timeout.unwrap_or(app.cfg.default_timeout_s);
     let ap = t.auto_pause;
     app.state

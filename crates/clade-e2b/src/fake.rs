@@ -7,10 +7,15 @@ use std::sync::Mutex;
 
 use crate::host::*;
 
+/// Egress rules as set: (allow, deny).
+pub type AllowDeny = (Vec<String>, Vec<String>);
+
 #[derive(Default)]
 pub struct Fake {
     pub sandboxes: Mutex<HashMap<String, Status>>,
     pub files: Mutex<BTreeMap<(String, String), Vec<u8>>>,
+    /// The egress rules of each sandbox (allow, deny).
+    pub egress: Mutex<BTreeMap<String, AllowDeny>>,
     /// What each upload asked for (owner, attributes), by file.
     pub uploads: Mutex<BTreeMap<(String, String), Upload>>,
     next: Mutex<u32>,
@@ -113,6 +118,14 @@ impl Host for Fake {
     }
     fn proc_resize(&self, id: &str, _pid: u32, _rows: u16, _cols: u16) -> HostResult<()> {
         self.live(id)
+    }
+    fn set_egress(&self, id: &str, allow: &[String], deny: &[String]) -> HostResult<()> {
+        self.live(id)?;
+        if allow.iter().chain(deny).any(|a| a.parse::<std::net::Ipv4Addr>().is_err() && !a.contains('/')) {
+            return Err(HostError::Invalid("not an IPv4 address or block".into()));
+        }
+        self.egress.lock().unwrap().insert(id.into(), (allow.to_vec(), deny.to_vec()));
+        Ok(())
     }
     fn usage(&self, id: &str) -> HostResult<Usage> {
         self.live(id)?;
@@ -239,14 +252,27 @@ mod tests {
         assert_eq!((m[0]["cpuUsedPct"].as_f64(), m[0]["memUsed"].as_u64()), (Some(25.0), Some(1 << 20)), "{m}");
         let (_, _, b) = send(a.clone(), get(&format!("/sandboxes/{id}/metrics?start=1&end=2"))).await;
         assert_eq!(serde_json::from_slice::<Value>(&b).unwrap(), json!([]), "none in a window long past");
-        let req = Request::put(format!("/sandboxes/{id}/network"))
-            .header("x-api-key", "e2b_good")
-            .header("content-type", "application/json")
-            .body(Body::from(r#"{"denyOut":["10.0.0.1"]}"#))
-            .unwrap();
-        let (st, _, b) = send(a.clone(), req).await;
+        let network = |body: &'static str| {
+            Request::put(format!("/sandboxes/{id}/network"))
+                .header("x-api-key", "e2b_good")
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        };
+        let (st, _, _) = send(a.clone(), network(r#"{"allowOut":["10.0.0.1"],"allowInternetAccess":false}"#)).await;
+        assert_eq!(st, StatusCode::NO_CONTENT);
+        let rules = host.egress.lock().unwrap().get(&id).cloned();
+        assert_eq!(
+            rules,
+            Some((vec!["10.0.0.1".to_string()], vec!["0.0.0.0/0".to_string()])),
+            "no internet = deny all"
+        );
+        assert_eq!(app.state.get(&id).unwrap().egress_deny, vec!["0.0.0.0/0"], "kept for the next resume");
+        let (st, _, b) = send(a.clone(), network(r#"{"maskRequestHost":"x:${PORT}"}"#)).await;
         assert_eq!(st, StatusCode::BAD_REQUEST);
-        assert!(String::from_utf8_lossy(&b).contains("not enforced"), "says why");
+        assert!(String::from_utf8_lossy(&b).contains("maskRequestHost is not supported"), "says what");
+        let (st, _, _) = send(a.clone(), network(r#"{"denyOut":["example.com"]}"#)).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "a name is not an address");
 
         let upload = |meta: &'static [u8]| {
             Request::post("/files?path=/root/m.txt")

@@ -157,6 +157,9 @@ pub trait Host: Send + Sync + 'static {
         Ok(true)
     }
 
+    /// Replace where the sandbox's outbound connections may go: IPv4 addresses or CIDR blocks, `allow` winning
+    /// over `deny`; both empty: no rules. `Invalid` when the sandbox cannot honour them.
+    fn set_egress(&self, id: &str, allow: &[String], deny: &[String]) -> HostResult<()>;
     /// What the sandbox uses now (E2B's metrics).
     fn usage(&self, id: &str) -> HostResult<Usage>;
 

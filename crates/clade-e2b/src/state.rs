@@ -41,6 +41,12 @@ pub struct Record {
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub disk_mb: u32,
+    /// Egress rules set through E2B (`allowOut` / `denyOut`, `allowInternetAccess: false` as a denial of
+    /// everything): applied again after every resume, since a restored sandbox gets a fresh network.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_allow: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_deny: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -314,6 +320,8 @@ mod tests {
             cpu_count: 1,
             memory_mb: 256,
             disk_mb: 2048,
+            egress_allow: vec![],
+            egress_deny: vec![],
         }
     }
 
@@ -388,6 +396,8 @@ mod tests {
             cpu_count: 1,
             memory_mb: 256,
             disk_mb: 2048,
+            egress_allow: vec![],
+            egress_deny: vec!["0.0.0.0/0".into()],
         };
         let (salt, token) = s.issue_token("sb-1");
         let r = Record { salt, token, ..r };

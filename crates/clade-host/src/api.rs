@@ -18,6 +18,7 @@ pub use crate::roam::{Beat, HostRow, Owner, PullOutcome, PushOutcome, RoamRow};
 pub use crate::siblings::{Control, SiblingAudit};
 pub use crate::supervisor::protocol::{ProcListing, ProcSpec, Ready};
 pub use clade_agent::proto::{DirEntry, FileOwner, FileStat, FileType, WriteOptions};
+pub use clade_core::backend::EgressRules;
 pub use clade_ledger::Mark;
 
 /// A command to run in a sandbox.
@@ -466,6 +467,11 @@ pub trait SandboxApi: Send + Sync {
     fn rename(&self, sandbox: &str, from: &str, to: &str) -> anyhow::Result<()>;
     /// Remove a file or a directory tree.
     fn remove(&self, sandbox: &str, path: &str) -> anyhow::Result<()>;
+
+    /// Replace where the sandbox's outbound connections may go (enforced on the host; kept across retakes by
+    /// its supervisor, not across suspend: whoever resumes it sets them again). A sandbox without egress takes
+    /// denials (they hold already) and refuses allowances.
+    fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()>;
 }
 
 #[cfg(test)]

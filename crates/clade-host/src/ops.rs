@@ -409,6 +409,11 @@ impl SandboxApi for Ops {
         answer(v["entries"].clone(), "list_dir")
     }
 
+    fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()> {
+        rules.check().map_err(crate::error::invalid)?;
+        self.sup_call(sandbox, &Request::SetEgress { rules: rules.clone() }).map(|_| ())
+    }
+
     fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool> {
         let v = self.sup_call(sandbox, &Request::Mkdir { path: path.into(), owner })?;
         Ok(v["created"].as_bool().unwrap_or(true))

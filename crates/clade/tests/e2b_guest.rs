@@ -248,3 +248,78 @@ fn guest_e2b_base_template_on_ct() {
     assert!(bases().contains("e2b-base"), "the first create built e2b-base's ct base: {}", bases());
     nothing_left(h);
 }
+
+/// The "internet" of the network test: a namespace behind a veth from the host (10.215.0.1 here, 10.215.0.2
+/// there) with a listener answering `pong` on 10.215.0.2. Sandbox traffic to it is NATed by clade's table and
+/// routed by the host to the veth: nothing leaves the machine.
+struct Outside {
+    ns: common::hostnet::Netns,
+    link: String,
+    port: u16,
+}
+
+impl Outside {
+    fn new() -> Outside {
+        let ns = common::hostnet::Netns::new("e2bnet");
+        let link = format!("e2bo{}", std::process::id() % 100_000);
+        let ip = |args: &str| {
+            let st = Command::new("ip").args(args.split_whitespace()).status().unwrap();
+            assert!(st.success(), "ip {args}");
+        };
+        let _ = Command::new("ip").args(["link", "del", &link]).status();
+        ip(&format!("link add {link} type veth peer name eth0 netns {}", ns.name));
+        ip(&format!("addr add 10.215.0.1/30 dev {link}"));
+        ip(&format!("link set {link} up"));
+        ip(&format!("-n {} addr add 10.215.0.2/30 dev eth0", ns.name));
+        ip(&format!("-n {} link set eth0 up", ns.name));
+        let nsfile = std::fs::File::open(ns.path()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            nix::sched::setns(nsfile, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let l = std::net::TcpListener::bind(("10.215.0.2", 0)).unwrap();
+            tx.send(l.local_addr().unwrap().port()).unwrap();
+            for mut c in l.incoming().flatten() {
+                let _ = std::io::Write::write_all(&mut c, b"pong\n");
+            }
+        });
+        Outside { ns, link, port: rx.recv().unwrap() }
+    }
+}
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.link]).status();
+        let _ = &self.ns;
+    }
+}
+
+/// E2B's network settings on ct through the Python SDK (tests/e2b/network_rules.py): a template like E2B's
+/// base but with egress, `update_network` denials, `allow_internet_access=False` with `allow_out`, and rules
+/// that hold across a pause and resume; the control (no rules) reaches the outside first.
+#[test]
+fn guest_e2b_network_rules_on_ct() {
+    let Some(py) = can_run("ct") else { return };
+    let t = test_home();
+    let h = t.path();
+    // e2b-base with egress on, under another name.
+    let spec_dir = h.join("e2b-net");
+    std::fs::create_dir_all(&spec_dir).unwrap();
+    for f in ["sudoers", "provision.sh"] {
+        std::fs::copy(repo().join("templates/e2b-base").join(f), spec_dir.join(f)).unwrap();
+    }
+    let spec = std::fs::read_to_string(repo().join("templates/e2b-base/template.toml")).unwrap();
+    let spec = spec.replace("name = \"e2b-base\"", "name = \"e2b-net\"").replace("egress = false", "egress = true");
+    assert!(spec.contains("egress = true"));
+    std::fs::write(spec_dir.join("template.toml"), spec).unwrap();
+    let t0 = Instant::now();
+    ok(h, &["base", "build", spec_dir.join("template.toml").to_str().unwrap(), "--backend", "ct"]);
+    eprintln!("e2b-net base on ct built in {:.1} s", t0.elapsed().as_secs_f64());
+    let outside = Outside::new();
+    let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
+    let s = serve(h);
+    let mut c = Command::new(&py);
+    c.arg("network_rules.py").env("OUTSIDE", format!("10.215.0.2:{}", outside.port));
+    run_sdk(c, &s, &key, "e2b-net:ct", "E2B network settings on ct");
+    drop(s);
+    nothing_left(h);
+}

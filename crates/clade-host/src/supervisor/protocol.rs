@@ -112,6 +112,10 @@ pub enum Request {
     ReadStream {
         path: String,
     },
+    /// Replace the sandbox's egress rules (`clade_core::backend::EgressRules`); kept for later retakes.
+    SetEgress {
+        rules: clade_core::backend::EgressRules,
+    },
     /// Stream a file in (created or replaced atomically, parents created): see the module doc.
     WriteStream {
         path: String,

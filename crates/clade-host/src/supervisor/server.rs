@@ -14,7 +14,7 @@ use std::time::Instant;
 use base64::Engine as _;
 use clade_agent::client::{AgentClient, ClientError};
 use clade_agent::proto::{AgentError, ExecSpec, FileType, WriteOptions};
-use clade_core::backend::{Backend, MarkOptions, Sandbox};
+use clade_core::backend::{Backend, BackendError, EgressRules, MarkOptions, Sandbox};
 use clade_core::engine::{Engine, EngineError};
 use clade_core::time::now_ms;
 use clade_core::{CladeHome, ErrorKind};
@@ -166,6 +166,8 @@ pub struct Supervisor {
     dir: PathBuf,
     /// The last measure of the sandbox's CPU use ([`Supervisor::cpu_busy`]).
     cpu_seen: Mutex<Option<CpuSample>>,
+    /// The egress rules set on this sandbox, applied again after a retake (its restore gets a fresh network).
+    egress: Mutex<EgressRules>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -212,6 +214,7 @@ impl Supervisor {
             wake: UnixStream::pair().expect("a socketpair for the supervisor's wake-up"),
             dir,
             cpu_seen: Mutex::new(None),
+            egress: Mutex::new(EgressRules::default()),
         }
     }
 
@@ -419,7 +422,11 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             let resp = write_stream(sup, &mut reader, &path, &WriteOptions { mode, owner, xattrs });
             let _ = send_line(&mut out, &resp);
         }
-        Request::Mark { .. } | Request::Retake { .. } | Request::Suspend | Request::Kill => {
+        Request::Mark { .. }
+        | Request::Retake { .. }
+        | Request::Suspend
+        | Request::Kill
+        | Request::SetEgress { .. } => {
             let (resp, end) = {
                 let _g = sup.gate.write();
                 let (resp, end) = exclusive(sup, req);
@@ -767,6 +774,17 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                 Err(e) => (Response::err(ErrorKind::Internal, format!("suspend: {e}")), Some(End::Killed)),
             }
         }
+        Request::SetEgress { rules } => {
+            let sbx = slot.as_mut().expect("checked above");
+            match sbx.set_egress_rules(&rules) {
+                Ok(()) => {
+                    *sup.egress.lock() = rules.clone();
+                    (Response::ok(serde_json::to_value(&rules).unwrap_or_default()), None)
+                }
+                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("egress rules: {e}")), None),
+            }
+        }
         Request::Kill => {
             sup.procs.forget_all("the sandbox was killed");
             (Response::ok(serde_json::json!({"killed": sup.id.as_str()})), Some(End::Killed))
@@ -798,7 +816,15 @@ fn retake(sup: &Supervisor, slot: &mut Option<Box<dyn Sandbox>>, mark: &str) -> 
     }
     let generation = sup.generation.fetch_add(1, Ordering::Relaxed) + 1;
     match sup.engine.restore_into(sup.backend.as_ref(), &sup.id, &target, generation) {
-        Ok(r) => {
+        Ok(mut r) => {
+            let rules = sup.egress.lock().clone();
+            if !rules.is_empty() {
+                if let Err(e) = r.sandbox.set_egress_rules(&rules) {
+                    // Never run a retaken sandbox without the rules it was given.
+                    let _ = r.sandbox.kill();
+                    return Response::err(ErrorKind::Internal, format!("retake: the egress rules again: {e}"));
+                }
+            }
             *slot = Some(r.sandbox);
             sup.engine.op("retake", Some(&sup.id), Some(&target.id), start.elapsed(), None, serde_json::json!({}));
             Response::ok(serde_json::json!({"mark": target.id, "retake_ms": start.elapsed().as_secs_f64() * 1e3}))
