@@ -45,14 +45,19 @@ struct Outside {
 
 impl Outside {
     fn new() -> Outside {
+        Outside::at("", 214)
+    }
+
+    /// One of its own for each test that runs beside another: a name suffix and the block `10.<net>.0.0/30`.
+    fn at(name: &str, net: u8) -> Outside {
         let tag = std::process::id() % 100_000;
-        let o = Outside { ns: format!("ctnet-out-{tag}"), link: format!("ctout{tag}") };
+        let o = Outside { ns: format!("ctnet-out{name}-{tag}"), link: format!("ctout{name}{tag}") };
         let _ = std::process::Command::new("ip").args(["netns", "del", &o.ns]).status();
         ip(&format!("netns add {}", o.ns));
         ip(&format!("link add {} type veth peer name eth0 netns {}", o.link, o.ns));
-        ip(&format!("addr add 10.214.0.1/30 dev {}", o.link));
+        ip(&format!("addr add 10.{net}.0.1/30 dev {}", o.link));
         ip(&format!("link set {} up", o.link));
-        ip(&format!("-n {} addr add 10.214.0.2/30 dev eth0", o.ns));
+        ip(&format!("-n {} addr add 10.{net}.0.2/30 dev eth0", o.ns));
         ip(&format!("-n {} link set eth0 up", o.ns));
         ip(&format!("-n {} link set lo up", o.ns));
         o
@@ -277,27 +282,27 @@ fn privileged_guest_net_egress_siblings_none_and_cleanup() {
 fn privileged_guest_net_egress_rules_deny_and_allow() {
     use clade_core::backend::EgressRules;
     let Some(e) = env("rules") else { return };
-    let outside = Outside::new();
-    let (out_port, _) = listen(Some(outside.ns.clone()), "10.214.0.2");
+    let outside = Outside::at("r", 216);
+    let (out_port, _) = listen(Some(outside.ns.clone()), "10.216.0.2");
     let (host_port, _) = listen(None, "0.0.0.0");
     let mut sb = e.backend.cold_start_ct(&e.image, &id("rules")).expect("cold start");
     let gw = sb.net().expect("egress").host_addr.to_string();
     let reach = |sb: &CtSandbox, host: &str, port: u16| sh(sb, &nc(host, port, "x")).1 == "pong x";
-    assert!(reach(&sb, "10.214.0.2", out_port) && reach(&sb, &gw, host_port), "control: no rules, both answer");
+    assert!(reach(&sb, "10.216.0.2", out_port) && reach(&sb, &gw, host_port), "control: no rules, both answer");
 
-    let deny_outside = EgressRules { allow: vec![], deny: vec!["10.214.0.2".into()] };
+    let deny_outside = EgressRules { allow: vec![], deny: vec!["10.216.0.2".into()] };
     sb.set_egress_rules(&deny_outside).expect("deny one address");
-    assert!(!reach(&sb, "10.214.0.2", out_port), "a denied address must not answer");
+    assert!(!reach(&sb, "10.216.0.2", out_port), "a denied address must not answer");
     assert!(reach(&sb, &gw, host_port), "what is not denied still answers");
 
-    let only_outside = EgressRules { allow: vec!["10.214.0.0/30".into()], deny: vec!["0.0.0.0/0".into()] };
+    let only_outside = EgressRules { allow: vec!["10.216.0.0/30".into()], deny: vec!["0.0.0.0/0".into()] };
     sb.set_egress_rules(&only_outside).expect("deny all but one block");
-    assert!(reach(&sb, "10.214.0.2", out_port), "an allowed block answers though everything is denied");
+    assert!(reach(&sb, "10.216.0.2", out_port), "an allowed block answers though everything is denied");
     assert!(!reach(&sb, &gw, host_port), "everything else is denied");
     assert!(sh(&sb, "ip link set eth0 down 2>/dev/null; echo $?").1 != "0", "the sandbox cannot change its network");
 
     sb.set_egress_rules(&EgressRules::default()).expect("clear");
-    assert!(reach(&sb, &gw, host_port) && reach(&sb, "10.214.0.2", out_port), "cleared: both answer again");
+    assert!(reach(&sb, &gw, host_port) && reach(&sb, "10.216.0.2", out_port), "cleared: both answer again");
     let bad = EgressRules { allow: vec!["example.com".into()], deny: vec![] };
     let err = sb.set_egress_rules(&bad).expect_err("a name is not an address");
     assert!(err.to_string().contains("IPv4"), "{err}");
