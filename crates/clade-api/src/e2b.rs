@@ -328,6 +328,31 @@ impl Host for CladeHost {
         self.api.set_egress(id, &rules).map_err(host_err)
     }
 
+    fn connect_port(&self, id: &str, port: u16) -> HostResult<std::net::TcpStream> {
+        let info = self.api.get(id).map_err(host_err)?;
+        if info.row.backend != BackendKind::Ct {
+            return Err(HostError::Invalid(format!(
+                "ports of {:?} sandboxes are not reachable through clade serve yet (ct ones are)",
+                info.row.backend
+            )));
+        }
+        let pid = info.live.and_then(|l| l.pids.first().copied());
+        let pid = pid.ok_or_else(|| HostError::NotFound(format!("The sandbox {id} was not found")))?;
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .map_err(|e| HostError::NotFound(format!("The sandbox {id} was not found ({e})")))?;
+        // A thread of its own joins the sandbox's network namespace, so the socket it makes lives there; the
+        // connected socket is then used from any thread.
+        std::thread::spawn(move || {
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| HostError::Internal(format!("entering the sandbox's network: {e}")))?;
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5))
+                .map_err(|e| HostError::Conflict(format!("port is not open: {port} in sandbox ({e})")))
+        })
+        .join()
+        .map_err(|_| HostError::Internal("the port connector panicked".into()))?
+    }
+
     fn usage(&self, id: &str) -> HostResult<Usage> {
         let info = self.api.get(id).map_err(host_err)?;
         let live = info.live.ok_or_else(|| HostError::NotFound(format!("sandbox {id} is not running")))?;

@@ -39,7 +39,54 @@ pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
         .route("/filesystem.Filesystem/{method}", post(filesystem::<H>))
         .fallback(|| async { plain(StatusCode::NOT_FOUND, "no such envd route".into()) })
         .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn_with_state(app.clone(), port_door::<H>))
         .with_state(app)
+}
+
+/// envd's own port: a `<port>-<id>.` host naming another port is a request for the sandbox's own server.
+const ENVD_PORT: u16 = 49983;
+
+/// `<port>-<id>.<domain>` -> (port, id), for a port other than envd's.
+fn port_target(host: &str) -> Option<(u16, String)> {
+    let (port, id) = host.split('.').next()?.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    (port != ENVD_PORT && !id.is_empty()).then(|| (port, id.to_string()))
+}
+
+/// E2B's sandbox hosts (`sandbox.get_host(port)`): a request whose Host names `<port>-<id>.` goes to that port
+/// on the sandbox's own loopback, as plain HTTP/1.1 (ct sandboxes; the listener's doors already let only such
+/// names through). A sandbox that is not running answers 502 "was not found", a port where nothing listens 502
+/// "port is not open", as E2B's proxy does (the SDKs read both).
+async fn port_door<H: Host>(State(app): State<Arc<App<H>>>, req: Request, next: axum::middleware::Next) -> Response {
+    let Some((port, id)) = header_str(req.headers(), "host").and_then(port_target) else {
+        return next.run(req).await;
+    };
+    let gone = || plain(StatusCode::BAD_GATEWAY, format!("The sandbox {id} was not found"));
+    if app.state.get(&id).is_none() {
+        return gone();
+    }
+    let i = id.clone();
+    let stream = match app.blocking(move |h| h.connect_port(&i, port)).await.and_then(|r| r) {
+        Ok(s) => s,
+        Err(HostError::NotFound(_)) => return gone(),
+        Err(HostError::Conflict(m)) => return plain(StatusCode::BAD_GATEWAY, m),
+        Err(e) => return plain(host_status(&e), e.to_string()),
+    };
+    match forward(stream, req).await {
+        Ok(r) => r,
+        Err(e) => plain(StatusCode::BAD_GATEWAY, format!("sandbox {id} port {port}: {e}")),
+    }
+}
+
+async fn forward(stream: std::net::TcpStream, req: Request) -> Result<Response, String> {
+    stream.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::from_std(stream).map_err(|e| e.to_string())?);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    Ok(resp.map(Body::new))
 }
 
 /// A plain envd HTTP error: `{"code": status, "message": ...}`.
@@ -1280,6 +1327,9 @@ mod tests {
         assert_eq!(perm_string(Kind::Dir, 0o755), "drwxr-xr-x");
         assert_eq!(normalize("/home/user/d/./../x"), "/home/user/x");
         assert_eq!(normalize("/../a//b/"), "/a/b");
+        assert_eq!(port_target("8001-sb-1.localhost:3001"), Some((8001, "sb-1".into())));
+        assert_eq!(port_target("49983-sb-1.localhost:3001"), None, "envd's own port");
+        assert_eq!(port_target("127.0.0.1:3001"), None);
         assert_eq!(perm_string(Kind::File, 0o640), "-rw-r-----");
         assert_eq!(signal_of(Some(&json!("SIGNAL_SIGKILL"))).unwrap(), 9);
         assert_eq!(signal_of(Some(&json!(15))).unwrap(), 15);

@@ -127,6 +127,12 @@ impl Host for Fake {
         self.egress.lock().unwrap().insert(id.into(), (allow.to_vec(), deny.to_vec()));
         Ok(())
     }
+    fn connect_port(&self, id: &str, port: u16) -> HostResult<std::net::TcpStream> {
+        self.live(id)?;
+        // The fake's sandboxes share the test's loopback.
+        std::net::TcpStream::connect(("127.0.0.1", port))
+            .map_err(|e| HostError::Conflict(format!("port is not open: {e}")))
+    }
     fn usage(&self, id: &str) -> HostResult<Usage> {
         self.live(id)?;
         Ok(Usage { cpu_busy: 0.25, mem_used: 1 << 20, disk: Some((1 << 30, 4 << 30)) })

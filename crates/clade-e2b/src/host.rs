@@ -160,6 +160,9 @@ pub trait Host: Send + Sync + 'static {
     /// Replace where the sandbox's outbound connections may go: IPv4 addresses or CIDR blocks, `allow` winning
     /// over `deny`; both empty: no rules. `Invalid` when the sandbox cannot honour them.
     fn set_egress(&self, id: &str, allow: &[String], deny: &[String]) -> HostResult<()>;
+    /// A TCP connection to `port` on the sandbox's own loopback (E2B's `<port>-<id>.<domain>` hosts). `Invalid`
+    /// when the backend cannot reach into the sandbox; `Conflict` when nothing listens there.
+    fn connect_port(&self, id: &str, port: u16) -> HostResult<std::net::TcpStream>;
     /// What the sandbox uses now (E2B's metrics).
     fn usage(&self, id: &str) -> HostResult<Usage>;
 
