@@ -110,6 +110,9 @@ fn sandbox_json<H: Host>(app: &App<H>, r: &Record) -> Value {
     if let Some(a) = &r.alias {
         v["alias"] = json!(a);
     }
+    if r.private_traffic {
+        v["trafficAccessToken"] = json!(app.state.traffic_token(r));
+    }
     v
 }
 
@@ -176,6 +179,7 @@ struct NetworkOpts {
     deny_out: Option<Vec<String>>,
     #[serde(alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
+    allow_public_traffic: Option<bool>,
     mask_request_host: Option<String>,
     rules: Option<Value>,
     egress_proxy: Option<Value>,
@@ -243,6 +247,7 @@ fn record_of<H: Host>(
         cpu_count: s.cpu_count,
         egress_allow: vec![],
         egress_deny: vec![],
+        private_traffic: false,
         memory_mb: s.memory_mb,
         disk_mb: s.disk_mb,
     }
@@ -274,6 +279,9 @@ async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
         req.auto_pause.unwrap_or(false) || req.lifecycle.and_then(|l| l.on_timeout).is_some_and(|o| o == "pause");
     let timeout = req.timeout.unwrap_or(app.cfg.default_timeout_s);
     let mut rec = record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default());
+    if req.network.as_ref().and_then(|n| n.allow_public_traffic) == Some(false) {
+        rec = app.state.update(&rec.id, |r| r.private_traffic = true).unwrap_or(rec);
+    }
     if !(allow.is_empty() && deny.is_empty()) {
         if let Err(e) = apply_egress(&app, &rec.id, allow, deny).await {
             // A sandbox that cannot have the rules it was asked for does not run without them.

@@ -56,14 +56,23 @@ fn port_target(host: &str) -> Option<(u16, String)> {
 /// E2B's sandbox hosts (`sandbox.get_host(port)`): a request whose Host names `<port>-<id>.` goes to that port
 /// on the sandbox's own loopback, as plain HTTP/1.1 (ct sandboxes; the listener's doors already let only such
 /// names through). A sandbox that is not running answers 502 "was not found", a port where nothing listens 502
-/// "port is not open", as E2B's proxy does (the SDKs read both).
+/// "port is not open", as E2B's proxy does (the SDKs read both). A sandbox created with
+/// `allowPublicTraffic: false` answers 403 unless the request carries its `e2b-traffic-access-token`.
 async fn port_door<H: Host>(State(app): State<Arc<App<H>>>, req: Request, next: axum::middleware::Next) -> Response {
     let Some((port, id)) = header_str(req.headers(), "host").and_then(port_target) else {
         return next.run(req).await;
     };
     let gone = || plain(StatusCode::BAD_GATEWAY, format!("The sandbox {id} was not found"));
-    if app.state.get(&id).is_none() {
-        return gone();
+    let Some(rec) = app.state.get(&id) else { return gone() };
+    if rec.private_traffic {
+        let want = app.state.traffic_token(&rec);
+        let given = header_str(req.headers(), "e2b-traffic-access-token").unwrap_or("");
+        if !crate::state::same_secret(given.as_bytes(), want.as_bytes()) {
+            return plain(
+                StatusCode::FORBIDDEN,
+                format!("sandbox {id} allows no public traffic: send its e2b-traffic-access-token"),
+            );
+        }
     }
     let i = id.clone();
     let stream = match app.blocking(move |h| h.connect_port(&i, port)).await.and_then(|r| r) {
@@ -72,6 +81,9 @@ async fn port_door<H: Host>(State(app): State<Arc<App<H>>>, req: Request, next: 
         Err(HostError::Conflict(m)) => return plain(StatusCode::BAD_GATEWAY, m),
         Err(e) => return plain(host_status(&e), e.to_string()),
     };
+    // The token is the door's, not the sandbox server's business.
+    let mut req = req;
+    req.headers_mut().remove("e2b-traffic-access-token");
     match forward(stream, req).await {
         Ok(r) => r,
         Err(e) => plain(StatusCode::BAD_GATEWAY, format!("sandbox {id} port {port}: {e}")),

@@ -47,6 +47,10 @@ pub struct Record {
     pub egress_allow: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress_deny: Vec<String>,
+    /// `allowPublicTraffic: false`: requests to the sandbox's ports need its traffic access token (derived
+    /// like the envd token, never stored).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub private_traffic: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -196,6 +200,11 @@ impl State {
         hex::encode(&h.finalize().as_bytes()[..16])
     }
 
+    /// The token requests to a private sandbox's ports carry (`e2b-traffic-access-token`).
+    pub fn traffic_token(&self, r: &Record) -> String {
+        self.token_for(&format!("traffic\0{}", r.id), &r.salt)
+    }
+
     /// Whether `given` is `id`'s access token (constant time).
     pub fn token_ok(&self, id: &str, given: Option<&str>) -> bool {
         let Some(r) = self.get(id) else { return false };
@@ -322,6 +331,7 @@ mod tests {
             disk_mb: 2048,
             egress_allow: vec![],
             egress_deny: vec![],
+            private_traffic: false,
         }
     }
 
@@ -398,6 +408,7 @@ mod tests {
             disk_mb: 2048,
             egress_allow: vec![],
             egress_deny: vec!["0.0.0.0/0".into()],
+            private_traffic: true,
         };
         let (salt, token) = s.issue_token("sb-1");
         let r = Record { salt, token, ..r };

@@ -80,6 +80,24 @@ none = httpx.get(envd + "/", headers={"Host": f"8001-sb-nope.localhost:{port_of}
 check("an unknown sandbox is a 502 'was not found'", none.status_code == 502 and "was not found" in none.text)
 srv.kill()
 
+# allowPublicTraffic false: its ports answer only with the sandbox's traffic access token.
+p = Sandbox.create(TEMPLATE, network={"allow_public_traffic": False})
+check("a private sandbox has a traffic access token", bool(p.traffic_access_token))
+p.commands.run("cd /tmp && python3 -m http.server 8001", background=True)
+host = {"Host": f"8001-{p.sandbox_id}.localhost:{port_of}"}
+code = None
+for _ in range(40):
+    code = httpx.get(envd + "/", headers={**host, "e2b-traffic-access-token": p.traffic_access_token}, timeout=5).status_code
+    if code == 200:
+        break
+    time.sleep(0.25)
+check("with its token a private port answers", code == 200, str(code))
+check("without it: 403", httpx.get(envd + "/", headers=host, timeout=5).status_code == 403)
+wrong = {**host, "e2b-traffic-access-token": "x" + p.traffic_access_token[1:]}
+check("with a wrong one: 403", httpx.get(envd + "/", headers=wrong, timeout=5).status_code == 403)
+check("another sandbox's port needs none", a.traffic_access_token is None)
+p.kill()
+
 # A PTY, left and reattached: its output keeps coming as PTY data.
 out = []
 term = a.pty.create(PtySize(24, 80), envs={"FOO": "bar"})
