@@ -384,14 +384,7 @@ impl AgentClient {
     pub fn write_file_with(&self, path: &str, src: &mut dyn Read, opts: &WriteOptions, mkdirs: bool) -> Result<u64> {
         let (tx, rx) = mpsc::channel();
         let id = self.register(Pending::Plain(tx))?;
-        let req = Request::WriteFile {
-            path: path.into(),
-            mode: opts.mode,
-            mkdirs,
-            owner: opts.owner,
-            xattrs: opts.xattrs.clone(),
-        };
-        self.send_request(id, &req)?;
+        self.send_request(id, &Request::WriteFile { path: path.into(), mkdirs, opts: opts.clone() })?;
         let mut buf = vec![0u8; DATA_CHUNK];
         loop {
             // The agent answers early on a refused path: stop sending then.
@@ -427,7 +420,7 @@ impl AgentClient {
         let id = self.register(Pending::Plain(tx))?;
         self.send_request(
             id,
-            &Request::WriteFile { path: path.into(), mode, mkdirs: false, owner: None, xattrs: Default::default() },
+            &Request::WriteFile { path: path.into(), mkdirs: false, opts: WriteOptions::mode(mode) },
         )?;
         for chunk in data.chunks(DATA_CHUNK) {
             if let Ok(Incoming::Reply(r)) = rx.try_recv() {

@@ -54,19 +54,14 @@ pub enum Request {
     WriteFile {
         /// Absolute path.
         path: String,
-        /// Permission bits (default 0o644).
-        #[serde(default)]
-        mode: Option<u32>,
         /// Create missing parent directories.
         #[serde(default)]
         mkdirs: bool,
-        /// Owner of the file and of the parents it creates (default: the agent's own, root).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        owner: Option<FileOwner>,
-        /// Extended attributes of the new file, full names in the `user.` namespace (others are refused).
-        /// The file replaces the old one whole, so attributes the old one had are gone.
-        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-        xattrs: BTreeMap<String, String>,
+        /// Its mode, owner (also of the parents it creates; default the agent's own, root) and extended
+        /// attributes (the `user.` namespace only; the file replaces the old one whole, so attributes the old
+        /// one had are gone), as fields of the request itself.
+        #[serde(flatten)]
+        opts: WriteOptions,
     },
     /// Replies [`Reply::Stat`] (without following a final symlink).
     Stat {
@@ -654,3 +649,26 @@ impl AgentError {
 
 /// The body of a `Reply` frame.
 pub type Response = Result<Reply, AgentError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `write_file`'s options travel as fields of the request itself, as before they were gathered in
+    /// [`WriteOptions`]: an older host's request decodes, and a new one carries the same names.
+    #[test]
+    fn write_file_keeps_its_flat_wire_shape() {
+        let old = r#"{"op":"write_file","path":"/a","mode":420,"mkdirs":true}"#;
+        let r: Request = serde_json::from_str(old).unwrap();
+        assert_eq!(r, Request::WriteFile { path: "/a".into(), mkdirs: true, opts: WriteOptions::mode(Some(0o644)) });
+        let opts = WriteOptions {
+            mode: None,
+            owner: Some(FileOwner { uid: 1000, gid: 1000 }),
+            xattrs: [("user.k".to_string(), "v".to_string())].into(),
+        };
+        let v = serde_json::to_value(Request::WriteFile { path: "/b".into(), mkdirs: false, opts }).unwrap();
+        assert_eq!(v["owner"]["uid"], 1000);
+        assert_eq!(v["xattrs"]["user.k"], "v");
+        assert!(v.get("opts").is_none());
+    }
+}

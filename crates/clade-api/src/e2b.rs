@@ -151,6 +151,15 @@ impl CladeHost {
         }))
     }
 
+    /// `NAME:ct` / `NAME:vm` pick the backend; a bare name gets the default one.
+    fn backend_of<'a>(&self, name: &'a str) -> (&'a str, BackendKind) {
+        match name.rsplit_once(':') {
+            Some((n, "ct")) => (n, BackendKind::Ct),
+            Some((n, "vm")) => (n, BackendKind::Vm),
+            _ => (name, self.default_backend),
+        }
+    }
+
     fn envs(&self) -> parking_lot::MutexGuard<'_, HashMap<String, BTreeMap<String, String>>> {
         self.envs.lock()
     }
@@ -163,11 +172,7 @@ impl Host for CladeHost {
 
     fn create(&self, template: &str, envs: &BTreeMap<String, String>) -> HostResult<Started> {
         let name = if template == "base" { self.default_template.as_str() } else { template };
-        let (name, backend) = match name.rsplit_once(':') {
-            Some((n, "ct")) => (n, BackendKind::Ct),
-            Some((n, "vm")) => (n, BackendKind::Vm),
-            _ => (name, self.default_backend),
-        };
+        let (name, backend) = self.backend_of(name);
         let req = ForkRequest::new(name, Some(backend), 1);
         let forked = match self.api.fork(&req) {
             // E2B's base has no base on this backend yet: build it now (first use), then fork.
@@ -200,11 +205,7 @@ impl Host for CladeHost {
         if name == "base" {
             return true;
         }
-        let (name, backend) = match name.rsplit_once(':') {
-            Some((n, "ct")) => (n, BackendKind::Ct),
-            Some((n, "vm")) => (n, BackendKind::Vm),
-            _ => (name, self.default_backend),
-        };
+        let (name, backend) = self.backend_of(name);
         self.api.mark_info(name, Some(backend)).is_ok()
     }
 

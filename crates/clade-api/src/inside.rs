@@ -316,7 +316,6 @@ async fn set_egress(
     Path(id): Path<String>,
     Body(rules): Body<clade_host::api::EgressRules>,
 ) -> Reply {
-    rules.check().map_err(ApiError::bad_request)?;
     let answer = serde_json::to_value(&rules).unwrap_or_default();
     blocking(&app, "egress", move |a| {
         wake(a, &id)?;

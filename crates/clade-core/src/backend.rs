@@ -107,6 +107,17 @@ impl EgressRules {
     pub fn is_empty(&self) -> bool {
         self.allow.is_empty() && self.deny.is_empty()
     }
+
+    /// What sandbox `id`, which has no network beyond loopback, makes of these rules: denials hold already
+    /// (nothing leaves), an allowance cannot be given.
+    pub fn without_network(&self, id: &str) -> Result<(), BackendError> {
+        if self.allow.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Unsupported(format!(
+            "sandbox {id} has no egress (its template's [network] egress is off): there is nothing to allow"
+        )))
+    }
 }
 
 /// Check a mark's recorded facts against the host's before anything starts.

@@ -398,12 +398,7 @@ impl Sandbox for CtSandbox {
         rules.check().map_err(BackendError::Unsupported)?;
         match &self.res.net {
             Some(net) => net.set_rules(rules).map_err(BackendError::Failed),
-            // Loopback only: nothing leaves, so denials hold already; an allowance cannot be given.
-            None if rules.allow.is_empty() => Ok(()),
-            None => Err(BackendError::Unsupported(format!(
-                "sandbox {} has no egress (its template's [network] egress is off): there is nothing to allow",
-                self.id
-            ))),
+            None => rules.without_network(&self.id),
         }
     }
     fn id(&self) -> &str {

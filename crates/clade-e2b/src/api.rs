@@ -209,15 +209,20 @@ fn egress_of(allow_internet: Option<bool>, n: &NetworkOpts) -> Result<(Vec<Strin
     Ok((allow, deny))
 }
 
-/// Set a sandbox's egress rules (and keep them in its record for the next resume).
+/// Set a sandbox's egress rules on the host.
+async fn set_egress<H: Host>(app: &Arc<App<H>>, id: &str, allow: &[String], deny: &[String]) -> Result<(), ApiError> {
+    let (i, a, d) = (id.to_string(), allow.to_vec(), deny.to_vec());
+    Ok(app.blocking(move |h| h.set_egress(&i, &a, &d)).await??)
+}
+
+/// Set a sandbox's egress rules and keep them in its record for the next resume.
 async fn apply_egress<H: Host>(
     app: &Arc<App<H>>,
     id: &str,
     allow: Vec<String>,
     deny: Vec<String>,
 ) -> Result<(), ApiError> {
-    let (i, a, d) = (id.to_string(), allow.clone(), deny.clone());
-    app.blocking(move |h| h.set_egress(&i, &a, &d)).await??;
+    set_egress(app, id, &allow, &deny).await?;
     app.state.update(id, |r| {
         r.egress_allow = allow;
         r.egress_deny = deny;
@@ -225,6 +230,7 @@ async fn apply_egress<H: Host>(
     Ok(())
 }
 
+/// A new sandbox's record (not yet kept: the caller puts it once it is complete).
 fn record_of<H: Host>(
     app: &App<H>,
     s: &Started,
@@ -251,16 +257,7 @@ fn record_of<H: Host>(
         memory_mb: s.memory_mb,
         disk_mb: s.disk_mb,
     }
-    .tap(|r| app.state.put(r.clone()))
 }
-
-trait Tap: Sized {
-    fn tap(self, f: impl FnOnce(&Self)) -> Self {
-        f(&self);
-        self
-    }
-}
-impl<T> Tap for T {}
 
 async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
     let req: NewSandbox = body(&b)?;
@@ -278,20 +275,21 @@ async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
     let auto_pause =
         req.auto_pause.unwrap_or(false) || req.lifecycle.and_then(|l| l.on_timeout).is_some_and(|o| o == "pause");
     let timeout = req.timeout.unwrap_or(app.cfg.default_timeout_s);
-    let mut rec = record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default());
-    if req.network.as_ref().and_then(|n| n.allow_public_traffic) == Some(false) {
-        rec = app.state.update(&rec.id, |r| r.private_traffic = true).unwrap_or(rec);
-    }
     if !(allow.is_empty() && deny.is_empty()) {
-        if let Err(e) = apply_egress(&app, &rec.id, allow, deny).await {
+        if let Err(e) = set_egress(&app, &started.id, &allow, &deny).await {
             // A sandbox that cannot have the rules it was asked for does not run without them.
-            let i = rec.id.clone();
+            let i = started.id.clone();
             let _ = app.blocking(move |h| h.kill(&i)).await;
-            app.state.remove(&rec.id);
             return Err(e);
         }
-        rec = app.state.get(&rec.id).unwrap_or(rec);
     }
+    let rec = Record {
+        egress_allow: allow,
+        egress_deny: deny,
+        private_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic) == Some(false),
+        ..record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default())
+    };
+    app.state.put(rec.clone());
     Ok((StatusCode::CREATED, axum::Json(sandbox_json(&app, &rec))).into_response())
 }
 
@@ -519,7 +517,7 @@ async fn bring_back<H: Host>(app: &Arc<App<H>>, id: &str, t: &Timeout) -> Result
     app.blocking(move |h| h.resume(&i)).await??;
     // A resumed sandbox has a fresh network: its rules go back on before anyone can use it.
     if let Some(r) = app.state.get(id).filter(|r| !(r.egress_allow.is_empty() && r.egress_deny.is_empty())) {
-        apply_egress(app, id, r.egress_allow, r.egress_deny).await?;
+        set_egress(app, id, &r.egress_allow, &r.egress_deny).await?;
     }
     let secs = t.timeout.unwrap_or(app.cfg.default_timeout_s);
     let ap = t.auto_pause;
@@ -577,6 +575,7 @@ async fn fork<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b
             let mut k = k.clone();
             k.template_id = parent.template_id.clone();
             let rec = record_of(&app, &k, secs, parent.auto_pause, parent.metadata.clone());
+            app.state.put(rec.clone());
             json!({"sandbox": sandbox_json(&app, &rec)})
         })
         .collect();

@@ -46,11 +46,16 @@ pub fn router<H: Host>(app: Arc<App<H>>) -> Router {
 /// envd's own port: a `<port>-<id>.` host naming another port is a request for the sandbox's own server.
 const ENVD_PORT: u16 = 49983;
 
+/// `<port>-<id>.<domain>`, as E2B names a sandbox's ports: (the port part, the id).
+fn host_parts(host: &str) -> Option<(&str, &str)> {
+    host.split('.').next()?.split_once('-').filter(|(_, id)| !id.is_empty())
+}
+
 /// `<port>-<id>.<domain>` -> (port, id), for a port other than envd's.
 fn port_target(host: &str) -> Option<(u16, String)> {
-    let (port, id) = host.split('.').next()?.split_once('-')?;
+    let (port, id) = host_parts(host)?;
     let port: u16 = port.parse().ok()?;
-    (port != ENVD_PORT && !id.is_empty()).then(|| (port, id.to_string()))
+    (port != ENVD_PORT).then(|| (port, id.to_string()))
 }
 
 /// E2B's sandbox hosts (`sandbox.get_host(port)`): a request whose Host names `<port>-<id>.` goes to that port
@@ -122,11 +127,7 @@ fn named_sandbox(h: &HeaderMap) -> Option<String> {
     if let Some(id) = header_str(h, "e2b-sandbox-id") {
         return Some(id.to_string());
     }
-    let host = header_str(h, "host").unwrap_or("");
-    match host.split('.').next().and_then(|l| l.split_once('-')) {
-        Some((_, id)) if !id.is_empty() => Some(id.to_string()),
-        _ => None,
-    }
+    host_parts(header_str(h, "host")?).map(|(_, id)| id.to_string())
 }
 
 /// The sandbox a request is for: its id, after checking it exists, runs, and the access token matches.

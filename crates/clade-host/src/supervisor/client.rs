@@ -144,8 +144,7 @@ pub fn write_stream(
     src: &mut dyn std::io::Read,
 ) -> anyhow::Result<u64> {
     let mut s = connect(home, sandbox)?;
-    let req =
-        Request::WriteStream { path: path.into(), mode: opts.mode, owner: opts.owner, xattrs: opts.xattrs.clone() };
+    let req = Request::WriteStream { path: path.into(), opts: opts.clone() };
     send(&mut s, &req)?;
     let copied = {
         let mut w = std::io::BufWriter::with_capacity(256 * 1024, &s);

@@ -119,14 +119,9 @@ pub enum Request {
     /// Stream a file in (created or replaced atomically, parents created): see the module doc.
     WriteStream {
         path: String,
-        #[serde(default)]
-        mode: Option<u32>,
-        /// Owner of the file and the parents created for it (default root).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        owner: Option<clade_agent::FileOwner>,
-        /// Extended attributes of the new file (`user.` namespace).
-        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-        xattrs: std::collections::BTreeMap<String, String>,
+        /// Mode, owner (also of the parents created for it; default root) and `user.` extended attributes.
+        #[serde(flatten)]
+        opts: clade_agent::WriteOptions,
     },
 }
 

@@ -418,8 +418,8 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             }
         },
         Request::ReadStream { path } => read_stream(sup, &mut out, &path),
-        Request::WriteStream { path, mode, owner, xattrs } => {
-            let resp = write_stream(sup, &mut reader, &path, &WriteOptions { mode, owner, xattrs });
+        Request::WriteStream { path, opts } => {
+            let resp = write_stream(sup, &mut reader, &path, &opts);
             let _ = send_line(&mut out, &resp);
         }
         Request::Mark { .. }

@@ -79,19 +79,14 @@ impl Sandbox for VmSandbox {
     /// are not enforced yet (QEMU's slirp has no per-destination filter; a host-side one is to come).
     fn set_egress_rules(&mut self, rules: &clade_core::backend::EgressRules) -> Result<(), BackendError> {
         rules.check().map_err(BackendError::Unsupported)?;
-        if !self.egress && rules.allow.is_empty() {
-            return Ok(());
+        if !self.egress {
+            return rules.without_network(&self.id);
         }
-        Err(BackendError::Unsupported(if self.egress {
+        Err(BackendError::Unsupported(
             "egress rules are not enforced for vm sandboxes with a network yet: use a ct template, or one without \
              [network] egress"
-                .into()
-        } else {
-            format!(
-                "sandbox {} has no egress (its template's [network] egress is off): there is nothing to allow",
-                self.id
-            )
-        }))
+                .into(),
+        ))
     }
     fn id(&self) -> &str {
         &self.id

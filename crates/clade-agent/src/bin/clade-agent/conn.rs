@@ -7,7 +7,7 @@
 
 use crate::{fsops, netreset, procs, ready, sys, Agent};
 use clade_agent::wire::{self, BufOutcome, Chan, Header, Kind, WireError};
-use clade_agent::{AgentError, Event, Reply, Request, Response, WriteOptions, WIRE_VERSION};
+use clade_agent::{AgentError, Event, Reply, Request, Response, WIRE_VERSION};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fs::File;
@@ -231,14 +231,12 @@ fn dispatch(
             let c = conn.clone();
             task(conn, id, move || fsops::read_file(&c, id, &path));
         }
-        Request::WriteFile { path, mode, mkdirs, owner, xattrs } => {
-            match fsops::PendingWrite::open(&path, WriteOptions { mode, owner, xattrs }, mkdirs) {
-                Ok(w) => {
-                    writes.insert(id, w);
-                }
-                Err(e) => conn.reply(id, &Err(e)),
+        Request::WriteFile { path, mkdirs, opts } => match fsops::PendingWrite::open(&path, opts, mkdirs) {
+            Ok(w) => {
+                writes.insert(id, w);
             }
-        }
+            Err(e) => conn.reply(id, &Err(e)),
+        },
         Request::Stat { path } => conn.reply(id, &guarded(|| fsops::stat(&path).map(Reply::Stat))),
         Request::ListDir { path, depth } => task(conn, id, move || fsops::list_dir(&path, depth)),
         Request::MkdirP { path, mode, owner } => conn.reply(id, &guarded(|| fsops::mkdir_p(&path, mode, owner))),
