@@ -11,6 +11,8 @@ tier=${1:-all}
 [ $# -gt 0 ] && shift
 export CLADE_TEST_HOME=${CLADE_TEST_HOME:-${CLADE_HOME:-/var/lib/clade}}
 export RUST_BACKTRACE=1
+# One build from scratch: incremental caches would only double the target folder on a CI disk.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 cargo build --workspace --all-targets
 # The agent templates and sandboxes get: static, so a rootfs without glibc runs it (guest_static_agent).
 scripts/static-agent.sh
