@@ -1,0 +1,136 @@
+//! containerd runs OCI images as clade sandboxes through `containerd-shim-clade-v2`, driven by `ctr` as an
+//! operator would: Debian's containerd, started privately; images imported from OCI archives built here.
+//! A busybox-only image (no glibc: the static agent goes in) starts cold once, becomes a base, and every later
+//! container of it is forked from that base; exit codes, stdout and stderr, exec into a running task, signals,
+//! a shim killed mid-task (containerd reports the task gone and nothing of the sandbox is left) and an image
+//! clade cannot start (a clear error) are checked.
+
+mod common;
+
+use std::time::Instant;
+
+use common::{busybox_rootfs, oci_archive, Containerd, Entry};
+
+const RUNTIME: &str = "io.containerd.clade.v2";
+const IMAGE: &str = "clade.test/busybox:latest";
+
+fn import(c: &Containerd, name: &str, entries: &[Entry]) {
+    let archive = c.dir.path().join("image.tar");
+    oci_archive(&archive, name, entries, &["/bin/sh"]);
+    c.ctr_ok(&["image", "import", archive.to_str().unwrap()]);
+}
+
+fn out(o: &std::process::Output) -> (i32, String, String) {
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Waits for task `id` to stop, deletes it, and returns its exit status (what `ctr task rm` reports; ctr 1.6 has
+/// no `task wait`).
+fn stopped_with(c: &Containerd, id: &str) -> u32 {
+    let t0 = Instant::now();
+    while !c.ctr_ok(&["task", "ls"]).lines().any(|l| l.starts_with(id) && l.contains("STOPPED")) {
+        assert!(t0.elapsed().as_secs() < 20, "task {id} did not stop: {}", c.ctr_ok(&["task", "ls"]));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (code, _, stderr) = out(&c.ctr(&["task", "rm", id]));
+    assert_eq!(code, 0, "task rm {id}: {stderr}");
+    stderr.split("exit code ").nth(1).map(|s| s.trim().trim_end_matches('"').parse().unwrap()).unwrap_or(0)
+}
+
+#[test]
+fn guest_ctr_runs_a_busybox_image_as_clade_sandboxes() {
+    let Some(c) = Containerd::start("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
+    import(&c, IMAGE, &busybox_rootfs());
+
+    // Cold: the image's rootfs becomes a template, booted and marked as its base; then forked.
+    let t0 = Instant::now();
+    let o = c.ctr(&[
+        "run",
+        "--rm",
+        "--runtime",
+        RUNTIME,
+        IMAGE,
+        "cold",
+        "sh",
+        "-c",
+        "echo hi from $(hostname); echo oops >&2; exit 7",
+    ]);
+    let cold = t0.elapsed();
+    let (code, stdout, stderr) = out(&o);
+    assert_eq!(code, 7, "the container's exit code: {stdout} {stderr}\n{}", c.log_tail());
+    assert!(stdout.starts_with("hi from clade-"), "stdout: {stdout:?}");
+    assert!(stderr.contains("oops"), "stderr: {stderr:?}");
+
+    // Warm: the same image content forks from its base.
+    let t0 = Instant::now();
+    let (code, stdout, _) =
+        out(&c.ctr(&["run", "--rm", "--runtime", RUNTIME, IMAGE, "warm", "sh", "-c", "id -u; pwd; ls /usr/lib/clade"]));
+    let warm = t0.elapsed();
+    assert_eq!(code, 0, "{stdout}\n{}", c.log_tail());
+    assert!(
+        stdout.starts_with("0\n/\n") && stdout.contains("\nclade-agent\n"),
+        "root, in /, with clade's agent: {stdout}"
+    );
+    eprintln!("ctr run: cold (template + base + fork) {cold:?}, from the base {warm:?}");
+    assert!(c.sandboxes().is_empty(), "ctr run --rm leaves no sandbox: {:?}", c.sandboxes());
+
+    // A running task: exec into it, list its processes, signal it.
+    let script = "echo up > /tmp/up; trap 'exit 3' TERM; while :; do sleep 0.1; done";
+    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "svc", "sh", "-c", script]);
+    let (code, stdout, stderr) =
+        out(&c.ctr(&["task", "exec", "--exec-id", "e1", "svc", "sh", "-c", "cat /tmp/up; echo e >&2; exit 5"]));
+    assert_eq!((code, stdout.as_str(), stderr.trim()), (5, "up\n", "e"), "exec sees the task's files");
+    let ps = c.ctr_ok(&["task", "ps", "svc"]);
+    assert!(ps.lines().count() >= 2, "task ps lists the task's process: {ps}");
+    c.ctr_ok(&["task", "kill", "-s", "SIGTERM", "svc"]);
+    assert_eq!(stopped_with(&c, "svc"), 3, "the task's own TERM handler exited 3");
+    c.ctr_ok(&["container", "rm", "svc"]);
+
+    // A process that dies of a signal: 128 + the signal.
+    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "victim", "sleep", "1000"]);
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "victim"]);
+    assert_eq!(stopped_with(&c, "victim"), 137, "SIGKILL reads as 128 + 9");
+    c.ctr_ok(&["container", "rm", "victim"]);
+    assert!(c.sandboxes().is_empty(), "deleted tasks leave no sandbox: {:?}", c.sandboxes());
+}
+
+#[test]
+fn guest_ctr_a_killed_shim_leaves_nothing_and_a_bad_image_says_why() {
+    let Some(c) = Containerd::start("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
+    import(&c, IMAGE, &busybox_rootfs());
+    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "doomed", "sleep", "1000"]);
+    assert_eq!(c.sandboxes().len(), 1, "one running sandbox");
+    let killed = std::process::Command::new("pkill")
+        .args(["-9", "-f", &format!("containerd-shim-clade-v2 .*-id doomed .*{}", c.dir.path().display())])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "the shim of the task was found and killed");
+    let t0 = Instant::now();
+    loop {
+        let tasks = c.ctr_ok(&["task", "ls"]);
+        if !tasks.contains("doomed") || tasks.contains("STOPPED") {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 20, "containerd still reports the task running: {tasks}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    // containerd runs the shim binary's `delete` for a dead shim: the sandbox is killed, the rootfs unmounted.
+    let t0 = Instant::now();
+    while !c.sandboxes().is_empty() || std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains("/doomed/") {
+        assert!(t0.elapsed().as_secs() < 20, "the dead shim's sandbox or rootfs is still there: {:?}", c.sandboxes());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let _ = c.ctr(&["container", "rm", "doomed"]);
+
+    // An image of one static file: no /bin, /usr or /etc; the error says what is wrong.
+    import(&c, "clade.test/lonely:latest", &[Entry::File("app", b"#!/app\n".to_vec(), 0o755)]);
+    let (code, _, stderr) =
+        out(&c.ctr(&["run", "--rm", "--runtime", RUNTIME, "clade.test/lonely:latest", "bad", "/app"]));
+    assert_ne!(code, 0);
+    assert!(stderr.contains("no /bin, /usr or /etc"), "the reason reaches ctr: {stderr}");
+    assert!(c.sandboxes().is_empty());
+}
