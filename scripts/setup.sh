@@ -4,7 +4,8 @@
 #  - Debian packages through apt (the normal way on this distro): QEMU 7.2 (bookworm), busybox-static, cpio,
 #    debootstrap, e2fsprogs, python3, libnbd-bin (nbdinfo/nbdcopy for tests), b3sum and qemu-utils (bench peers),
 #    containerd and runc (the shim's tests start their own containerd; runc is the bench peer; a service the
-#    package would start stays off: the tests never use the host's containerd).
+#    package would start stays off: the tests never use the host's containerd), protobuf-compiler (protoc, for
+#    the CRI client the shim's tests build).
 #  - The guest kernel: Debian's linux-image-*-amd64 .deb, fetched with `apt-get download` and extracted under
 #    $CLADE_HOME/kernel (never installed as the host's kernel), plus its uncompressed vmlinux (boots ~2x faster
 #    under TCG: no xz decompression).
@@ -31,7 +32,7 @@ start=$(date +%s.%N)
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
 # chromium: the benchmark report is checked to render in it (a test), as a reader would open it.
 # libc6-dev: libc.a, which the static clade-agent links (scripts/static-agent.sh).
-pkgs=(libc6-dev qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium containerd runc)
+pkgs=(libc6-dev qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium containerd runc protobuf-compiler)
 apt_updated=0
 apt_update() {
   [ $apt_updated = 1 ] && return 0

@@ -28,6 +28,28 @@ pub const TEMPLATE_ANNOTATION: &str = "clade.dev/template";
 pub const BACKEND_ANNOTATION: &str = "clade.dev/backend";
 /// Where the sandbox of a container is named, in its bundle: what `delete` (after the shim died) reads.
 pub const SANDBOX_FILE: &str = "clade-sandbox";
+/// What containerd's CRI plugin says a container is: `sandbox` (a pod's own container) or `container`.
+pub const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// The pod a CRI container belongs to (its pod sandbox container's id).
+pub const CRI_SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+
+/// What a container is to the shim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A container of its own (`ctr run`): one sandbox, taken down with the container.
+    Single,
+    /// A pod's sandbox container (CRI RunPodSandbox): it holds the pod's sandbox; its process is nominal.
+    Pod,
+    /// A container of the pod with this id: a process group in the pod's sandbox.
+    Member(String),
+}
+
+/// Where a sandbox starts from: a mark, and the content hash of the image it was made from (none where an
+/// annotation named the mark or template).
+pub struct Origin {
+    pub mark: String,
+    pub content: Option<String>,
+}
 
 /// A bundle directory and its parsed `config.json`.
 pub struct Bundle {
@@ -59,6 +81,20 @@ impl Bundle {
 
     pub fn annotation(&self, key: &str) -> Option<&str> {
         self.spec.annotations().as_ref()?.get(key).map(String::as_str).filter(|v| !v.is_empty())
+    }
+
+    /// The container's role, from the CRI plugin's annotations.
+    pub fn role(&self) -> Role {
+        match (self.annotation(CRI_CONTAINER_TYPE), self.annotation(CRI_SANDBOX_ID)) {
+            (Some("sandbox"), _) => Role::Pod,
+            (Some("container"), Some(pod)) => Role::Member(pod.to_string()),
+            _ => Role::Single,
+        }
+    }
+
+    /// Whether an annotation names the mark or template to start from (else the image does).
+    pub fn names_origin(&self) -> bool {
+        self.annotation(MARK_ANNOTATION).is_some() || self.annotation(TEMPLATE_ANNOTATION).is_some()
     }
 
     /// The backend the annotation asks for, else `default` (the shim's `CLADE_SHIM_BACKEND`, else ct).
@@ -147,31 +183,39 @@ pub fn unmount_rootfs(target: &Path) {
 
 /// The mark a sandbox for `bundle` starts from (see the module doc), building the image's base when it has none;
 /// `say` gets the build's progress lines.
-pub fn origin(home: &CladeHome, bundle: &Bundle, backend: BackendKind, say: &dyn Fn(String)) -> anyhow::Result<String> {
+pub fn origin(home: &CladeHome, bundle: &Bundle, backend: BackendKind, say: &dyn Fn(String)) -> anyhow::Result<Origin> {
     if let Some(mark) = bundle.annotation(MARK_ANNOTATION) {
-        return Ok(mark.to_string());
+        return Ok(Origin { mark: mark.to_string(), content: None });
     }
-    let key = match bundle.annotation(TEMPLATE_ANNOTATION) {
-        Some(t) => t.to_string(),
-        None => image_template(home, &bundle.rootfs())?.display().to_string(),
+    let (key, content) = match bundle.annotation(TEMPLATE_ANNOTATION) {
+        Some(t) => (t.to_string(), None),
+        None => {
+            let (dir, content) = image_template(home, &bundle.rootfs())?;
+            (dir.display().to_string(), Some(content))
+        }
     };
     let base = clade_host::base::build(home, &key, backend, false, say)
         .with_context(|| format!("the base of {key} on {}", backend.as_str()))?;
-    Ok(base.mark)
+    Ok(Origin { mark: base.mark, content })
+}
+
+/// The content hash of an image's root filesystem (what names its template).
+pub fn content_of(rootfs: &Path) -> anyhow::Result<String> {
+    clade_template::identity::tree_hash(rootfs, true)
+        .map_err(|e| anyhow!("read the image's root filesystem {}: {e}", rootfs.display()))
 }
 
 /// A clade template spec whose source is `rootfs`, named by the rootfs' content, written under
-/// `$CLADE_HOME/shim/templates/`. Returns the spec's directory.
-pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<PathBuf> {
+/// `$CLADE_HOME/shim/templates/`. Returns the spec's directory and the content hash.
+pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<(PathBuf, String)> {
     if !rootfs.join("bin").exists() && !rootfs.join("usr").exists() && !rootfs.join("etc").exists() {
         bail!(
-            "the image's root filesystem at {} has no /bin, /usr or /etc: clade cannot start a sandbox in it \
-             (an image of one static binary needs a /bin/sh-less rootfs clade does not support yet)",
+            "the image's root filesystem at {} has no /bin, /usr or /etc: clade starts sandboxes from Linux \
+             root filesystems, and an image of a single static binary is not one (add a base layer such as busybox)",
             rootfs.display()
         );
     }
-    let content = clade_template::identity::tree_hash(rootfs, true)
-        .map_err(|e| anyhow!("read the image's root filesystem {}: {e}", rootfs.display()))?;
+    let content = content_of(rootfs)?;
     let name = format!("oci-{}", &content[..16]);
     let dir = home.root().join("shim/templates").join(&name);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
@@ -187,7 +231,7 @@ pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<PathBuf
     let tmp = dir.join(format!(".template.toml.{}", std::process::id()));
     std::fs::write(&tmp, text).with_context(|| format!("write {}", tmp.display()))?;
     std::fs::rename(&tmp, &spec).with_context(|| format!("rename to {}", spec.display()))?;
-    Ok(dir)
+    Ok((dir, content))
 }
 
 /// The user of the image's `/etc/passwd` with `uid` (clade's agent runs processes as users by name); uid 0 is
@@ -233,12 +277,12 @@ mod tests {
         let a = tempfile::tempdir().unwrap();
         std::fs::create_dir(a.path().join("bin")).unwrap();
         std::fs::write(a.path().join("bin/x"), "one").unwrap();
-        let t1 = image_template(&home, a.path()).unwrap();
+        let (t1, _) = image_template(&home, a.path()).unwrap();
         let spec = clade_template::TemplateSpec::load(&t1.join("template.toml")).unwrap();
         assert!(spec.name.starts_with("oci-") && spec.name.len() == 20, "{}", spec.name);
-        assert_eq!(t1, image_template(&home, a.path()).unwrap(), "the same content, the same template");
+        assert_eq!(t1, image_template(&home, a.path()).unwrap().0, "the same content, the same template");
         std::fs::write(a.path().join("bin/x"), "two").unwrap();
-        assert_ne!(t1, image_template(&home, a.path()).unwrap(), "other content, another template");
+        assert_ne!(t1, image_template(&home, a.path()).unwrap().0, "other content, another template");
         let empty = tempfile::tempdir().unwrap();
         let err = image_template(&home, empty.path()).unwrap_err().to_string();
         assert!(err.contains("no /bin, /usr or /etc"), "{err}");

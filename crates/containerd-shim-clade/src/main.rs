@@ -12,6 +12,7 @@
 //! the annotation `clade.dev/backend`; `CLADE_BIN` when the `clade` binary is not beside this one.
 
 mod bundle;
+mod state;
 mod stdio;
 mod tasks;
 
@@ -46,8 +47,14 @@ impl containerd_shim::Shim for Shim {
         Shim { exit: Arc::new(ExitSignal::default()), namespace: args.namespace.clone(), bundle: args.bundle.clone() }
     }
 
+    /// One shim server per pod: a CRI container's bundle names its pod, and every container of the pod is
+    /// served by the shim started for the pod's first (its sandbox container), as containerd expects.
     fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let grouping = opts.id.clone();
+        let here = std::env::current_dir().unwrap_or_default();
+        let grouping = bundle::Bundle::load(&here)
+            .ok()
+            .and_then(|b| b.annotation(bundle::CRI_SANDBOX_ID).map(str::to_string))
+            .unwrap_or_else(|| opts.id.clone());
         let (_pid, address) = containerd_shim::spawn(opts, &grouping, Vec::new())?;
         Ok(address)
     }
@@ -89,7 +96,7 @@ impl containerd_shim::Shim for Shim {
                 std::process::exit(1);
             }
         };
-        let t = tasks::Tasks::new(
+        let t = state::Tasks::new(
             home,
             Arc::new(ops),
             default_backend(),

@@ -104,11 +104,7 @@ fn guest_ctr_a_killed_shim_leaves_nothing_and_a_bad_image_says_why() {
     import(&c, IMAGE, &busybox_rootfs());
     c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "doomed", "sleep", "1000"]);
     assert_eq!(c.sandboxes().len(), 1, "one running sandbox");
-    let killed = std::process::Command::new("pkill")
-        .args(["-9", "-f", &format!("containerd-shim-clade-v2 .*-id doomed .*{}", c.dir.path().display())])
-        .status()
-        .unwrap();
-    assert!(killed.success(), "the shim of the task was found and killed");
+    assert!(c.kill_shim("doomed"), "the shim of the task was found and killed");
     let t0 = Instant::now();
     loop {
         let tasks = c.ctr_ok(&["task", "ls"]);

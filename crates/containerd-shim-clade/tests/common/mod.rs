@@ -15,8 +15,8 @@ pub fn real_home() -> PathBuf {
     PathBuf::from(std::env::var("CLADE_TEST_HOME").unwrap_or_else(|_| "/var/lib/clade".into()))
 }
 
-/// A containerd of the test's own, with the clade shim on its PATH. Dropping it stops containerd, kills what
-/// shims are left and unmounts what they left.
+/// A containerd of the test's own, with the clade shim on its PATH. Dropping it kills the sandboxes left in its
+/// clade home, stops containerd, kills what shims are left and unmounts what they left.
 pub struct Containerd {
     pub dir: tempfile::TempDir,
     pub home: tempfile::TempDir,
@@ -104,6 +104,12 @@ impl Containerd {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
+    /// Kills (SIGKILL) the shim serving container or pod `id` of this containerd; whether one was found.
+    pub fn kill_shim(&self, id: &str) -> bool {
+        let pattern = format!("containerd-shim-clade-v2 .*-id {id} .*{}", self.dir.path().display());
+        Command::new("pkill").args(["-9", "-f", &pattern]).status().is_ok_and(|s| s.success())
+    }
+
     /// The sandboxes the clade home holds (`clade ls --json`).
     pub fn sandboxes(&self) -> Vec<serde_json::Value> {
         let clade = Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
@@ -117,6 +123,9 @@ impl Containerd {
 
 impl Drop for Containerd {
     fn drop(&mut self) {
+        // Sandboxes a failed test left running, while the home's ledger still names them.
+        let clade = Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
+        let _ = Command::new(clade).args(["kill", "--all"]).env("CLADE_HOME", self.home.path()).output();
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM);
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(10) {

@@ -1,0 +1,334 @@
+//! What the shim holds: its containers, the pods they form, and the processes of each, with the operations that
+//! change them (create, start, exit). The Task service ([`crate::tasks`]) is a thin face over these.
+//!
+//! The Kata model: a pod is one clade sandbox, and each of its containers is a process group the sandbox's agent
+//! starts. containerd's CRI plugin first creates the pod's own container (the "pause" container, [`Role::Pod`]);
+//! its process is nominal here (no pause binary runs: the sandbox itself holds the pod). The pod's sandbox is
+//! forked when the pod's annotations name a mark or template, else from the first container's image, whose
+//! content then is the pod's: a later container of the same image content joins the sandbox; a container of
+//! other content is refused with that reason (one root filesystem per pod, for now). A container outside any
+//! pod (`ctr run`, [`Role::Single`]) has a sandbox of its own.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use anyhow::{anyhow, bail};
+use clade_core::backend::BackendKind;
+use clade_core::CladeHome;
+use clade_host::api::{ForkRequest, ProcSpec, SandboxApi};
+use containerd_shim::api;
+use containerd_shim::protos::events::task::TaskExit;
+use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::MessageDyn;
+use containerd_shim::protos::topics;
+use containerd_shim::protos::ttrpc::{self, context::Context, Code};
+use containerd_shim::publisher::RemotePublisher;
+use containerd_shim::{ExitSignal, TtrpcResult};
+use oci_spec::runtime::Process;
+
+use crate::bundle::{self, Bundle, Role};
+use crate::stdio;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Phase {
+    Created,
+    Running,
+    Stopped,
+}
+
+/// One process of a container: its init or an exec.
+pub struct Proc {
+    pub spec: ProcSpec,
+    pub stdin: String,
+    pub stdout: String,
+    pub stderr: String,
+    pub terminal: bool,
+    /// The process id inside the sandbox, once started (the shim's own pid for a pod's nominal process).
+    pub pid: u32,
+    pub phase: Phase,
+    pub exit_status: u32,
+    pub exited_at: Option<Timestamp>,
+    /// A pod container's process: nothing runs; a signal ends it.
+    pub nominal: bool,
+}
+
+impl Proc {
+    /// A process not started yet, with containerd's fifo paths for its stdio (empty: none).
+    pub fn created(spec: ProcSpec, stdin: &str, stdout: &str, stderr: &str, terminal: bool) -> Proc {
+        let (stdin, stdout, stderr) = (stdin.to_string(), stdout.to_string(), stderr.to_string());
+        let (pid, phase, exit_status, exited_at, nominal) = (0, Phase::Created, 0, None, false);
+        Proc { spec, stdin, stdout, stderr, terminal, pid, phase, exit_status, exited_at, nominal }
+    }
+}
+
+pub struct Container {
+    pub bundle: PathBuf,
+    pub role: Role,
+    /// The sandbox its processes run in ("" for a pod whose sandbox waits for its first container).
+    pub sandbox: String,
+    /// The rootfs the shim mounted (unmounted at delete), if it mounted one.
+    pub mounted: Option<PathBuf>,
+    pub init: Proc,
+    pub execs: HashMap<String, Proc>,
+}
+
+impl Container {
+    pub fn proc(&mut self, exec_id: &str) -> TtrpcResult<&mut Proc> {
+        if exec_id.is_empty() {
+            return Ok(&mut self.init);
+        }
+        self.execs.get_mut(exec_id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no exec {exec_id}")))
+    }
+}
+
+/// A pod: the sandbox its containers share, once there is one, and the image content it was made from.
+#[derive(Default)]
+pub struct Pod {
+    pub sandbox: Option<String>,
+    pub content: Option<String>,
+    /// Whether the pod's annotations chose its sandbox (its containers' images do not matter then).
+    pub named: bool,
+}
+
+#[derive(Default)]
+pub struct Held {
+    pub containers: HashMap<String, Container>,
+    pub pods: HashMap<String, Pod>,
+}
+
+pub struct Tasks {
+    pub home: CladeHome,
+    pub api: Arc<dyn SandboxApi>,
+    pub backend: BackendKind,
+    namespace: String,
+    publisher: Mutex<RemotePublisher>,
+    pub exit: Arc<ExitSignal>,
+    held: Mutex<Held>,
+    pub changed: Condvar,
+}
+
+pub fn rpc(code: Code, msg: impl ToString) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg))
+}
+
+pub fn failed(e: anyhow::Error) -> ttrpc::Error {
+    rpc(Code::FAILED_PRECONDITION, format!("{e:#}"))
+}
+
+pub fn proc_spec(p: &Process, rootfs: &std::path::Path) -> anyhow::Result<ProcSpec> {
+    let argv: Vec<String> = p.args().clone().unwrap_or_default();
+    if argv.first().is_none_or(|a| a.is_empty()) {
+        bail!("the process has no args: give the container a command (the image has no entrypoint?)");
+    }
+    let env = p
+        .env()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect();
+    let cwd = Some(p.cwd().display().to_string()).filter(|c| c != "/" && !c.is_empty());
+    let user = bundle::user_name(rootfs, p.user().uid())?;
+    let pty = p
+        .terminal()
+        .unwrap_or(false)
+        .then(|| p.console_size().as_ref().map_or((24, 80), |b| (b.height() as u16, b.width() as u16)));
+    Ok(ProcSpec { argv, env, cwd, user, pty, stdin: false, ..Default::default() })
+}
+
+impl Tasks {
+    pub fn new(
+        home: CladeHome,
+        api: Arc<dyn SandboxApi>,
+        backend: BackendKind,
+        namespace: String,
+        publisher: RemotePublisher,
+        exit: Arc<ExitSignal>,
+    ) -> Tasks {
+        let publisher = Mutex::new(publisher);
+        let (held, changed) = (Mutex::new(Held::default()), Condvar::new());
+        Tasks { home, api, backend, namespace, publisher, exit, held, changed }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        let p = self.publisher.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = p.publish(Context::default(), topic, &self.namespace, event) {
+            log::warn!("publish {topic}: {e}");
+        }
+    }
+
+    /// Forks one sandbox from `origin` and records it in `owner_bundle` first thing, so a `delete` after this
+    /// shim died finds what to take down.
+    fn fork(&self, b: &Bundle, owner_bundle: &std::path::Path) -> anyhow::Result<(String, bundle::Origin)> {
+        let backend = b.backend(self.backend)?;
+        let origin = bundle::origin(&self.home, b, backend, &|l| log::info!("{}: {l}", b.dir.display()))?;
+        let out = self.api.fork(&ForkRequest::new(origin.mark.clone(), Some(backend), 1))?;
+        let ready = out.sandboxes.into_iter().next().ok_or_else(|| anyhow!("the fork started nothing"))?;
+        if !ready.ok {
+            bail!("the sandbox did not start: {}", ready.error.unwrap_or_default());
+        }
+        std::fs::write(owner_bundle.join(bundle::SANDBOX_FILE), &ready.sandbox)?;
+        Ok((ready.sandbox, origin))
+    }
+
+    /// The sandbox a pod's container runs in: the pod's, made from this container's image when the pod has
+    /// none yet; refused when the pod's sandbox holds another image's content.
+    fn pod_sandbox(&self, pod_id: &str, b: &Bundle) -> anyhow::Result<String> {
+        let (existing, content, named, pod_bundle) = {
+            let held = self.lock();
+            let pod = held.pods.get(pod_id).ok_or_else(|| {
+                anyhow!("pod {pod_id} is not held by this shim (its sandbox container was not created here)")
+            })?;
+            let pod_bundle = held.containers.get(pod_id).map(|c| c.bundle.clone());
+            (pod.sandbox.clone(), pod.content.clone(), pod.named, pod_bundle)
+        };
+        if let Some(sandbox) = existing {
+            if !named {
+                let mine = bundle::content_of(&b.rootfs())?;
+                if content.as_deref() != Some(mine.as_str()) {
+                    bail!(
+                        "pod {pod_id} runs in one clade sandbox on its first container's image, and this container's \
+                         image has other content: clade runs a pod's containers on one root filesystem (use one image \
+                         per pod, or name a mark or template for the pod with the annotation {})",
+                        bundle::MARK_ANNOTATION
+                    );
+                }
+            }
+            return Ok(sandbox);
+        }
+        let (sandbox, origin) = self.fork(b, pod_bundle.as_deref().unwrap_or(&b.dir))?;
+        let mut held = self.lock();
+        let pod = held.pods.entry(pod_id.to_string()).or_default();
+        pod.sandbox = Some(sandbox.clone());
+        pod.content = origin.content;
+        if let Some(c) = held.containers.get_mut(pod_id) {
+            c.sandbox = sandbox.clone();
+        }
+        Ok(sandbox)
+    }
+
+    pub fn create_container(&self, req: &api::CreateTaskRequest) -> anyhow::Result<(String, u32)> {
+        let b = Bundle::load(std::path::Path::new(&req.bundle))?;
+        let rootfs = b.rootfs();
+        let mounted = bundle::mount_rootfs(&req.rootfs, &rootfs)?.then(|| rootfs.clone());
+        let role = b.role();
+        let started = (|| {
+            if role == Role::Pod {
+                let mut pod = Pod { named: b.names_origin(), ..Pod::default() };
+                if pod.named {
+                    let (sandbox, _) = self.fork(&b, &b.dir)?;
+                    pod.sandbox = Some(sandbox);
+                }
+                let sandbox = pod.sandbox.clone().unwrap_or_default();
+                self.lock().pods.insert(req.id.clone(), pod);
+                return Ok((ProcSpec::default(), sandbox));
+            }
+            let spec = proc_spec(b.process()?, &rootfs)?;
+            let sandbox = match &role {
+                Role::Member(pod) => self.pod_sandbox(pod, &b)?,
+                _ => self.fork(&b, &b.dir)?.0,
+            };
+            Ok::<_, anyhow::Error>((spec, sandbox))
+        })();
+        let (spec, sandbox) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                if let Some(m) = &mounted {
+                    bundle::unmount_rootfs(m);
+                }
+                return Err(e);
+            }
+        };
+        let mut init = Proc::created(spec, &req.stdin, &req.stdout, &req.stderr, req.terminal);
+        init.nominal = role == Role::Pod;
+        let c = Container { bundle: b.dir, role, sandbox: sandbox.clone(), mounted, init, execs: HashMap::new() };
+        self.lock().containers.insert(req.id.clone(), c);
+        Ok((sandbox, 0))
+    }
+
+    /// Starts a created process: its stdio connected, a thread that waits for its exit.
+    pub fn start_proc(self: &Arc<Self>, id: &str, exec_id: &str) -> TtrpcResult<u32> {
+        let (sandbox, mut spec, stdin, stdout, stderr) = {
+            let mut held = self.lock();
+            let c = held.containers.get_mut(id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))?;
+            let sandbox = c.sandbox.clone();
+            let p = c.proc(exec_id)?;
+            if p.phase != Phase::Created {
+                return Err(rpc(Code::FAILED_PRECONDITION, format!("process {id}/{exec_id} was already started")));
+            }
+            if p.nominal {
+                p.pid = std::process::id();
+                p.phase = Phase::Running;
+                return Ok(p.pid);
+            }
+            if sandbox.is_empty() {
+                return Err(rpc(Code::FAILED_PRECONDITION, format!("container {id} has no sandbox to run in")));
+            }
+            (sandbox, p.spec.clone(), p.stdin.clone(), p.stdout.clone(), p.stderr.clone())
+        };
+        spec.stdin = !stdin.is_empty();
+        let out = stdio::open_output(&stdout).map_err(failed)?;
+        let err = if stderr == stdout { None } else { stdio::open_output(&stderr).map_err(failed)? };
+        let (pid, events) = self.api.proc_start(&sandbox, spec).map_err(failed)?;
+        if !stdin.is_empty() {
+            stdio::copy_in(self.api.clone(), sandbox.clone(), pid, stdin);
+        }
+        if let Some(p) = self.lock().containers.get_mut(id).and_then(|c| c.proc(exec_id).ok()) {
+            p.pid = pid;
+            p.phase = Phase::Running;
+        }
+        let (id, exec_id) = (id.to_string(), exec_id.to_string());
+        let me = self.clone();
+        std::thread::spawn(move || {
+            let status = stdio::copy_out(events, out, err);
+            me.exited(&id, &exec_id, pid, status);
+        });
+        Ok(pid)
+    }
+
+    pub fn exited(&self, id: &str, exec_id: &str, pid: u32, status: u32) {
+        let at = Timestamp::now();
+        if let Some(p) = self.lock().containers.get_mut(id).and_then(|c| c.proc(exec_id).ok()) {
+            p.phase = Phase::Stopped;
+            p.exit_status = status;
+            p.exited_at = Some(at.clone());
+        }
+        self.changed.notify_all();
+        let exec = if exec_id.is_empty() { id } else { exec_id };
+        let exited_at = Some(at).into();
+        let (container_id, id) = (id.into(), exec.into());
+        let event = TaskExit { container_id, id, pid, exit_status: status, exited_at, ..Default::default() };
+        self.publish(topics::TASK_EXIT_EVENT_TOPIC, Box::new(event));
+    }
+
+    /// Takes a deleted container down: a single container's or a pod's sandbox is killed; a pod member's
+    /// process still running is killed in the pod's sandbox.
+    pub fn take_down(&self, id: &str, c: &Container) {
+        let sandbox = match &c.role {
+            Role::Single => Some(c.sandbox.clone()),
+            Role::Pod => self.lock().pods.remove(id).and_then(|p| p.sandbox),
+            Role::Member(_) => {
+                if c.init.phase == Phase::Running {
+                    if let Err(e) = self.api.proc_signal(&c.sandbox, c.init.pid, 9) {
+                        log::warn!("kill the process of container {id}: {e:#}");
+                    }
+                }
+                None
+            }
+        };
+        if let Some(s) = sandbox.filter(|s| !s.is_empty()) {
+            if let Err(e) = self.api.kill(&s) {
+                log::warn!("kill sandbox {s} of container {id}: {e:#}");
+            }
+            let _ = std::fs::remove_file(c.bundle.join(bundle::SANDBOX_FILE));
+        }
+        if let Some(m) = &c.mounted {
+            bundle::unmount_rootfs(m);
+        }
+    }
+}

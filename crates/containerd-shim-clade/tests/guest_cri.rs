@@ -1,0 +1,261 @@
+//! The path a kubelet drives: containerd's CRI plugin with a runtime handler `clade`
+//! (`io.containerd.clade.v2`), reached through the CRI protos over gRPC as a kubelet reaches it. A pod is one
+//! clade sandbox and its containers are process groups in it: two containers of one image share its files, a
+//! container of another image is refused with the reason; a pod annotated with a mark starts with the mark's
+//! state; a shim killed mid-pod leaves nothing once the pod is removed; an image clade cannot use fails
+//! CreateContainer with a clear error.
+
+// tonic::Status is the error a CRI call gives; the test passes it on as it is.
+#![allow(clippy::result_large_err)]
+
+mod common;
+
+use std::time::Instant;
+
+use common::{busybox_rootfs, oci_archive, Containerd, Entry};
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::*;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+const PAUSE: &str = "clade.test/pause:latest";
+const BUSYBOX: &str = "clade.test/busybox:latest";
+
+fn cri_config() -> String {
+    format!(
+        "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"{PAUSE}\"\n\
+         [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\
+         [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.clade]\n  runtime_type = \"io.containerd.clade.v2\"\n\
+         \x20 pod_annotations = [\"clade.dev/*\"]\n  container_annotations = [\"clade.dev/*\"]\n"
+    )
+}
+
+struct Cri {
+    rt: tokio::runtime::Runtime,
+    client: RuntimeServiceClient<Channel>,
+}
+
+impl Cri {
+    fn connect(c: &Containerd) -> Cri {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let path = c.socket();
+        let channel = rt
+            .block_on(Endpoint::try_from("http://[::]").unwrap().connect_with_connector(tower::service_fn(
+                move |_: Uri| {
+                    let path = path.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                            tokio::net::UnixStream::connect(path).await?,
+                        ))
+                    }
+                },
+            )))
+            .expect("connect to containerd's CRI");
+        Cri { rt, client: RuntimeServiceClient::new(channel) }
+    }
+
+    fn pod_config(name: &str, annotations: &[(&str, &str)]) -> PodSandboxConfig {
+        PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: name.into(),
+                uid: format!("uid-{name}"),
+                namespace: "default".into(),
+                attempt: 0,
+            }),
+            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            linux: Some(LinuxPodSandboxConfig {
+                security_context: Some(LinuxSandboxSecurityContext {
+                    // The node's network: no CNI on these machines (clade gives the sandbox its own anyway).
+                    namespace_options: Some(NamespaceOption {
+                        network: NamespaceMode::Node as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn run_pod(&mut self, config: &PodSandboxConfig) -> Result<String, tonic::Status> {
+        let req = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: "clade".into() };
+        Ok(self.rt.block_on(self.client.run_pod_sandbox(req))?.into_inner().pod_sandbox_id)
+    }
+
+    fn create(
+        &mut self,
+        pod: &str,
+        config: &PodSandboxConfig,
+        name: &str,
+        image: &str,
+        cmd: &[&str],
+    ) -> Result<String, tonic::Status> {
+        let container = ContainerConfig {
+            metadata: Some(ContainerMetadata { name: name.into(), attempt: 0 }),
+            image: Some(ImageSpec { image: image.into(), ..Default::default() }),
+            command: cmd.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let req = CreateContainerRequest {
+            pod_sandbox_id: pod.into(),
+            config: Some(container),
+            sandbox_config: Some(config.clone()),
+        };
+        Ok(self.rt.block_on(self.client.create_container(req))?.into_inner().container_id)
+    }
+
+    fn start(&mut self, id: &str) {
+        self.try_start(id).expect("StartContainer");
+    }
+
+    /// StartContainer: where the runtime's Create and Start happen (CreateContainer only records the container).
+    fn try_start(&mut self, id: &str) -> Result<(), tonic::Status> {
+        self.rt.block_on(self.client.start_container(StartContainerRequest { container_id: id.into() }))?;
+        Ok(())
+    }
+
+    fn exec_sync(&mut self, id: &str, cmd: &[&str]) -> (i32, String, String) {
+        let req =
+            ExecSyncRequest { container_id: id.into(), cmd: cmd.iter().map(|s| s.to_string()).collect(), timeout: 30 };
+        let r = self.rt.block_on(self.client.exec_sync(req)).expect("ExecSync").into_inner();
+        (r.exit_code, String::from_utf8_lossy(&r.stdout).into_owned(), String::from_utf8_lossy(&r.stderr).into_owned())
+    }
+
+    fn status(&mut self, id: &str) -> ContainerStatus {
+        let req = ContainerStatusRequest { container_id: id.into(), verbose: false };
+        self.rt.block_on(self.client.container_status(req)).expect("ContainerStatus").into_inner().status.unwrap()
+    }
+
+    fn stop_and_remove(&mut self, pod: &str) {
+        let id = pod.to_string();
+        self.rt
+            .block_on(self.client.stop_pod_sandbox(StopPodSandboxRequest { pod_sandbox_id: id.clone() }))
+            .expect("StopPodSandbox");
+        self.rt
+            .block_on(self.client.remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: id }))
+            .expect("RemovePodSandbox");
+    }
+}
+
+fn import_k8s(c: &Containerd, name: &str, entries: &[Entry], cmd: &[&str]) {
+    let archive = c.dir.path().join(format!("{}.tar", name.replace(['/', ':'], "_")));
+    oci_archive(&archive, name, entries, cmd);
+    let out = c.ctr_ns("k8s.io", &["image", "import", archive.to_str().unwrap()]);
+    assert!(out.status.success(), "import {name}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn setup() -> Option<(Containerd, Cri)> {
+    let c = Containerd::start(&cri_config())?;
+    import_k8s(&c, PAUSE, &busybox_rootfs(), &["/bin/sleep", "2147483647"]);
+    let mut with_marker = busybox_rootfs();
+    with_marker.push(Entry::File("etc/flavour", b"busybox\n".to_vec(), 0o644));
+    import_k8s(&c, BUSYBOX, &with_marker, &["/bin/sh"]);
+    let cri = Cri::connect(&c);
+    Some((c, cri))
+}
+
+const LOOP: &[&str] = &["sh", "-c", "echo $HOSTNAME > /tmp/first; while :; do sleep 0.1; done"];
+
+#[test]
+fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
+    let Some((c, mut cri)) = setup() else { return };
+    let config = Cri::pod_config("web", &[]);
+    let t0 = Instant::now();
+    let pod = cri.run_pod(&config).unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", c.log_tail()));
+    let first = cri
+        .create(&pod, &config, "first", BUSYBOX, LOOP)
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", c.log_tail()));
+    cri.start(&first);
+    let (code, out, _) = cri.exec_sync(&first, &["cat", "/etc/flavour"]);
+    eprintln!("CRI RunPodSandbox + CreateContainer + StartContainer + first ExecSync (cold image): {:?}", t0.elapsed());
+    assert_eq!((code, out.as_str()), (0, "busybox\n"), "the container runs on its image's files");
+    let (code, _, err) = cri.exec_sync(&first, &["sh", "-c", "echo to-err >&2; exit 4"]);
+    assert_eq!((code, err.as_str()), (4, "to-err\n"), "ExecSync carries exit codes and stderr");
+    let st = cri.status(&first);
+    assert_eq!(st.state, ContainerState::ContainerRunning as i32, "{st:?}");
+    assert_eq!(c.sandboxes().len(), 1, "one sandbox for the pod");
+
+    // A second container of the same image joins the pod's sandbox: it sees the first one's files.
+    let second = cri.create(&pod, &config, "second", BUSYBOX, &["sleep", "1000"]).expect("the second container");
+    cri.start(&second);
+    let (code, out, _) = cri.exec_sync(&second, &["sh", "-c", "test -s /tmp/first && echo shared"]);
+    assert_eq!((code, out.as_str()), (0, "shared\n"), "the pod's containers share one sandbox");
+    assert_eq!(c.sandboxes().len(), 1, "still one sandbox for two containers");
+
+    // A container of other content cannot share the pod's root filesystem: refused, with the reason.
+    let third = cri.create(&pod, &config, "third", PAUSE, &["sleep", "1"]).expect("CreateContainer records it");
+    let err = cri.try_start(&third).expect_err("another image in the pod");
+    assert!(err.message().contains("other content"), "{}", err.message());
+
+    // StopContainer of one member ends its process only; the pod's sandbox stays for the other.
+    let stop = StopContainerRequest { container_id: second.clone(), timeout: 2 };
+    cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer");
+    assert_eq!(cri.status(&second).state, ContainerState::ContainerExited as i32);
+    let (code, _, _) = cri.exec_sync(&first, &["true"]);
+    assert_eq!(code, 0, "the first container still runs");
+
+    cri.stop_and_remove(&pod);
+    assert!(c.sandboxes().is_empty(), "a removed pod leaves no sandbox: {:?}", c.sandboxes());
+}
+
+#[test]
+fn guest_cri_a_pod_from_a_mark_and_failures() {
+    let Some((c, mut cri)) = setup() else { return };
+    // A pod whose sandbox gets state, marked with a label through clade itself.
+    let config = Cri::pod_config("origin", &[]);
+    let pod = cri.run_pod(&config).expect("RunPodSandbox");
+    // Its process writes the state and ends: a mark wants no process holding an agent connection.
+    let ctr = cri
+        .create(&pod, &config, "app", BUSYBOX, &["sh", "-c", "echo warmed-up > /root/state"])
+        .expect("CreateContainer");
+    cri.start(&ctr);
+    let t0 = Instant::now();
+    while cri.status(&ctr).state != ContainerState::ContainerExited as i32 {
+        assert!(t0.elapsed().as_secs() < 20, "the warm-up did not end");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(cri.status(&ctr).exit_code, 0);
+    let sandbox = c.sandboxes()[0]["id"].as_str().unwrap().to_string();
+    let clade = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
+    let out = std::process::Command::new(clade)
+        .args(["mark", &sandbox, "--label", "warm-pod"])
+        .env("CLADE_HOME", c.home.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "clade mark: {}", String::from_utf8_lossy(&out.stderr));
+    cri.stop_and_remove(&pod);
+
+    // A pod annotated with the mark starts from it: its container sees the mark's state.
+    let config = Cri::pod_config("restored", &[("clade.dev/mark", "warm-pod")]);
+    let t0 = Instant::now();
+    let pod = cri.run_pod(&config).unwrap_or_else(|e| panic!("RunPodSandbox from a mark: {e}\n{}", c.log_tail()));
+    let ctr = cri.create(&pod, &config, "app", BUSYBOX, &["sleep", "1000"]).expect("CreateContainer");
+    cri.start(&ctr);
+    let (code, out, _) = cri.exec_sync(&ctr, &["cat", "/root/state"]);
+    eprintln!("CRI pod from a mark to first ExecSync: {:?}", t0.elapsed());
+    assert_eq!((code, out.as_str()), (0, "warmed-up\n"), "the pod shows the mark's state");
+
+    // The shim killed mid-pod: containerd sees the containers die; removing the pod leaves nothing.
+    assert!(c.kill_shim(&pod), "the pod's shim was found and killed");
+    let t0 = Instant::now();
+    while cri.status(&ctr).state != ContainerState::ContainerExited as i32 {
+        assert!(t0.elapsed().as_secs() < 20, "containerd still reports the container running");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    cri.stop_and_remove(&pod);
+    let t0 = Instant::now();
+    while !c.sandboxes().is_empty() {
+        assert!(t0.elapsed().as_secs() < 20, "the dead shim's pod sandbox is still there: {:?}", c.sandboxes());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+
+    // An image clade cannot start: CreateContainer fails with the reason.
+    import_k8s(&c, "clade.test/lonely:latest", &[Entry::File("app", b"#!/app\n".to_vec(), 0o755)], &["/app"]);
+    let config = Cri::pod_config("lonely", &[]);
+    let pod = cri.run_pod(&config).expect("RunPodSandbox");
+    let lonely = cri.create(&pod, &config, "app", "clade.test/lonely:latest", &["/app"]).expect("CreateContainer");
+    let err = cri.try_start(&lonely).expect_err("an image without /bin, /usr or /etc cannot start");
+    assert!(err.message().contains("no /bin, /usr or /etc"), "{}", err.message());
+    cri.stop_and_remove(&pod);
+    assert!(c.sandboxes().is_empty());
+}
