@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::{busybox_rootfs, oci_archive, Containerd, Entry};
+use common::{busybox_rootfs, containerd, oci_archive, Containerd, Entry};
 
 const RUNTIME: &str = "io.containerd.clade.v2";
 const IMAGE: &str = "clade.test/busybox:latest";
@@ -43,7 +43,7 @@ fn stopped_with(c: &Containerd, id: &str) -> u32 {
 
 #[test]
 fn guest_ctr_runs_a_busybox_image_as_clade_sandboxes() {
-    let Some(c) = Containerd::start("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
+    let Some(c) = containerd("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
     import(&c, IMAGE, &busybox_rootfs());
 
     // Cold: the image's rootfs becomes a template, booted and marked as its base; then forked.
@@ -100,7 +100,7 @@ fn guest_ctr_runs_a_busybox_image_as_clade_sandboxes() {
 
 #[test]
 fn guest_ctr_a_killed_shim_leaves_nothing_and_a_bad_image_says_why() {
-    let Some(c) = Containerd::start("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
+    let Some(c) = containerd("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]") else { return };
     import(&c, IMAGE, &busybox_rootfs());
     c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "doomed", "sleep", "1000"]);
     assert_eq!(c.sandboxes().len(), 1, "one running sandbox");

@@ -5,147 +5,24 @@
 //! state; a shim killed mid-pod leaves nothing once the pod is removed; an image clade cannot use fails
 //! CreateContainer with a clear error.
 
-// tonic::Status is the error a CRI call gives; the test passes it on as it is.
-#![allow(clippy::result_large_err)]
-
 mod common;
 
 use std::time::Instant;
 
-use common::{busybox_rootfs, oci_archive, Containerd, Entry};
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use common::{busybox_rootfs, containerd, cri_config, oci_archive, Containerd, Cri, Entry};
 use k8s_cri::v1::*;
-use tonic::transport::{Channel, Endpoint, Uri};
 
 const PAUSE: &str = "clade.test/pause:latest";
 const BUSYBOX: &str = "clade.test/busybox:latest";
 
-fn cri_config() -> String {
-    format!(
-        "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"{PAUSE}\"\n\
-         [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\
-         [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.clade]\n  runtime_type = \"io.containerd.clade.v2\"\n\
-         \x20 pod_annotations = [\"clade.dev/*\"]\n  container_annotations = [\"clade.dev/*\"]\n"
-    )
-}
-
-struct Cri {
-    rt: tokio::runtime::Runtime,
-    client: RuntimeServiceClient<Channel>,
-}
-
-impl Cri {
-    fn connect(c: &Containerd) -> Cri {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let path = c.socket();
-        let channel = rt
-            .block_on(Endpoint::try_from("http://[::]").unwrap().connect_with_connector(tower::service_fn(
-                move |_: Uri| {
-                    let path = path.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                            tokio::net::UnixStream::connect(path).await?,
-                        ))
-                    }
-                },
-            )))
-            .expect("connect to containerd's CRI");
-        Cri { rt, client: RuntimeServiceClient::new(channel) }
-    }
-
-    fn pod_config(name: &str, annotations: &[(&str, &str)]) -> PodSandboxConfig {
-        PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: name.into(),
-                uid: format!("uid-{name}"),
-                namespace: "default".into(),
-                attempt: 0,
-            }),
-            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            linux: Some(LinuxPodSandboxConfig {
-                security_context: Some(LinuxSandboxSecurityContext {
-                    // The node's network: no CNI on these machines (clade gives the sandbox its own anyway).
-                    namespace_options: Some(NamespaceOption {
-                        network: NamespaceMode::Node as i32,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn run_pod(&mut self, config: &PodSandboxConfig) -> Result<String, tonic::Status> {
-        let req = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: "clade".into() };
-        Ok(self.rt.block_on(self.client.run_pod_sandbox(req))?.into_inner().pod_sandbox_id)
-    }
-
-    fn create(
-        &mut self,
-        pod: &str,
-        config: &PodSandboxConfig,
-        name: &str,
-        image: &str,
-        cmd: &[&str],
-    ) -> Result<String, tonic::Status> {
-        let container = ContainerConfig {
-            metadata: Some(ContainerMetadata { name: name.into(), attempt: 0 }),
-            image: Some(ImageSpec { image: image.into(), ..Default::default() }),
-            command: cmd.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        };
-        let req = CreateContainerRequest {
-            pod_sandbox_id: pod.into(),
-            config: Some(container),
-            sandbox_config: Some(config.clone()),
-        };
-        Ok(self.rt.block_on(self.client.create_container(req))?.into_inner().container_id)
-    }
-
-    fn start(&mut self, id: &str) {
-        self.try_start(id).expect("StartContainer");
-    }
-
-    /// StartContainer: where the runtime's Create and Start happen (CreateContainer only records the container).
-    fn try_start(&mut self, id: &str) -> Result<(), tonic::Status> {
-        self.rt.block_on(self.client.start_container(StartContainerRequest { container_id: id.into() }))?;
-        Ok(())
-    }
-
-    fn exec_sync(&mut self, id: &str, cmd: &[&str]) -> (i32, String, String) {
-        let req =
-            ExecSyncRequest { container_id: id.into(), cmd: cmd.iter().map(|s| s.to_string()).collect(), timeout: 30 };
-        let r = self.rt.block_on(self.client.exec_sync(req)).expect("ExecSync").into_inner();
-        (r.exit_code, String::from_utf8_lossy(&r.stdout).into_owned(), String::from_utf8_lossy(&r.stderr).into_owned())
-    }
-
-    fn status(&mut self, id: &str) -> ContainerStatus {
-        let req = ContainerStatusRequest { container_id: id.into(), verbose: false };
-        self.rt.block_on(self.client.container_status(req)).expect("ContainerStatus").into_inner().status.unwrap()
-    }
-
-    fn stop_and_remove(&mut self, pod: &str) {
-        let id = pod.to_string();
-        self.rt
-            .block_on(self.client.stop_pod_sandbox(StopPodSandboxRequest { pod_sandbox_id: id.clone() }))
-            .expect("StopPodSandbox");
-        self.rt
-            .block_on(self.client.remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: id }))
-            .expect("RemovePodSandbox");
-    }
-}
-
 fn import_k8s(c: &Containerd, name: &str, entries: &[Entry], cmd: &[&str]) {
     let archive = c.dir.path().join(format!("{}.tar", name.replace(['/', ':'], "_")));
     oci_archive(&archive, name, entries, cmd);
-    let out = c.ctr_ns("k8s.io", &["image", "import", archive.to_str().unwrap()]);
-    assert!(out.status.success(), "import {name}: {}", String::from_utf8_lossy(&out.stderr));
+    c.import_k8s(&archive);
 }
 
 fn setup() -> Option<(Containerd, Cri)> {
-    let c = Containerd::start(&cri_config())?;
+    let c = containerd(&cri_config(PAUSE))?;
     import_k8s(&c, PAUSE, &busybox_rootfs(), &["/bin/sleep", "2147483647"]);
     let mut with_marker = busybox_rootfs();
     with_marker.push(Entry::File("etc/flavour", b"busybox\n".to_vec(), 0o644));
