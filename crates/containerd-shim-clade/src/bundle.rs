@@ -190,8 +190,12 @@ pub fn origin(home: &CladeHome, bundle: &Bundle, backend: BackendKind, say: &dyn
     let (key, content) = match bundle.annotation(TEMPLATE_ANNOTATION) {
         Some(t) => (t.to_string(), None),
         None => {
-            let (dir, content) = image_template(home, &bundle.rootfs())?;
-            (dir.display().to_string(), Some(content))
+            let rootfs = bundle.rootfs();
+            let content = content_of(&rootfs)?;
+            match template_of_content(home, &content) {
+                Some(hash) => (hash, Some(content)),
+                None => (image_template(home, &rootfs, &content)?.display().to_string(), Some(content)),
+            }
         }
     };
     let base = clade_host::base::build(home, &key, backend, false, say)
@@ -205,9 +209,36 @@ pub fn content_of(rootfs: &Path) -> anyhow::Result<String> {
         .map_err(|e| anyhow!("read the image's root filesystem {}: {e}", rootfs.display()))
 }
 
-/// A clade template spec whose source is `rootfs`, named by the rootfs' content, written under
-/// `$CLADE_HOME/shim/templates/`. Returns the spec's directory and the content hash.
-pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<(PathBuf, String)> {
+/// The built template (its hash) whose root filesystem has exactly `content`: an image exported from a clade
+/// template (or one built from the same files) starts from that template's base, services and warm-up
+/// included. Each template's content hash is computed once and kept in `$CLADE_HOME/shim/content/<hash>`
+/// (a template's files never change under its hash).
+pub fn template_of_content(home: &CladeHome, content: &str) -> Option<String> {
+    let cache = home.root().join("shim/content");
+    for t in clade_template::catalog::list(home).ok()? {
+        let file = cache.join(&t.hash);
+        let theirs = match std::fs::read_to_string(&file) {
+            Ok(c) => c.trim().to_string(),
+            Err(_) => {
+                let Ok(c) = content_of(&t.rootfs) else { continue };
+                let tmp = cache.join(format!(".{}.{}", t.hash, std::process::id()));
+                let written = std::fs::create_dir_all(&cache).and_then(|_| std::fs::write(&tmp, &c));
+                if written.and_then(|_| std::fs::rename(&tmp, &file)).is_err() {
+                    log::warn!("could not cache the content of template {} in {}", t.name, cache.display());
+                }
+                c
+            }
+        };
+        if theirs == content {
+            return Some(t.hash);
+        }
+    }
+    None
+}
+
+/// A clade template spec whose source is `rootfs` (of content hash `content`), named by that content, written
+/// under `$CLADE_HOME/shim/templates/`. Returns the spec's directory.
+pub fn image_template(home: &CladeHome, rootfs: &Path, content: &str) -> anyhow::Result<PathBuf> {
     if !rootfs.join("bin").exists() && !rootfs.join("usr").exists() && !rootfs.join("etc").exists() {
         bail!(
             "the image's root filesystem at {} has no /bin, /usr or /etc: clade starts sandboxes from Linux \
@@ -215,7 +246,6 @@ pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<(PathBu
             rootfs.display()
         );
     }
-    let content = content_of(rootfs)?;
     let name = format!("oci-{}", &content[..16]);
     let dir = home.root().join("shim/templates").join(&name);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
@@ -231,7 +261,7 @@ pub fn image_template(home: &CladeHome, rootfs: &Path) -> anyhow::Result<(PathBu
     let tmp = dir.join(format!(".template.toml.{}", std::process::id()));
     std::fs::write(&tmp, text).with_context(|| format!("write {}", tmp.display()))?;
     std::fs::rename(&tmp, &spec).with_context(|| format!("rename to {}", spec.display()))?;
-    Ok((dir, content))
+    Ok(dir)
 }
 
 /// The user of the image's `/etc/passwd` with `uid` (clade's agent runs processes as users by name); uid 0 is
@@ -277,14 +307,15 @@ mod tests {
         let a = tempfile::tempdir().unwrap();
         std::fs::create_dir(a.path().join("bin")).unwrap();
         std::fs::write(a.path().join("bin/x"), "one").unwrap();
-        let (t1, _) = image_template(&home, a.path()).unwrap();
+        let t = |p: &Path| image_template(&home, p, &content_of(p).unwrap());
+        let t1 = t(a.path()).unwrap();
         let spec = clade_template::TemplateSpec::load(&t1.join("template.toml")).unwrap();
         assert!(spec.name.starts_with("oci-") && spec.name.len() == 20, "{}", spec.name);
-        assert_eq!(t1, image_template(&home, a.path()).unwrap().0, "the same content, the same template");
+        assert_eq!(t1, t(a.path()).unwrap(), "the same content, the same template");
         std::fs::write(a.path().join("bin/x"), "two").unwrap();
-        assert_ne!(t1, image_template(&home, a.path()).unwrap().0, "other content, another template");
+        assert_ne!(t1, t(a.path()).unwrap(), "other content, another template");
         let empty = tempfile::tempdir().unwrap();
-        let err = image_template(&home, empty.path()).unwrap_err().to_string();
+        let err = t(empty.path()).unwrap_err().to_string();
         assert!(err.contains("no /bin, /usr or /etc"), "{err}");
     }
 

@@ -130,3 +130,42 @@ fn guest_ctr_a_killed_shim_leaves_nothing_and_a_bad_image_says_why() {
     assert!(stderr.contains("no /bin, /usr or /etc"), "the reason reaches ctr: {stderr}");
     assert!(c.sandboxes().is_empty());
 }
+
+/// A Debian image: the `minimal` template's root filesystem exported as an OCI archive. Its content matches the
+/// template, so the container forks from the template's ct base, with the template's HTTP service already up
+/// (no warm-up), instead of a template of its own.
+#[test]
+fn guest_ctr_runs_the_minimal_templates_image_from_its_base() {
+    let home = common::real_home();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).parent().unwrap().to_path_buf();
+    let spec = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../templates/minimal");
+    let Some(c) = Containerd::start("disabled_plugins = [\"io.containerd.grpc.v1.cri\"]", &bin, Some(home.clone()))
+    else {
+        return;
+    };
+    let clade = |args: &[&str]| {
+        let out = std::process::Command::new(bin.join("clade")).args(args).env("CLADE_HOME", &home).output().unwrap();
+        assert!(out.status.success(), "clade {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let base = clade(&["base", "build", spec.to_str().unwrap(), "--backend", "ct", "--json"]);
+    let record = clade(&["template", "build", spec.to_str().unwrap(), "--backend", "ct", "--json"]);
+    let rootfs = record["record"]["rootfs"].as_str().expect("the template's rootfs").to_string();
+    let archive = c.dir.path().join("minimal.tar");
+    common::oci_archive_of_dir(&archive, "clade.test/minimal:latest", std::path::Path::new(&rootfs), &["/bin/bash"]);
+    c.ctr_ok(&["image", "import", archive.to_str().unwrap()]);
+    std::fs::remove_file(&archive).unwrap();
+
+    let probe = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8080/').status)";
+    let id = format!("minimal-{}", std::process::id());
+    let before: Vec<_> = c.sandboxes().into_iter().map(|s| s["id"].clone()).collect();
+    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, "clade.test/minimal:latest", &id, "sleep", "1000"]);
+    let new: Vec<_> = c.sandboxes().into_iter().filter(|s| !before.contains(&s["id"])).collect();
+    let (code, stdout, stderr) = out(&c.ctr(&["task", "exec", "--exec-id", "probe", &id, "python3", "-c", probe]));
+    let _ = c.ctr(&["task", "kill", "-s", "SIGKILL", &id]);
+    stopped_with(&c, &id);
+    c.ctr_ok(&["container", "rm", &id]);
+    assert_eq!(new.len(), 1, "one sandbox for the container: {new:?}");
+    assert_eq!(new[0]["origin"], base["mark"], "the container forked from minimal's base");
+    assert_eq!((code, stdout.trim()), (0, "200"), "the template's service answers at once: {stderr}");
+}
