@@ -16,6 +16,8 @@
 #   roam   suspend here, resume on a fresh home via Garage: fetched vs working set, resume there vs here, push vs boto3 (crates/clade-bench/src/roam.rs)
 #   api    HTTP vs library exec, 32 clients on ct, restart            (crates/clade-bench/src/api.rs)
 #   e2b    the E2B SDK's create-to-first-command vs the library, ct and vm (crates/clade-bench/src/e2b.rs)
+#   k8s    containerd's CRI: a pod of the minimal and browser templates' images to its first ready probe, clade
+#          from the base vs runc cold, and over `clade fork`              (crates/clade-bench/src/k8s.rs)
 #   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs
 #          exec), a thousand idle siblings, kill of all, vm pool fork and 50 idle vm; needs no sandbox running (crates/clade-bench/src/scale/)
 # Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
@@ -29,12 +31,12 @@ what=()
 for a in "$@"; do
   case "$a" in
     --quick) quick=1 ;;
-    store|nbd|agent|template|vm|ct|browser|e2b|roam|fleet|api|scale) what+=("$a") ;;
-    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, template, vm, ct, browser, fleet, e2b, roam, api, scale; --quick)" >&2; exit 2 ;;
+    store|nbd|agent|template|vm|ct|browser|e2b|roam|fleet|api|scale|k8s) what+=("$a") ;;
+    *) echo "./x bench: unknown bench '$a' (store, nbd, agent, template, vm, ct, browser, fleet, e2b, roam, api, scale, k8s; --quick)" >&2; exit 2 ;;
   esac
 done
 # store after browser: its second run takes the largest guest RAM file a vm base left (the browser's, 2 GiB).
-[ ${#what[@]} -gt 0 ] || what=(nbd agent template vm ct browser store fleet roam api e2b scale)
+[ ${#what[@]} -gt 0 ] || what=(nbd agent template vm ct browser store fleet roam api e2b k8s scale)
 out=bench/out
 mkdir -p "$out"
 bin=target/release
@@ -100,6 +102,12 @@ for w in "${what[@]}"; do
       minimal_bases
       run e2b-ct $bin/clade-bench e2b --backend ct --n $n --out "$out/e2b-ct.json"
       run e2b-vm $bin/clade-bench e2b --backend vm --n $n --out "$out/e2b-vm.json" ;;
+    k8s) n=$([ $quick = 1 ] && echo 3 || echo 10)  # containerd and runc come from ./x setup
+      minimal_bases
+      run k8s-minimal $bin/clade-bench k8s --template minimal --n $n
+      if [ $quick = 1 ]; then echo "=== bench k8s-browser: skipped by --quick" >&2
+      elif browser_template ct >/dev/null; then run k8s-browser $bin/clade-bench k8s --template browser --n $n --bar 0.5
+      else echo "=== bench k8s-browser: FAILED to build the browser template" >&2; failed+=(k8s-browser); fi ;;
   esac
 done
 # The report: every figure above (and any earlier run's left in $out) in report.json and report.html.

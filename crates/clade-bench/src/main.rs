@@ -11,6 +11,7 @@ mod browser;
 mod e2b;
 mod figure;
 mod html;
+mod k8s;
 mod report;
 mod roam;
 mod scale;
@@ -36,6 +37,8 @@ enum Command {
     Browser(browser::Args),
     /// E2B SDK vs library: create to first command (`./x bench e2b`).
     E2b(e2b::Args),
+    /// containerd's CRI: a pod to its first ready probe, clade vs runc, and over `clade fork` (`./x bench k8s`).
+    K8s(k8s::Args),
     /// Roaming through a blob tier: bytes fetched vs the working set, resume elsewhere vs here (`./x bench roam`).
     Roam(roam::Args),
     /// The daemon's figures: HTTP overhead, concurrent clients on ct, a restart under load (`./x bench api`).
@@ -53,6 +56,7 @@ fn main() {
         Command::Vm(a) => vm::run(a),
         Command::Browser(a) => browser::run(a),
         Command::E2b(a) => e2b::run(a),
+        Command::K8s(a) => k8s::run(a),
         Command::Roam(a) => roam::run(a),
         Command::Api(a) => api::run(a),
         Command::Scale(a) => scale::run(a),

@@ -55,6 +55,9 @@ pub struct Origin {
 pub struct Bundle {
     pub dir: PathBuf,
     pub spec: Spec,
+    /// What names the image's layers, when its rootfs is a fresh overlay of committed snapshots
+    /// ([`layers_key`]): the image's content hash is then computed once per image, not once per container.
+    pub layers: Option<String>,
 }
 
 impl Bundle {
@@ -62,7 +65,7 @@ impl Bundle {
         let path = dir.join("config.json");
         let spec = Spec::load(&path)
             .map_err(|e| anyhow!("bundle {}: config.json is not an OCI runtime spec: {e}", dir.display()))?;
-        Ok(Bundle { dir: dir.to_path_buf(), spec })
+        Ok(Bundle { dir: dir.to_path_buf(), spec, layers: None })
     }
 
     /// The root filesystem: `root.path` of the spec, relative to the bundle (containerd's is `rootfs`).
@@ -191,7 +194,7 @@ pub fn origin(home: &CladeHome, bundle: &Bundle, backend: BackendKind, say: &dyn
         Some(t) => (t.to_string(), None),
         None => {
             let rootfs = bundle.rootfs();
-            let content = content_of(&rootfs)?;
+            let content = bundle.content(home)?;
             match template_of_content(home, &content) {
                 Some(hash) => (hash, Some(content)),
                 None => (image_template(home, &rootfs, &content)?.display().to_string(), Some(content)),
@@ -201,6 +204,44 @@ pub fn origin(home: &CladeHome, bundle: &Bundle, backend: BackendKind, say: &dyn
     let base = clade_host::base::build(home, &key, backend, false, say)
         .with_context(|| format!("the base of {key} on {}", backend.as_str()))?;
     Ok(Origin { mark: base.mark, content })
+}
+
+impl Bundle {
+    /// The content hash of the container's image: from the cache of its layers where they name it (see
+    /// [`Bundle::layers`]), else computed over the mounted rootfs (and cached for the layers).
+    pub fn content(&self, home: &CladeHome) -> anyhow::Result<String> {
+        use sha2::Digest;
+        let Some(layers) = &self.layers else { return content_of(&self.rootfs()) };
+        let dir = home.root().join("shim/content");
+        let file = dir.join(format!("layers-{:x}", sha2::Sha256::digest(layers.as_bytes())));
+        if let Ok(c) = std::fs::read_to_string(&file) {
+            return Ok(c.trim().to_string());
+        }
+        let c = content_of(&self.rootfs())?;
+        let tmp = dir.join(format!(".layers.{}", std::process::id()));
+        if std::fs::create_dir_all(&dir)
+            .and_then(|_| std::fs::write(&tmp, &c))
+            .and_then(|_| std::fs::rename(&tmp, &file))
+            .is_err()
+        {
+            log::warn!("could not cache an image's content hash in {}", dir.display());
+        }
+        Ok(c)
+    }
+}
+
+/// The key of an image's layers: the `lowerdir=` of a snapshotter's overlay whose upper directory is still
+/// empty (a container's fresh snapshot over committed, immutable layers). None for anything else (a bind mount,
+/// a rootfs already written to), whose content is hashed each time.
+pub fn layers_key(mounts: &[Mount]) -> Option<String> {
+    let [m] = mounts else { return None };
+    if m.type_ != "overlay" {
+        return None;
+    }
+    let opt = |k: &str| m.options.iter().find_map(|o| o.strip_prefix(k)).map(str::to_string);
+    let (lower, upper) = (opt("lowerdir=")?, opt("upperdir=")?);
+    let empty = std::fs::read_dir(&upper).ok()?.next().is_none();
+    empty.then_some(lower)
 }
 
 /// The content hash of an image's root filesystem (what names its template).

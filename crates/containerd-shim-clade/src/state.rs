@@ -166,8 +166,11 @@ impl Tasks {
     /// shim died finds what to take down.
     fn fork(&self, b: &Bundle, owner_bundle: &std::path::Path) -> anyhow::Result<(String, bundle::Origin)> {
         let backend = b.backend(self.backend)?;
+        let t0 = std::time::Instant::now();
         let origin = bundle::origin(&self.home, b, backend, &|l| log::info!("{}: {l}", b.dir.display()))?;
+        let t1 = std::time::Instant::now();
         let out = self.api.fork(&ForkRequest::new(origin.mark.clone(), Some(backend), 1))?;
+        log::info!("{}: origin {} in {:?}, forked in {:?}", b.dir.display(), origin.mark, t1 - t0, t1.elapsed());
         let ready = out.sandboxes.into_iter().next().ok_or_else(|| anyhow!("the fork started nothing"))?;
         if !ready.ok {
             bail!("the sandbox did not start: {}", ready.error.unwrap_or_default());
@@ -189,7 +192,7 @@ impl Tasks {
         };
         if let Some(sandbox) = existing {
             if !named {
-                let mine = bundle::content_of(&b.rootfs())?;
+                let mine = b.content(&self.home)?;
                 if content.as_deref() != Some(mine.as_str()) {
                     bail!(
                         "pod {pod_id} runs in one clade sandbox on its first container's image, and this container's \
@@ -213,7 +216,8 @@ impl Tasks {
     }
 
     pub fn create_container(&self, req: &api::CreateTaskRequest) -> anyhow::Result<(String, u32)> {
-        let b = Bundle::load(std::path::Path::new(&req.bundle))?;
+        let mut b = Bundle::load(std::path::Path::new(&req.bundle))?;
+        b.layers = bundle::layers_key(&req.rootfs);
         let rootfs = b.rootfs();
         let mounted = bundle::mount_rootfs(&req.rootfs, &rootfs)?.then(|| rootfs.clone());
         let role = b.role();

@@ -404,10 +404,11 @@ impl Cri {
 
 /// containerd's config for the CRI plugin: runtime handlers `clade` (the shim, passing clade's annotations on)
 /// and `runc` (the CRI plugin wants its default runtime defined; the bench's peer); `sandbox_image` the pods'
-/// own image (imported by the caller: nothing is pulled).
+/// own image (imported by the caller: nothing is pulled); `restrict_oom_score_adj`: where containerd itself runs
+/// without CAP_SYS_RESOURCE (as in a container), runc could not lower a pod's OOM score to the -998 asked for.
 pub fn cri_config(sandbox_image: &str) -> String {
     format!(
-        "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"{sandbox_image}\"\n\
+        "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"{sandbox_image}\"\n  restrict_oom_score_adj = true\n\
          [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\
          [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.clade]\n  runtime_type = \"io.containerd.clade.v2\"\n\
          \x20 pod_annotations = [\"clade.dev/*\"]\n  container_annotations = [\"clade.dev/*\"]\n"
