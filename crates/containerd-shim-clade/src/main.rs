@@ -13,6 +13,7 @@
 
 mod bundle;
 mod state;
+mod stats;
 mod stdio;
 mod tasks;
 

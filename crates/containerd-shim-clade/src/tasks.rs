@@ -209,6 +209,17 @@ impl containerd_shim::Task for Service {
         Ok(api::Empty::new())
     }
 
+    fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+        let sandbox = self.0.lock().containers.get(&req.id).map(|c| c.sandbox.clone());
+        let sandbox = sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
+        if sandbox.is_empty() {
+            return Err(rpc(Code::FAILED_PRECONDITION, format!("container {} has no sandbox yet", req.id)));
+        }
+        let live = self.0.api.get(&sandbox).map_err(failed)?.live.unwrap_or_default();
+        let stats = crate::stats::metrics(&live).map_err(failed)?;
+        Ok(api::StatsResponse { stats: Some(stats).into(), ..Default::default() })
+    }
+
     fn pause(&self, _: &TtrpcContext, _: api::PauseRequest) -> TtrpcResult<api::Empty> {
         Err(rpc(Code::UNIMPLEMENTED, "clade's shim does not pause a task yet: checkpoint it (a clade mark) instead"))
     }

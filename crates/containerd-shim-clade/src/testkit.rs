@@ -391,6 +391,15 @@ impl Cri {
         self.rt.block_on(self.client.container_status(req)).expect("ContainerStatus").into_inner().status.unwrap()
     }
 
+    /// ContainerStats: (CPU time used, ns; working set, bytes).
+    pub fn stats(&mut self, id: &str) -> (u64, u64) {
+        let req = ContainerStatsRequest { container_id: id.into() };
+        let s = self.rt.block_on(self.client.container_stats(req)).expect("ContainerStats").into_inner().stats.unwrap();
+        let cpu = s.cpu.and_then(|c| c.usage_core_nano_seconds).map_or(0, |v| v.value);
+        let mem = s.memory.and_then(|m| m.working_set_bytes).map_or(0, |v| v.value);
+        (cpu, mem)
+    }
+
     pub fn stop_and_remove(&mut self, pod: &str) {
         let id = pod.to_string();
         self.rt

@@ -1,6 +1,7 @@
 //! The path a kubelet drives: containerd's CRI plugin with a runtime handler `clade`
 //! (`io.containerd.clade.v2`), reached through the CRI protos over gRPC as a kubelet reaches it. A pod is one
-//! clade sandbox and its containers are process groups in it: two containers of one image share its files, a
+//! clade sandbox (ContainerStats reports its CPU time and memory) and its containers are process groups in it:
+//! two containers of one image share its files, a
 //! container of another image is refused with the reason; a pod annotated with a mark starts with the mark's
 //! state; a shim killed mid-pod leaves nothing once the pod is removed; an image clade cannot use fails
 //! CreateContainer with a clear error.
@@ -48,6 +49,10 @@ fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     assert_eq!((code, out.as_str()), (0, "busybox\n"), "the container runs on its image's files");
     let (code, _, err) = cri.exec_sync(&first, &["sh", "-c", "echo to-err >&2; exit 4"]);
     assert_eq!((code, err.as_str()), (4, "to-err\n"), "ExecSync carries exit codes and stderr");
+    let busy = "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done";
+    assert_eq!(cri.exec_sync(&first, &["sh", "-c", busy]).0, 0);
+    let (cpu_ns, working_set) = cri.stats(&first);
+    assert!(cpu_ns > 0 && working_set > 1 << 20, "ContainerStats: cpu {cpu_ns} ns, working set {working_set} B");
     let st = cri.status(&first);
     assert_eq!(st.state, ContainerState::ContainerRunning as i32, "{st:?}");
     assert_eq!(c.sandboxes().len(), 1, "one sandbox for the pod");
