@@ -239,6 +239,15 @@ pub trait Sandbox: Send {
     fn resume(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
+    /// Stop every process of the sandbox where it stands, keeping it whole (a task paused by containerd): no CPU,
+    /// memory kept, nothing answers until [`Sandbox::thaw`]. Default: the backend cannot.
+    fn freeze(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(format!("{:?} sandboxes cannot be frozen yet", self.kind())))
+    }
+    /// Continue after [`Sandbox::freeze`].
+    fn thaw(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(format!("{:?} sandboxes cannot be frozen yet", self.kind())))
+    }
     /// Why the sandbox ended on its own (its QEMU exited: its status and error text), once it has; `None` while
     /// it runs. Supervisors poll it and record the sandbox as failed with this text. Default: never.
     fn exited(&mut self) -> Option<String> {

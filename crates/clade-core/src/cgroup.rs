@@ -1,5 +1,6 @@
 //! A sandbox's cgroups, for both backends (a ct sandbox's processes, a vm sandbox's QEMU): `clade/<name>` in
-//! each v1 hierarchy it uses (memory, pids, cpu, and devices when an allow-list is given), or once under
+//! each v1 hierarchy it uses (memory, pids, cpu, devices when an allow-list is given, freezer where the host
+//! mounts it: what [`Cgroup::freeze`] uses; v2 has `cgroup.freeze` in every group), or once under
 //! `/sys/fs/cgroup/clade` on v2, with the limits written in. Removed on drop, whatever is left in it killed
 //! first. Both backends use the same layout, so `clade audit` finds the leftovers of either.
 //!
@@ -80,7 +81,14 @@ impl Cgroup {
             vec![PathBuf::from(V2_ROOT)]
         } else {
             let devices = limits.devices.map(|_| "devices");
-            V1_CONTROLLERS.iter().copied().chain(devices).map(|c| Path::new(V1_ROOT).join(c).join("clade")).collect()
+            let freezer = Path::new(V1_ROOT).join("freezer").is_dir().then_some("freezer");
+            V1_CONTROLLERS
+                .iter()
+                .copied()
+                .chain(devices)
+                .chain(freezer)
+                .map(|c| Path::new(V1_ROOT).join(c).join("clade"))
+                .collect()
         };
         for parent in &parents {
             std::fs::create_dir_all(parent)
@@ -177,9 +185,37 @@ impl Cgroup {
         std::fs::read_to_string(self.dir_of(controller)?.join(file)).ok().map(|s| s.trim().to_string())
     }
 
+    /// Stop (`true`) or continue (`false`) every process inside where it stands, and wait (up to 5 s) until the
+    /// kernel says it is done: v2's `cgroup.freeze` and `cgroup.events`, v1's `freezer.state`.
+    pub fn freeze(&self, frozen: bool) -> Result<(), String> {
+        let (dir, file, want) = if self.v2 {
+            let d = self.dirs.first().map(PathBuf::as_path).ok_or("no cgroup")?;
+            write(d, "cgroup.freeze", if frozen { "1" } else { "0" })?;
+            (d, "cgroup.events", if frozen { "frozen 1" } else { "frozen 0" })
+        } else {
+            let d = self.dir_of("freezer").ok_or("no v1 freezer hierarchy on this host (/sys/fs/cgroup/freezer)")?;
+            write(d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })?;
+            (d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let now = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+            if now.lines().any(|l| l.trim() == want) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{}: not {want} after 5 s ({})", dir.join(file).display(), now.trim()));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Kill what is left inside and remove every directory (each tried for up to 5 s); the errors of those
-    /// that stayed.
+    /// that stayed. A frozen cgroup is thawed first (v1 holds a frozen process's SIGKILL until it thaws).
     pub fn remove(&self) -> Result<(), String> {
+        if self.v2 || self.dir_of("freezer").is_some() {
+            let _ = self.freeze(false);
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut errors = Vec::new();
         for dir in &self.dirs {
@@ -224,7 +260,7 @@ pub fn leftover_dirs(name: &str) -> Vec<PathBuf> {
     } else {
         V1_CONTROLLERS
             .iter()
-            .chain(["devices"].iter())
+            .chain(["devices", "freezer"].iter())
             .map(|c| Path::new(V1_ROOT).join(c).join("clade").join(name))
             .collect()
     }

@@ -410,6 +410,17 @@ impl Sandbox for CtSandbox {
     fn pids(&self) -> Vec<u32> {
         self.res.cgroup.as_ref().map(Cgroup::pids).unwrap_or_default()
     }
+    /// The cgroup freezer: every process of the sandbox, the agent included, stops where it stands.
+    fn freeze(&mut self) -> Result<(), BackendError> {
+        let cg =
+            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
+        cg.freeze(true).map_err(BackendError::Failed)
+    }
+    fn thaw(&mut self) -> Result<(), BackendError> {
+        let cg =
+            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
+        cg.freeze(false).map_err(BackendError::Failed)
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         self.dump_and_store(opts, true)
     }

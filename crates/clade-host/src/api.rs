@@ -472,6 +472,20 @@ pub trait SandboxApi: Send + Sync {
     /// its supervisor, not across suspend: whoever resumes it sets them again). A sandbox without egress takes
     /// denials (they hold already) and refuses allowances.
     fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()>;
+
+    /// Stop every process of a running sandbox where it stands (ct: the cgroup freezer; vm: the vCPUs), memory
+    /// kept; until [`SandboxApi::thaw`] it answers nothing but `get`, `thaw` and `kill` (containerd's Pause).
+    /// Default: this face cannot (the HTTP API has no route for it yet).
+    fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
+        let _ = sandbox;
+        Err(crate::error::invalid("freezing a sandbox is only available in-process (clade-host's Ops) for now"))
+    }
+
+    /// Continue a sandbox after [`SandboxApi::freeze`].
+    fn thaw(&self, sandbox: &str) -> anyhow::Result<()> {
+        let _ = sandbox;
+        Err(crate::error::invalid("freezing a sandbox is only available in-process (clade-host's Ops) for now"))
+    }
 }
 
 #[cfg(test)]

@@ -414,6 +414,14 @@ impl SandboxApi for Ops {
         self.sup_call(sandbox, &Request::SetEgress { rules: rules.clone() }).map(|_| ())
     }
 
+    fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.sup_call(sandbox, &Request::Freeze).map(|_| ())
+    }
+
+    fn thaw(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.sup_call(sandbox, &Request::Thaw).map(|_| ())
+    }
+
     fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool> {
         let v = self.sup_call(sandbox, &Request::Mkdir { path: path.into(), owner })?;
         Ok(v["created"].as_bool().unwrap_or(true))

@@ -71,6 +71,8 @@ pub struct Container {
     pub mounted: Option<PathBuf>,
     pub init: Proc,
     pub execs: HashMap<String, Proc>,
+    /// Paused by containerd (its sandbox frozen).
+    pub paused: bool,
 }
 
 impl Container {
@@ -250,7 +252,8 @@ impl Tasks {
         };
         let mut init = Proc::created(spec, &req.stdin, &req.stdout, &req.stderr, req.terminal);
         init.nominal = role == Role::Pod;
-        let c = Container { bundle: b.dir, role, sandbox: sandbox.clone(), mounted, init, execs: HashMap::new() };
+        let execs = HashMap::new();
+        let c = Container { bundle: b.dir, role, sandbox: sandbox.clone(), mounted, init, execs, paused: false };
         self.lock().containers.insert(req.id.clone(), c);
         Ok((sandbox, 0))
     }

@@ -6,14 +6,14 @@ use std::sync::Arc;
 
 use clade_host::api::MarkRequest;
 use containerd_shim::api;
-use containerd_shim::protos::events::task::{TaskCreate, TaskDelete, TaskStart};
+use containerd_shim::protos::events::task::{TaskCreate, TaskDelete, TaskPaused, TaskResumed, TaskStart};
 use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
 use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::Code;
 use containerd_shim::{TtrpcContext, TtrpcResult};
 use oci_spec::runtime::Process;
 
-use crate::bundle::Bundle;
+use crate::bundle::{Bundle, Role};
 use crate::state::{failed, proc_spec, rpc, Phase, Proc, Tasks};
 
 /// What ttrpc serves: the shared service.
@@ -75,12 +75,14 @@ impl containerd_shim::Task for Service {
         let c =
             held.containers.get_mut(&req.id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
         let bundle = c.bundle.display().to_string();
+        let paused = c.paused;
         let p = c.proc(&req.exec_id)?;
+        let status = if paused && p.phase == Phase::Running { api::Status::PAUSED } else { status_of(p.phase) };
         Ok(api::StateResponse {
             id: if req.exec_id.is_empty() { req.id.clone() } else { req.exec_id.clone() },
             bundle,
             pid: p.pid,
-            status: status_of(p.phase).into(),
+            status: status.into(),
             stdin: p.stdin.clone(),
             stdout: p.stdout.clone(),
             stderr: p.stderr.clone(),
@@ -220,12 +222,18 @@ impl containerd_shim::Task for Service {
         Ok(api::StatsResponse { stats: Some(stats).into(), ..Default::default() })
     }
 
-    fn pause(&self, _: &TtrpcContext, _: api::PauseRequest) -> TtrpcResult<api::Empty> {
-        Err(rpc(Code::UNIMPLEMENTED, "clade's shim does not pause a task yet: checkpoint it (a clade mark) instead"))
+    fn pause(&self, _: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.freeze(&req.id, true)?;
+        let event = TaskPaused { container_id: req.id.clone(), ..Default::default() };
+        self.0.publish(topics::TASK_PAUSED_EVENT_TOPIC, Box::new(event));
+        Ok(api::Empty::new())
     }
 
-    fn resume(&self, _: &TtrpcContext, _: api::ResumeRequest) -> TtrpcResult<api::Empty> {
-        Err(rpc(Code::UNIMPLEMENTED, "clade's shim does not pause a task yet, so there is nothing to resume"))
+    fn resume(&self, _: &TtrpcContext, req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
+        self.freeze(&req.id, false)?;
+        let event = TaskResumed { container_id: req.id.clone(), ..Default::default() };
+        self.0.publish(topics::TASK_RESUMED_EVENT_TOPIC, Box::new(event));
+        Ok(api::Empty::new())
     }
 
     fn shutdown(&self, _: &TtrpcContext, _: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
@@ -237,6 +245,28 @@ impl containerd_shim::Task for Service {
 }
 
 impl Service {
+    /// Pause (freeze) or resume (thaw) a container's sandbox; a pod member alone is refused (its sandbox is its
+    /// pod's, shared with the other containers).
+    fn freeze(&self, id: &str, frozen: bool) -> TtrpcResult<()> {
+        let (sandbox, role) = {
+            let held = self.0.lock();
+            let c = held.containers.get(id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))?;
+            (c.sandbox.clone(), c.role.clone())
+        };
+        if let Role::Member(pod) = role {
+            let msg = format!("container {id} shares pod {pod}'s sandbox with its other containers: pause the pod's sandbox container");
+            return Err(rpc(Code::UNIMPLEMENTED, msg));
+        }
+        if !sandbox.is_empty() {
+            let done = if frozen { self.0.api.freeze(&sandbox) } else { self.0.api.thaw(&sandbox) };
+            done.map_err(failed)?;
+        }
+        if let Some(c) = self.0.lock().containers.get_mut(id) {
+            c.paused = frozen;
+        }
+        Ok(())
+    }
+
     fn sandbox_pid(&self, id: &str, exec_id: &str) -> TtrpcResult<(String, u32)> {
         let mut held = self.0.lock();
         let c = held.containers.get_mut(id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))?;

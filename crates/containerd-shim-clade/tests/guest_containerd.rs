@@ -79,12 +79,32 @@ fn guest_ctr_runs_a_busybox_image_as_clade_sandboxes() {
     assert!(c.sandboxes().is_empty(), "ctr run --rm leaves no sandbox: {:?}", c.sandboxes());
 
     // A running task: exec into it, list its processes, signal it.
-    let script = "echo up > /tmp/up; trap 'exit 3' TERM; while :; do sleep 0.1; done";
+    let script = "echo up > /tmp/up; trap 'exit 3' TERM; while :; do echo >> /tmp/ticks; sleep 0.1; done";
     c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "svc", "sh", "-c", script]);
     let (code, stdout, stderr) =
         out(&c.ctr(&["task", "exec", "--exec-id", "e1", "svc", "sh", "-c", "cat /tmp/up; echo e >&2; exit 5"]));
     assert_eq!((code, stdout.as_str(), stderr.trim()), (5, "up\n", "e"), "exec sees the task's files");
     let ps = c.ctr_ok(&["task", "ps", "svc"]);
+    // Pause freezes the sandbox: its ticking loop stands still and an exec is refused until resume. Control: the
+    // same wait without the pause sees the loop tick on.
+    let ticks = |c: &Containerd, n: &str| {
+        let (code, out, err) = out(&c.ctr(&["task", "exec", "--exec-id", n, "svc", "sh", "-c", "wc -l < /tmp/ticks"]));
+        assert_eq!(code, 0, "{err}");
+        out.trim().parse::<u32>().unwrap()
+    };
+    let t0 = ticks(&c, "t0");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let running = ticks(&c, "t1") - t0;
+    assert!(running >= 5, "the loop ticks while running: {running} in 1.5 s");
+    let before = ticks(&c, "t2");
+    c.ctr_ok(&["task", "pause", "svc"]);
+    assert!(c.ctr_ok(&["task", "ls"]).lines().any(|l| l.starts_with("svc") && l.contains("PAUSED")));
+    let (code, _, err) = out(&c.ctr(&["task", "exec", "--exec-id", "frozen", "svc", "true"]));
+    assert!(code != 0 && err.contains("frozen"), "an exec into a paused task is refused: {err}");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    c.ctr_ok(&["task", "resume", "svc"]);
+    let paused = ticks(&c, "t3") - before;
+    assert!(paused <= 2, "the loop stood still while paused: {paused} ticks (running: {running})");
     assert!(ps.lines().count() >= 2, "task ps lists the task's process: {ps}");
     c.ctr_ok(&["task", "kill", "-s", "SIGTERM", "svc"]);
     assert_eq!(stopped_with(&c, "svc"), 3, "the task's own TERM handler exited 3");

@@ -112,6 +112,11 @@ pub enum Request {
     ReadStream {
         path: String,
     },
+    /// Stop every process of the sandbox where it stands (containerd's Pause); until `Thaw` the supervisor
+    /// refuses what would need the sandbox to answer.
+    Freeze,
+    /// Continue after `Freeze`.
+    Thaw,
     /// Replace the sandbox's egress rules (`clade_core::backend::EgressRules`); kept for later retakes.
     SetEgress {
         rules: clade_core::backend::EgressRules,

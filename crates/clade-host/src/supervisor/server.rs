@@ -168,6 +168,8 @@ pub struct Supervisor {
     cpu_seen: Mutex<Option<CpuSample>>,
     /// The egress rules set on this sandbox, applied again after a retake (its restore gets a fresh network).
     egress: Mutex<EgressRules>,
+    /// Frozen by a `Freeze` request: only `Info`, `Thaw`, `Freeze` and `Kill` are served until a `Thaw`.
+    frozen: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -215,6 +217,7 @@ impl Supervisor {
             dir,
             cpu_seen: Mutex::new(None),
             egress: Mutex::new(EgressRules::default()),
+            frozen: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -388,6 +391,12 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             return;
         }
     };
+    let serves_frozen = matches!(req, Request::Info | Request::Freeze | Request::Thaw | Request::Kill);
+    if sup.frozen.load(Ordering::SeqCst) && !serves_frozen {
+        let msg = "the sandbox is frozen (paused): thaw it first (containerd: resume the task)";
+        let _ = send_line(&mut out, &Response::err(ErrorKind::Conflict, msg));
+        return;
+    }
     match req {
         Request::ProcStart(spec) if spec.stream => {
             let started = {
@@ -426,6 +435,8 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         | Request::Retake { .. }
         | Request::Suspend
         | Request::Kill
+        | Request::Freeze
+        | Request::Thaw
         | Request::SetEgress { .. } => {
             let (resp, end) = {
                 let _g = sup.gate.write();
@@ -772,6 +783,18 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                     Err(e) => (engine_err(e), Some(End::Killed)),
                 },
                 Err(e) => (Response::err(ErrorKind::Internal, format!("suspend: {e}")), Some(End::Killed)),
+            }
+        }
+        Request::Freeze | Request::Thaw => {
+            let freeze = matches!(req, Request::Freeze);
+            let sbx = slot.as_mut().expect("checked above");
+            match if freeze { sbx.freeze() } else { sbx.thaw() } {
+                Ok(()) => {
+                    sup.frozen.store(freeze, Ordering::SeqCst);
+                    (Response::ok(serde_json::json!({"frozen": freeze})), None)
+                }
+                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("freeze: {e}")), None),
             }
         }
         Request::SetEgress { rules } => {

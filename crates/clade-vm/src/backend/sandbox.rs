@@ -122,6 +122,13 @@ impl Sandbox for VmSandbox {
     fn resume(&mut self) -> Result<(), BackendError> {
         self.vm().qmp.execute("cont", serde_json::json!({})).map(|_| ()).map_err(failed)
     }
+    /// The vCPUs stopped (QEMU's `stop`): the guest's processes stand where they are.
+    fn freeze(&mut self) -> Result<(), BackendError> {
+        self.pause()
+    }
+    fn thaw(&mut self) -> Result<(), BackendError> {
+        self.resume()
+    }
     fn exited(&mut self) -> Option<String> {
         let vm = self.vm.as_mut()?;
         let why = vm.exited()?;
