@@ -113,7 +113,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let base = clade_host::base::build(&home, &a.template, BackendKind::Ct, false, &say)?;
     let record = clade_host::base::template_record(&home, &a.template, BackendKind::Ct)?;
     let bin = std::env::current_exe()?.parent().map(Path::to_path_buf).unwrap_or_default();
-    let c = Containerd::start(&cri_config(PAUSE), &bin, Some(home.root().to_path_buf()))
+    let c = Containerd::start(&cri_config(PAUSE), &bin, Some(home.root().to_path_buf()), &[])
         .ok_or_else(|| anyhow!("no containerd or no CRIU: run ./x setup"))?;
     let pause = c.dir.path().join("pause.tar");
     oci_archive(&pause, PAUSE, &busybox_rootfs(), &["/bin/sleep", "2147483647"]);

@@ -49,9 +49,15 @@ pub struct Containerd {
 
 impl Containerd {
     /// A containerd whose shims and `clade` come from `bin_dir`, over `home` (None: a temp home), with
-    /// `extra_config` in its config.toml. `None` (and a printed reason) where containerd or CRIU is not
-    /// installed (`./x setup` installs both).
-    pub fn start(extra_config: &str, bin_dir: &Path, home: Option<PathBuf>) -> Option<Containerd> {
+    /// `extra_config` in its config.toml and `env` in its environment (the shims inherit it:
+    /// `CLADE_SHIM_BACKEND`). `None` (and a printed reason) where containerd or CRIU is not installed
+    /// (`./x setup` installs both).
+    pub fn start(
+        extra_config: &str,
+        bin_dir: &Path,
+        home: Option<PathBuf>,
+        env: &[(&str, &str)],
+    ) -> Option<Containerd> {
         if Command::new("containerd").arg("--version").output().is_err() {
             eprintln!("skip: no containerd on PATH (./x setup installs Debian's)");
             return None;
@@ -66,6 +72,10 @@ impl Containerd {
             None => {
                 let t = tempfile::Builder::new().prefix("clade-shim-home").tempdir_in("/var/tmp").unwrap();
                 std::os::unix::fs::symlink(&criu, t.path().join("criu")).unwrap();
+                // The vm backend's guest kernel and accelerator probe, borrowed too.
+                std::os::unix::fs::symlink(real_home().join("kernel"), t.path().join("kernel")).unwrap();
+                std::fs::create_dir_all(t.path().join("cache")).unwrap();
+                let _ = std::fs::copy(real_home().join("cache/accel.json"), t.path().join("cache/accel.json"));
                 Home::Temp(t)
             }
         };
@@ -84,6 +94,7 @@ impl Containerd {
             .arg(dir.path().join("config.toml"))
             .env("PATH", path)
             .env("CLADE_HOME", home.path())
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

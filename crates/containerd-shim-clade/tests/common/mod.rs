@@ -7,5 +7,5 @@ pub use containerd_shim_clade::testkit::*;
 /// reason) where containerd or CRIU is not installed.
 pub fn containerd(extra_config: &str) -> Option<Containerd> {
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2"));
-    Containerd::start(extra_config, bin.parent().unwrap(), None)
+    Containerd::start(extra_config, bin.parent().unwrap(), None, &[])
 }
