@@ -278,6 +278,14 @@ impl SandboxApi for Remote {
         self.typed("POST", &format!("/v1/sandboxes/{}/suspend", seg(sandbox)), NO_BODY)
     }
 
+    fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.typed::<serde_json::Value>("POST", &format!("/v1/sandboxes/{}/freeze", seg(sandbox)), NO_BODY).map(|_| ())
+    }
+
+    fn thaw(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.typed::<serde_json::Value>("POST", &format!("/v1/sandboxes/{}/thaw", seg(sandbox)), NO_BODY).map(|_| ())
+    }
+
     fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
         self.typed("POST", &format!("/v1/sandboxes/{}/resume", seg(sandbox)), NO_BODY)
     }

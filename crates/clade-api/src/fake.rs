@@ -195,6 +195,14 @@ impl SandboxApi for Fake {
         Ok(RetakeOutcome { mark: m.id.clone(), retake_ms: 2.0 })
     }
 
+    fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.state.lock().running(sandbox).map(|_| ())
+    }
+
+    fn thaw(&self, sandbox: &str) -> anyhow::Result<()> {
+        self.state.lock().running(sandbox).map(|_| ())
+    }
+
     fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
         let mut st = self.state.lock();
         st.running(sandbox)?.state = "suspended".into();

@@ -51,6 +51,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/retake"),
     ("post", "/v1/sandboxes/{id}/suspend"),
     ("post", "/v1/sandboxes/{id}/resume"),
+    ("post", "/v1/sandboxes/{id}/freeze"),
+    ("post", "/v1/sandboxes/{id}/thaw"),
     ("post", "/v1/sandboxes/{id}/timeout"),
     ("get", "/v1/marks"),
     ("get", "/v1/marks/{id}"),
@@ -94,6 +96,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/retake", post(retake))
         .route("/v1/sandboxes/{id}/suspend", post(suspend))
         .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/sandboxes/{id}/freeze", post(freeze))
+        .route("/v1/sandboxes/{id}/thaw", post(thaw))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/marks", get(marks))
         .route("/v1/marks/{id}", get(mark_info))
@@ -213,6 +217,16 @@ async fn retake(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): 
 
 async fn suspend(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
     Ok(json(blocking(&app, "suspend", move |a| a.api.suspend(&id)).await?))
+}
+
+async fn freeze(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+    blocking(&app, "freeze", move |a| a.api.freeze(&id)).await?;
+    Ok(json(serde_json::json!({"frozen": true})))
+}
+
+async fn thaw(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+    blocking(&app, "thaw", move |a| a.api.thaw(&id)).await?;
+    Ok(json(serde_json::json!({"frozen": false})))
 }
 
 async fn resume(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {

@@ -475,17 +475,10 @@ pub trait SandboxApi: Send + Sync {
 
     /// Stop every process of a running sandbox where it stands (ct: the cgroup freezer; vm: the vCPUs), memory
     /// kept; until [`SandboxApi::thaw`] it answers nothing but `get`, `thaw` and `kill` (containerd's Pause).
-    /// Default: this face cannot (the HTTP API has no route for it yet).
-    fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
-        let _ = sandbox;
-        Err(crate::error::invalid("freezing a sandbox is only available in-process (clade-host's Ops) for now"))
-    }
+    fn freeze(&self, sandbox: &str) -> anyhow::Result<()>;
 
     /// Continue a sandbox after [`SandboxApi::freeze`].
-    fn thaw(&self, sandbox: &str) -> anyhow::Result<()> {
-        let _ = sandbox;
-        Err(crate::error::invalid("freezing a sandbox is only available in-process (clade-host's Ops) for now"))
-    }
+    fn thaw(&self, sandbox: &str) -> anyhow::Result<()>;
 }
 
 #[cfg(test)]

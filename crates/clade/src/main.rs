@@ -55,6 +55,10 @@ enum Command {
     Suspend(cmd::sandbox::SbxArgs),
     /// Bring a suspended sandbox back from its last mark.
     Resume(cmd::sandbox::SbxArgs),
+    /// Stop every process of a running sandbox where it stands, memory kept (containerd's pause).
+    Freeze(cmd::sandbox::SbxArgs),
+    /// Continue a frozen sandbox.
+    Thaw(cmd::sandbox::SbxArgs),
     /// Move suspended sandboxes between hosts through the shared blob tier (`CLADE_BLOB`).
     #[command(subcommand)]
     Roam(cmd::roam::Command),
@@ -127,6 +131,8 @@ fn main() {
         Command::Retake(a) => cmd::sandbox::retake(a),
         Command::Info(a) => cmd::sandbox::info(a),
         Command::Suspend(a) => cmd::sandbox::suspend(a),
+        Command::Freeze(a) => cmd::sandbox::freeze(a, true),
+        Command::Thaw(a) => cmd::sandbox::freeze(a, false),
         Command::Resume(a) => cmd::sandbox::resume(a),
         Command::Roam(c) => cmd::roam::run(c),
         Command::Hosts(a) => cmd::roam::hosts(a),

@@ -1,4 +1,5 @@
-//! The sandbox operations: `run`, `fork`, `exec`, `mark`, `retake`, `suspend`, `resume`, `kill`, `ls`, `marks`.
+//! The sandbox operations: `run`, `fork`, `exec`, `mark`, `retake`, `suspend`, `resume`, `freeze`, `thaw`, `kill`,
+//! `ls`, `marks`.
 //! Each is one call on a `clade_host::SandboxApi`: embedded (no daemon; `clade_host::Ops` starts a supervisor
 //! process per sandbox), or `clade serve` when `CLADE_HOST` is set (`clade_api::client::Remote`). The same
 //! operation, the same answer type, the same JSON.
@@ -198,6 +199,18 @@ pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
         call()?
     };
     print(a.json, &m, |m| format!("{} suspended at {}", a.sandbox, m.id))
+}
+
+/// `clade freeze` (`frozen`) or `clade thaw`.
+pub fn freeze(a: SbxArgs, frozen: bool) -> anyhow::Result<i32> {
+    let api = api()?;
+    if frozen {
+        api.freeze(&a.sandbox)?;
+    } else {
+        api.thaw(&a.sandbox)?;
+    }
+    let answer = serde_json::json!({"sandbox": a.sandbox, "frozen": frozen});
+    print(a.json, &answer, |_| format!("{} {}", a.sandbox, if frozen { "frozen" } else { "thawed" }))
 }
 
 pub fn kill(a: KillArgs) -> anyhow::Result<i32> {

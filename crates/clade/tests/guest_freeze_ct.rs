@@ -1,0 +1,47 @@
+//! `clade freeze` / `clade thaw` on the `ct` backend (the cgroup freezer, what containerd's Pause uses): a
+//! detached loop that ticks into a file stands still while the sandbox is frozen (control: the same wait thawed
+//! sees it tick on), an exec meanwhile is refused with exit 4 (conflict) instead of hanging, and a frozen
+//! sandbox is killed cleanly (its cgroup is thawed first).
+
+mod common;
+use common::clade;
+
+#[test]
+fn guest_freeze_ct_stops_and_continues_a_sandbox() {
+    let Some(t) = common::ct_home("clade-freeze-ct") else { return };
+    let h = t.path();
+    common::ct_template_record(h);
+    let (code, out, err) = clade(h, &["fork", "ctbox", "--backend", "ct", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let id = v["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let loop_ = "setsid sh -c 'while :; do echo >> /tmp/ticks; sleep 0.1; done' >/dev/null 2>&1 &";
+    assert_eq!(clade(h, &["exec", &id, "--", "sh", "-c", loop_]).0, 0);
+    let ticks = || {
+        let (code, out, err) = clade(h, &["exec", &id, "--", "sh", "-c", "wc -l < /tmp/ticks"]);
+        assert_eq!(code, 0, "{err}");
+        out.trim().parse::<u32>().unwrap()
+    };
+    let wait = || std::thread::sleep(std::time::Duration::from_millis(1500));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t0 = ticks();
+    wait();
+    let running = ticks() - t0;
+    assert!(running >= 5, "the loop ticks while thawed: {running} in 1.5 s");
+
+    let before = ticks();
+    let (code, out, err) = clade(h, &["freeze", &id, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"frozen\": true"), "{out}");
+    let (code, _, err) = clade(h, &["exec", &id, "--", "true"]);
+    assert_eq!(code, 4, "an exec into a frozen sandbox is a conflict: {err}");
+    assert!(err.contains("frozen"), "{err}");
+    wait();
+    assert_eq!(clade(h, &["thaw", &id]).0, 0);
+    let frozen = ticks() - before;
+    assert!(frozen <= 2, "the loop stood still while frozen: {frozen} ticks (thawed: {running})");
+
+    assert_eq!(clade(h, &["freeze", &id]).0, 0);
+    let (code, _, err) = clade(h, &["kill", &id]);
+    assert_eq!(code, 0, "a frozen sandbox is killed: {err}");
+}
