@@ -190,6 +190,15 @@ impl containerd_shim::Task for Service {
     }
 
     fn resize_pty(&self, _: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<api::Empty> {
+        // A process that already ended has no terminal left to size (ctr resizes right after a short one ran).
+        let ended = {
+            let mut held = self.0.lock();
+            let c = held.containers.get_mut(&req.id);
+            c.and_then(|c| c.proc(&req.exec_id).ok()).is_some_and(|p| p.phase == Phase::Stopped)
+        };
+        if ended {
+            return Ok(api::Empty::new());
+        }
         let (sandbox, pid) = self.sandbox_pid(&req.id, &req.exec_id)?;
         self.0.api.proc_resize(&sandbox, pid, req.height as u16, req.width as u16).map_err(failed)?;
         Ok(api::Empty::new())

@@ -84,6 +84,17 @@ fn guest_ctr_runs_a_busybox_image_as_clade_sandboxes() {
     let (code, stdout, stderr) =
         out(&c.ctr(&["task", "exec", "--exec-id", "e1", "svc", "sh", "-c", "cat /tmp/up; echo e >&2; exit 5"]));
     assert_eq!((code, stdout.as_str(), stderr.trim()), (5, "up\n", "e"), "exec sees the task's files");
+    // A terminal: `ctr task exec -t` under `script`, which gives ctr a pty of its own (30x100) whose size ctr
+    // passes on through ResizePty once the process started.
+    let ctr = format!(
+        "stty rows 30 cols 100; ctr -a {} -n clade task exec -t --exec-id tty svc sh -c 'tty; sleep 0.5; stty size'",
+        c.socket().display()
+    );
+    let tty = std::process::Command::new("script").args(["-qec", &ctr, "/dev/null"]).output().unwrap();
+    let tty_out = String::from_utf8_lossy(&tty.stdout);
+    assert!(tty.status.success() && tty_out.contains("/dev/pts/"), "a pty in the sandbox: {tty_out}");
+    assert!(tty_out.contains("30 100"), "ResizePty reached the sandbox's pty: {tty_out}");
+    assert!(!tty_out.contains("resize pty"), "a resize after the process ended is no error: {tty_out}");
     let ps = c.ctr_ok(&["task", "ps", "svc"]);
     // Pause freezes the sandbox: its ticking loop stands still and an exec is refused until resume. Control: the
     // same wait without the pause sees the loop tick on.
