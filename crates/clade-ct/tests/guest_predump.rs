@@ -8,6 +8,9 @@
 //! guest with `CLADE_EXPECT_SOFT_DIRTY=1`), the incremental mark must freeze the sandbox for at most half the
 //! full one's time. Where it does not (this project's hosts), the forced pre-dump fails, and the mark must still
 //! be taken whole, by a full dump.
+//!
+//! The same binary checks the cgroup freezer (`guest_freeze_stops_every_process_and_thaw_continues`), so the vm
+//! guest covers cgroup v2's.
 
 use std::time::{Duration, Instant};
 
@@ -131,4 +134,31 @@ fn guest_incremental_mark_freezes_less_and_restores_every_page() {
     for sb in [base, eager, lazy, grandchild] {
         Box::new(sb).kill().expect("kill");
     }
+}
+
+/// The cgroup freezer (containerd's Pause; docs/ct.md, "Freeze") on whatever cgroup version the host has: v1's
+/// `freezer.state` on these hosts, v2's `cgroup.freeze` in the Debian guest of `guest_ct_in_vm`, which runs this
+/// binary too. A ticking loop stands still while frozen (control: it ticks thawed), and a frozen sandbox is
+/// killed cleanly (its cgroup thawed first).
+#[test]
+fn guest_freeze_stops_every_process_and_thaw_continues() {
+    let Some(e) = common::env_with("freeze", 256, false, |_| {}) else { return };
+    let mut sb: CtSandbox = e.backend.cold_start_ct(&e.image, &id("freeze")).expect("cold start");
+    sh(&sb, "setsid sh -c 'while :; do echo >> /root/ticks; sleep 0.05; done' </dev/null >/dev/null 2>&1 &");
+    let count = |sb: &CtSandbox| sh(sb, "wc -l < /root/ticks").parse::<u32>().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = count(&sb);
+    std::thread::sleep(Duration::from_secs(1));
+    let thawed = count(&sb) - t0;
+    assert!(thawed >= 8, "the loop ticks: {thawed} in 1 s");
+    let before = count(&sb);
+    sb.freeze().expect("freeze");
+    std::thread::sleep(Duration::from_secs(1));
+    sb.thaw().expect("thaw");
+    let frozen = count(&sb) - before;
+    let version = clade_core::host::cgroup_version().unwrap_or("none");
+    eprintln!("freezer on {version} cgroups: {frozen} ticks in 1 s frozen, {thawed} thawed");
+    assert!(frozen <= 2, "the loop stood still while frozen: {frozen} ticks (thawed: {thawed})");
+    sb.freeze().expect("freeze again");
+    Box::new(sb).kill().expect("a frozen sandbox is killed");
 }
