@@ -237,6 +237,9 @@ pub struct LiveFacts {
     /// Bytes and reads this sandbox fetched from the blob tier.
     #[serde(default)]
     pub blob_fetched: serde_json::Value,
+    /// Frozen ([`SandboxApi::freeze`]): its processes stand still until a thaw.
+    #[serde(default)]
+    pub frozen: bool,
 }
 
 /// Take a mark of a running sandbox.

@@ -1,7 +1,7 @@
 //! `clade freeze` / `clade thaw` on the `ct` backend (the cgroup freezer, what containerd's Pause uses): a
 //! detached loop that ticks into a file stands still while the sandbox is frozen (control: the same wait thawed
-//! sees it tick on), an exec meanwhile is refused with exit 4 (conflict) instead of hanging, and a frozen
-//! sandbox is killed cleanly (its cgroup is thawed first).
+//! sees it tick on), an exec meanwhile is refused with exit 4 (conflict) instead of hanging while `get` answers
+//! at once, and a frozen sandbox suspends (and resumes) and is killed cleanly (its cgroup is thawed first).
 
 mod common;
 use common::clade;
@@ -36,10 +36,25 @@ fn guest_freeze_ct_stops_and_continues_a_sandbox() {
     let (code, _, err) = clade(h, &["exec", &id, "--", "true"]);
     assert_eq!(code, 4, "an exec into a frozen sandbox is a conflict: {err}");
     assert!(err.contains("frozen"), "{err}");
+    // What needs no answer from inside still works, at once: the sandbox's facts.
+    let t = std::time::Instant::now();
+    let (code, out, err) = clade(h, &["info", &id, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"frozen\": true") && t.elapsed().as_secs() < 5, "{out}");
     wait();
     assert_eq!(clade(h, &["thaw", &id]).0, 0);
     let frozen = ticks() - before;
     assert!(frozen <= 2, "the loop stood still while frozen: {frozen} ticks (thawed: {running})");
+
+    // A frozen sandbox suspends (thawed first: the dump stops it itself) and resumes running.
+    assert_eq!(clade(h, &["freeze", &id]).0, 0);
+    let (code, _, err) = clade(h, &["suspend", &id]);
+    assert_eq!(code, 0, "a frozen sandbox suspends: {err}");
+    let (code, _, err) = clade(h, &["resume", &id]);
+    assert_eq!(code, 0, "{err}");
+    let r0 = ticks();
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    assert!(ticks() > r0, "the loop ticks again after the resume");
 
     assert_eq!(clade(h, &["freeze", &id]).0, 0);
     let (code, _, err) = clade(h, &["kill", &id]);

@@ -391,10 +391,25 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             return;
         }
     };
-    let serves_frozen = matches!(req, Request::Info | Request::Freeze | Request::Thaw | Request::Kill);
+    // Frozen: what needs no answer from inside the sandbox is served (attaching to a process's events only
+    // waits); a suspend thaws it first; the rest is refused in the form its caller reads.
+    let serves_frozen = matches!(
+        req,
+        Request::Info
+            | Request::Freeze
+            | Request::Thaw
+            | Request::Kill
+            | Request::Suspend
+            | Request::ProcConnect { .. }
+    );
     if sup.frozen.load(Ordering::SeqCst) && !serves_frozen {
-        let msg = "the sandbox is frozen (paused): thaw it first (containerd: resume the task)";
-        let _ = send_line(&mut out, &Response::err(ErrorKind::Conflict, msg));
+        let message = "the sandbox is frozen (paused): thaw it first (containerd: resume the task)".to_string();
+        let _ = match &req {
+            Request::ProcStart(spec) if spec.stream => {
+                send_line(&mut out, &StreamEvent::Error { kind: ErrorKind::Conflict, message })
+            }
+            _ => send_line(&mut out, &Response::err(ErrorKind::Conflict, message)),
+        };
         return;
     }
     match req {
@@ -569,8 +584,11 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
             let mem: Vec<_> = pids.iter().filter_map(|p| clade_core::host::pss_rss(*p)).collect();
             let cpu_busy = sup.cpu_busy(&pids);
             let tasks: u64 = pids.iter().filter_map(|p| clade_core::host::threads(*p)).sum();
-            let hello = agent.hello().ok();
+            // A frozen agent would not answer: no hello then, and the answer says why.
+            let frozen = sup.frozen.load(Ordering::SeqCst);
+            let hello = if frozen { None } else { agent.hello().ok() };
             Response::ok(serde_json::json!({
+                "frozen": frozen,
                 "sandbox": rec, "pids": pids, "generation": sup.generation.load(Ordering::Relaxed),
                 "pss": mem.iter().map(|m| m.0).sum::<u64>(), "rss": mem.iter().map(|m| m.1).sum::<u64>(),
                 "cpu_busy": cpu_busy, "tasks": tasks,
@@ -763,7 +781,15 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                 Ok(r) => r.branch,
                 Err(e) => return (Response::err(ErrorKind::Internal, e.to_string()), None),
             };
-            let sbx = slot.take().expect("checked above");
+            let mut sbx = slot.take().expect("checked above");
+            if sup.frozen.swap(false, Ordering::SeqCst) {
+                // The suspend's dump stops the processes itself; a frozen cgroup would hold its own tools.
+                if let Err(e) = sbx.thaw() {
+                    *slot = Some(sbx);
+                    sup.frozen.store(true, Ordering::SeqCst);
+                    return (Response::err(ErrorKind::Internal, format!("thaw before suspend: {e}")), None);
+                }
+            }
             sup.procs.forget_all("the sandbox was suspended");
             let start = Instant::now();
             let opts = MarkOptions { label: Some("suspend".into()), not_clean: false };
