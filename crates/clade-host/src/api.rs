@@ -477,7 +477,8 @@ pub trait SandboxApi: Send + Sync {
     fn set_egress(&self, sandbox: &str, rules: &EgressRules) -> anyhow::Result<()>;
 
     /// Stop every process of a running sandbox where it stands (ct: the cgroup freezer; vm: the vCPUs), memory
-    /// kept; until [`SandboxApi::thaw`] it answers nothing but `get`, `thaw` and `kill` (containerd's Pause).
+    /// kept (containerd's Pause); until [`SandboxApi::thaw`] only `get`, attaching to a process's events, `thaw`,
+    /// `kill` and `suspend` (which thaws it first) are served, the rest refused as a conflict.
     fn freeze(&self, sandbox: &str) -> anyhow::Result<()>;
 
     /// Continue a sandbox after [`SandboxApi::freeze`].

@@ -113,7 +113,7 @@ pub enum Request {
         path: String,
     },
     /// Stop every process of the sandbox where it stands (containerd's Pause); until `Thaw` the supervisor
-    /// refuses what would need the sandbox to answer.
+    /// refuses what would need the sandbox to answer (a suspend thaws it first).
     Freeze,
     /// Continue after `Freeze`.
     Thaw,

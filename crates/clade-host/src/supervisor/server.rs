@@ -168,7 +168,8 @@ pub struct Supervisor {
     cpu_seen: Mutex<Option<CpuSample>>,
     /// The egress rules set on this sandbox, applied again after a retake (its restore gets a fresh network).
     egress: Mutex<EgressRules>,
-    /// Frozen by a `Freeze` request: only `Info`, `Thaw`, `Freeze` and `Kill` are served until a `Thaw`.
+    /// Frozen by a `Freeze` request: until a `Thaw`, only what needs no answer from inside is served (see
+    /// `handle`).
     frozen: std::sync::atomic::AtomicBool,
 }
 
