@@ -6,6 +6,16 @@
 mod common;
 use common::clade;
 
+/// Kills the sandbox when the test ends, passed or failed, before the home is removed: a failed run must not
+/// leave a frozen sandbox behind (a kill thaws it first).
+struct KillOnDrop<'a>(&'a std::path::Path, String);
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = clade(self.0, &["kill", &self.1]);
+    }
+}
+
 #[test]
 fn guest_freeze_ct_stops_and_continues_a_sandbox() {
     let Some(t) = common::ct_home("clade-freeze-ct") else { return };
@@ -15,6 +25,7 @@ fn guest_freeze_ct_stops_and_continues_a_sandbox() {
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let id = v["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();
+    let _guard = KillOnDrop(h, id.clone());
     let loop_ = "setsid sh -c 'while :; do echo >> /tmp/ticks; sleep 0.1; done' >/dev/null 2>&1 &";
     assert_eq!(clade(h, &["exec", &id, "--", "sh", "-c", loop_]).0, 0);
     let ticks = || {
