@@ -213,9 +213,8 @@ impl Cgroup {
     /// Kill what is left inside and remove every directory (each tried for up to 5 s); the errors of those
     /// that stayed. A frozen cgroup is thawed first (v1 holds a frozen process's SIGKILL until it thaws).
     pub fn remove(&self) -> Result<(), String> {
-        if self.v2 || self.dir_of("freezer").is_some() {
-            let _ = self.freeze(false);
-        }
+        // Fails at once where there is no freezer (v1 without the hierarchy): nothing can be frozen there.
+        let _ = self.freeze(false);
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut errors = Vec::new();
         for dir in &self.dirs {

@@ -208,16 +208,29 @@ pub fn threads(pid: u32) -> Option<u64> {
 /// CPU seconds a process has used (all its threads, user and system) and seconds since it started, from
 /// /proc/PID/stat (fields 14, 15 and 22, in clock ticks) and /proc/uptime.
 pub fn cpu_seconds(pid: u32) -> Option<(f64, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: fields are counted after its last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
-    let tck = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().filter(|t| *t > 0)? as f64;
-    // `rest` starts at field 3 (state).
-    let used = (num(11)? + num(12)?) as f64 / tck;
+    let (num, tck) = proc_stat(pid)?;
+    let used = (num(14)? + num(15)?) as f64 / tck;
     let uptime: f64 = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
-    Some((used, (uptime - num(19)? as f64 / tck).max(0.0)))
+    Some((used, (uptime - num(22)? as f64 / tck).max(0.0)))
+}
+
+/// CPU seconds a process and the children it reaped have used (fields 14 to 17 of /proc/PID/stat): what a
+/// cgroup would count for the short-lived commands a sandbox's agent runs.
+pub fn cpu_seconds_with_reaped(pid: u32) -> Option<f64> {
+    let (num, tck) = proc_stat(pid)?;
+    Some((14..=17).map(num).sum::<Option<u64>>()? as f64 / tck)
+}
+
+/// /proc/PID/stat as a lookup of its numeric fields by their 1-based number in proc(5), and the clock ticks
+/// per second they count in.
+fn proc_stat(pid: u32) -> Option<(impl Fn(usize) -> Option<u64>, f64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields are counted after its last ')', where
+    // field 3 (state) starts.
+    let rest = stat[stat.rfind(')')? + 1..].to_string();
+    let tck = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().filter(|t| *t > 0)? as f64;
+    let num = move |field: usize| rest.split_whitespace().nth(field.checked_sub(3)?).and_then(|v| v.parse().ok());
+    Some((num, tck))
 }
 
 /// Proportional and resident set size, in bytes, of the mappings of a process whose file lies under `dir`
@@ -370,5 +383,9 @@ mod mapped_tests {
         let (after, _) = super::cpu_seconds(std::process::id()).unwrap();
         assert!(after - before >= 0.05, "{before} -> {after}");
         assert!(super::cpu_seconds(u32::MAX).is_none());
+        // With the children it reaped: at least its own time (what the shim's stats report).
+        let with_reaped = super::cpu_seconds_with_reaped(std::process::id()).unwrap();
+        assert!(with_reaped >= after - 0.02, "{with_reaped} vs {after}");
+        assert!(super::cpu_seconds_with_reaped(u32::MAX).is_none());
     }
 }

@@ -223,6 +223,12 @@ impl CtSandbox {
         self.drop_agent()
     }
 
+    fn set_frozen(&self, frozen: bool) -> Result<(), BackendError> {
+        let cg =
+            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
+        cg.freeze(frozen).map_err(BackendError::Failed)
+    }
+
     /// Bytes charged to the sandbox's memory cgroup.
     pub fn cgroup_memory(&self) -> Option<u64> {
         self.res.cgroup.as_ref()?.memory_usage()
@@ -412,14 +418,10 @@ impl Sandbox for CtSandbox {
     }
     /// The cgroup freezer: every process of the sandbox, the agent included, stops where it stands.
     fn freeze(&mut self) -> Result<(), BackendError> {
-        let cg =
-            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
-        cg.freeze(true).map_err(BackendError::Failed)
+        self.set_frozen(true)
     }
     fn thaw(&mut self) -> Result<(), BackendError> {
-        let cg =
-            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
-        cg.freeze(false).map_err(BackendError::Failed)
+        self.set_frozen(false)
     }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         self.dump_and_store(opts, true)

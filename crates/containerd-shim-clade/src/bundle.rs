@@ -212,22 +212,34 @@ impl Bundle {
     pub fn content(&self, home: &CladeHome) -> anyhow::Result<String> {
         use sha2::Digest;
         let Some(layers) = &self.layers else { return content_of(&self.rootfs()) };
-        let dir = home.root().join("shim/content");
-        let file = dir.join(format!("layers-{:x}", sha2::Sha256::digest(layers.as_bytes())));
-        if let Ok(c) = std::fs::read_to_string(&file) {
-            return Ok(c.trim().to_string());
-        }
-        let c = content_of(&self.rootfs())?;
-        let tmp = dir.join(format!(".layers.{}", std::process::id()));
-        if std::fs::create_dir_all(&dir)
-            .and_then(|_| std::fs::write(&tmp, &c))
-            .and_then(|_| std::fs::rename(&tmp, &file))
-            .is_err()
-        {
-            log::warn!("could not cache an image's content hash in {}", dir.display());
-        }
-        Ok(c)
+        let key = format!("layers-{:x}", sha2::Sha256::digest(layers.as_bytes()));
+        cached_content(home, &key, &self.rootfs())
     }
+}
+
+/// The content hash of `rootfs` kept under `$CLADE_HOME/shim/content/<key>`: read when there, else computed
+/// and written (a temp name renamed into place; a failed write only costs the next caller the hash again).
+fn cached_content(home: &CladeHome, key: &str, rootfs: &Path) -> anyhow::Result<String> {
+    let dir = home.root().join("shim/content");
+    let file = dir.join(key);
+    if let Ok(c) = std::fs::read_to_string(&file) {
+        return Ok(c.trim().to_string());
+    }
+    let c = content_of(rootfs)?;
+    if write_atomic(&file, c.as_bytes()).is_err() {
+        log::warn!("could not cache a content hash in {}", dir.display());
+    }
+    Ok(c)
+}
+
+/// Writes `data` to `path` under a temp name renamed into place (parents created).
+fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// The key of an image's layers: the `lowerdir=` of a snapshotter's overlay whose upper directory is still
@@ -255,26 +267,8 @@ pub fn content_of(rootfs: &Path) -> anyhow::Result<String> {
 /// included. Each template's content hash is computed once and kept in `$CLADE_HOME/shim/content/<hash>`
 /// (a template's files never change under its hash).
 pub fn template_of_content(home: &CladeHome, content: &str) -> Option<String> {
-    let cache = home.root().join("shim/content");
-    for t in clade_template::catalog::list(home).ok()? {
-        let file = cache.join(&t.hash);
-        let theirs = match std::fs::read_to_string(&file) {
-            Ok(c) => c.trim().to_string(),
-            Err(_) => {
-                let Ok(c) = content_of(&t.rootfs) else { continue };
-                let tmp = cache.join(format!(".{}.{}", t.hash, std::process::id()));
-                let written = std::fs::create_dir_all(&cache).and_then(|_| std::fs::write(&tmp, &c));
-                if written.and_then(|_| std::fs::rename(&tmp, &file)).is_err() {
-                    log::warn!("could not cache the content of template {} in {}", t.name, cache.display());
-                }
-                c
-            }
-        };
-        if theirs == content {
-            return Some(t.hash);
-        }
-    }
-    None
+    let templates = clade_template::catalog::list(home).ok()?;
+    templates.into_iter().find(|t| cached_content(home, &t.hash, &t.rootfs).is_ok_and(|c| c == content)).map(|t| t.hash)
 }
 
 /// A clade template spec whose source is `rootfs` (of content hash `content`), named by that content, written
@@ -289,7 +283,6 @@ pub fn image_template(home: &CladeHome, rootfs: &Path, content: &str) -> anyhow:
     }
     let name = format!("oci-{}", &content[..16]);
     let dir = home.root().join("shim/templates").join(&name);
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     let rootfs = rootfs.to_str().ok_or_else(|| anyhow!("the rootfs path {} is not UTF-8", rootfs.display()))?;
     // serde_json's string quoting is a valid TOML basic string for any path.
     let text = format!(
@@ -299,9 +292,7 @@ pub fn image_template(home: &CladeHome, rootfs: &Path, content: &str) -> anyhow:
         serde_json::to_string(&format!("dir:{rootfs}"))?
     );
     let spec = dir.join("template.toml");
-    let tmp = dir.join(format!(".template.toml.{}", std::process::id()));
-    std::fs::write(&tmp, text).with_context(|| format!("write {}", tmp.display()))?;
-    std::fs::rename(&tmp, &spec).with_context(|| format!("rename to {}", spec.display()))?;
+    write_atomic(&spec, text.as_bytes()).with_context(|| format!("write {}", spec.display()))?;
     Ok(dir)
 }
 

@@ -179,8 +179,7 @@ impl containerd_shim::Task for Service {
     }
 
     fn pids(&self, _: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
-        let sandbox = self.0.lock().containers.get(&req.id).map(|c| c.sandbox.clone());
-        let sandbox = sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
+        let sandbox = self.sandbox_of(&req.id)?;
         let procs = self.0.api.proc_list(&sandbox).map_err(failed)?;
         let processes = procs
             .into_iter()
@@ -213,16 +212,14 @@ impl containerd_shim::Task for Service {
     }
 
     fn checkpoint(&self, _: &TtrpcContext, req: api::CheckpointTaskRequest) -> TtrpcResult<api::Empty> {
-        let sandbox = self.0.lock().containers.get(&req.id).map(|c| c.sandbox.clone());
-        let sandbox = sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
+        let sandbox = self.sandbox_of(&req.id)?;
         let mark = self.0.api.mark(&sandbox, &MarkRequest::default()).map_err(failed)?;
         log::info!("container {}: marked {}", req.id, mark.id);
         Ok(api::Empty::new())
     }
 
     fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
-        let sandbox = self.0.lock().containers.get(&req.id).map(|c| c.sandbox.clone());
-        let sandbox = sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
+        let sandbox = self.sandbox_of(&req.id)?;
         if sandbox.is_empty() {
             return Err(rpc(Code::FAILED_PRECONDITION, format!("container {} has no sandbox yet", req.id)));
         }
@@ -254,6 +251,12 @@ impl containerd_shim::Task for Service {
 }
 
 impl Service {
+    /// The sandbox a container runs in ("" for a pod whose sandbox waits for its first container).
+    fn sandbox_of(&self, id: &str) -> TtrpcResult<String> {
+        let sandbox = self.0.lock().containers.get(id).map(|c| c.sandbox.clone());
+        sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))
+    }
+
     /// Pause (freeze) or resume (thaw) a container's sandbox; a pod member alone is refused (its sandbox is its
     /// pod's, shared with the other containers).
     fn freeze(&self, id: &str, frozen: bool) -> TtrpcResult<()> {
