@@ -170,6 +170,15 @@ impl AgentClient {
         Ok(AgentClient::build(r, w, Some(s)))
     }
 
+    /// End the connection for every clone now (a unix stream; a no-op for other streams): the agent sees the
+    /// host hang up, and the clones' pending and later calls fail as closed. A sandbox about to be checkpointed
+    /// whole is then left holding no socket of the host's, whatever processes still stream through clones.
+    pub fn hang_up(&self) {
+        if let Some(s) = &self.inner.shutdown {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
     /// Wraps any split byte stream (e.g. a pipe pair, or a serial port opened twice).
     pub fn from_parts(r: impl Read + Send + 'static, w: impl Write + Send + 'static) -> AgentClient {
         AgentClient::build(r, w, None)

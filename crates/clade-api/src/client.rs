@@ -274,8 +274,8 @@ impl SandboxApi for Remote {
         self.typed("POST", &format!("/v1/sandboxes/{}/retake", seg(sandbox)), Some(&body))
     }
 
-    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
-        self.typed("POST", &format!("/v1/sandboxes/{}/suspend", seg(sandbox)), NO_BODY)
+    fn suspend_with(&self, sandbox: &str, req: &SuspendRequest) -> anyhow::Result<Mark> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/suspend", seg(sandbox)), Some(req))
     }
 
     fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
@@ -286,8 +286,8 @@ impl SandboxApi for Remote {
         self.typed::<serde_json::Value>("POST", &format!("/v1/sandboxes/{}/thaw", seg(sandbox)), NO_BODY).map(|_| ())
     }
 
-    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
-        self.typed("POST", &format!("/v1/sandboxes/{}/resume", seg(sandbox)), NO_BODY)
+    fn resume_with(&self, sandbox: &str, req: &ResumeRequest) -> anyhow::Result<ResumeOutcome> {
+        self.typed("POST", &format!("/v1/sandboxes/{}/resume", seg(sandbox)), Some(req))
     }
 
     fn kill(&self, sandbox: &str) -> anyhow::Result<KillOutcome> {

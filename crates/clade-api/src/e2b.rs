@@ -21,7 +21,10 @@ use clade_e2b::{
     Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
     Upload, Usage,
 };
-use clade_host::api::{ExecEvent, ExecEvents, ExecRequest, ForkOutcome, ForkRequest, MarkRequest, SandboxApi};
+use clade_host::api::{
+    ExecEvent, ExecEvents, ExecRequest, ForkOutcome, ForkRequest, MarkRequest, ResumeRequest, SandboxApi,
+    SuspendRequest,
+};
 
 /// Bind both E2B listeners and serve them as tokio tasks; returns once both listen.
 pub async fn spawn(
@@ -225,8 +228,8 @@ impl Host for CladeHost {
         self.api.kill(id).map(|_| ()).map_err(host_err)
     }
 
-    fn pause(&self, id: &str) -> HostResult<()> {
-        self.api.suspend(id).map_err(host_err)?;
+    fn pause(&self, id: &str, disk_only: bool) -> HostResult<()> {
+        self.api.suspend_with(id, &SuspendRequest { disk_only }).map_err(host_err)?;
         // The supervisor answers before it records the sandbox as suspended and exits: wait for that, so a
         // status read right after this sees "paused" (not a running sandbox, nor a lost one).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -242,8 +245,8 @@ impl Host for CladeHost {
         Err(HostError::Internal(format!("sandbox {id} did not finish pausing within 30 s")))
     }
 
-    fn resume(&self, id: &str) -> HostResult<()> {
-        let r = self.api.resume(id).map_err(host_err)?;
+    fn resume(&self, id: &str, reboot: bool) -> HostResult<()> {
+        let r = self.api.resume_with(id, &ResumeRequest { reboot }).map_err(host_err)?;
         if r.ok {
             Ok(())
         } else {
@@ -268,9 +271,14 @@ impl Host for CladeHost {
         Ok(kids)
     }
 
-    fn snapshot(&self, id: &str, name: Option<&str>) -> HostResult<Snapshot> {
+    fn snapshot(&self, id: &str, name: Option<&str>, disk_only: bool) -> HostResult<Snapshot> {
         // A name is a mark label; one already taken falls back to an unlabelled mark (the id still names it).
-        let pin = |label: Option<&str>| MarkRequest { label: label.map(str::to_owned), keep: true, not_clean: false };
+        let pin = |label: Option<&str>| MarkRequest {
+            label: label.map(str::to_owned),
+            keep: true,
+            not_clean: false,
+            disk_only,
+        };
         let m = match self.api.mark(id, &pin(name)) {
             Ok(m) => m,
             Err(_) if name.is_some() => self.api.mark(id, &pin(None)).map_err(host_err)?,

@@ -56,6 +56,7 @@ impl State {
             created_ms: self.next as i64,
             pinned: false,
             clean: true,
+            disk_only: false,
         };
         self.marks.push(m.clone());
         m
@@ -203,13 +204,13 @@ impl SandboxApi for Fake {
         self.state.lock().running(sandbox).map(|_| ())
     }
 
-    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
+    fn suspend_with(&self, sandbox: &str, _req: &SuspendRequest) -> anyhow::Result<Mark> {
         let mut st = self.state.lock();
         st.running(sandbox)?.state = "suspended".into();
         Ok(record(&st.new_mark(sandbox, Some("suspend".into()))))
     }
 
-    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
+    fn resume_with(&self, sandbox: &str, _req: &ResumeRequest) -> anyhow::Result<ResumeOutcome> {
         let mut st = self.state.lock();
         let row = st.sandbox(sandbox)?;
         if row.state != "suspended" {

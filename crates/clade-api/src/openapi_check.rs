@@ -100,6 +100,7 @@ fn mark_row() -> MarkRow {
         created_ms: 1,
         pinned: false,
         clean: true,
+        disk_only: false,
     }
 }
 

@@ -17,7 +17,7 @@ use serde::Deserialize;
 
 use crate::app::{blocking, json, wake, App, Reply};
 use crate::doors;
-use crate::error::Body;
+use crate::error::{ApiError, Body};
 use clade_host::api::{ForkRequest, MarkRequest};
 
 /// Every route of the native API: (method, path in OpenAPI's `{param}` form).
@@ -215,8 +215,18 @@ async fn retake(State(app): State<Arc<App>>, Path(id): Path<String>, Body(req): 
     Ok(json(out))
 }
 
-async fn suspend(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
-    Ok(json(blocking(&app, "suspend", move |a| a.api.suspend(&id)).await?))
+/// The body is optional (`{"disk_only": true}` for a disk-only suspend); none at all is the default.
+async fn suspend(State(app): State<Arc<App>>, Path(id): Path<String>, body: axum::body::Bytes) -> Reply {
+    let req: clade_host::api::SuspendRequest = optional_body(&body)?;
+    Ok(json(blocking(&app, "suspend", move |a| a.api.suspend_with(&id, &req)).await?))
+}
+
+/// A JSON body that may be left out (then every field takes its default), for routes that took none before.
+fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("request body: {e}")))
 }
 
 async fn freeze(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
@@ -229,9 +239,11 @@ async fn thaw(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
     Ok(json(serde_json::json!({"frozen": false})))
 }
 
-async fn resume(State(app): State<Arc<App>>, Path(id): Path<String>) -> Reply {
+/// The body is optional (`{"reboot": true}` boots the disk cold); none at all is the default.
+async fn resume(State(app): State<Arc<App>>, Path(id): Path<String>, body: axum::body::Bytes) -> Reply {
+    let req: clade_host::api::ResumeRequest = optional_body(&body)?;
     let out = blocking(&app, "resume", move |a| {
-        let r = a.api.resume(&id);
+        let r = a.api.resume_with(&id, &req);
         a.idle.touch(&id);
         r
     })

@@ -213,6 +213,24 @@ pub struct MarkOptions {
     pub label: Option<String>,
     /// Keep state hygiene would disturb (see [`MarkState::clean`]).
     pub not_clean: bool,
+    /// Keep the sandbox's disk only, not its memory or processes (E2B's filesystem-only pause): a restore of
+    /// such a mark boots the disk cold ([`MarkState::boots_cold`]). A suspend ends the processes first, so the
+    /// disk is taken as a clean shutdown leaves it; a mark of a running sandbox stops it only to copy its disk.
+    #[serde(default)]
+    pub disk_only: bool,
+}
+
+/// The manifest role that says how a mark comes back; [`BOOT_COLD`] for a disk-only mark.
+pub const ROLE_BOOT: &str = "boot";
+/// A disk-only mark ([`MarkOptions::disk_only`]): its restore boots the disk cold.
+pub const BOOT_COLD: &str = "cold";
+
+impl MarkState {
+    /// A disk-only mark: restoring it boots its disk cold (new processes, a new boot id), as E2B's
+    /// filesystem-only snapshots do.
+    pub fn boots_cold(&self) -> bool {
+        self.manifests.get(ROLE_BOOT).map(String::as_str) == Some(BOOT_COLD)
+    }
 }
 
 /// A running sandbox, owned by whoever started it (a supervisor process, or the CLI in `clade demo`). Dropping it

@@ -370,8 +370,17 @@ impl Engine {
         };
         let boot = start.elapsed();
         let marked = provision(sandbox.as_ref()).and_then(|()| {
-            let state = sandbox.mark(&MarkOptions { label: Some(format!("base:{}", image.name)), not_clean: false })?;
-            self.record_mark(&rec.branch, &state, &MarkOptions { label: None, not_clean: false }, true)
+            let state = sandbox.mark(&MarkOptions {
+                label: Some(format!("base:{}", image.name)),
+                not_clean: false,
+                disk_only: false,
+            })?;
+            self.record_mark(
+                &rec.branch,
+                &state,
+                &MarkOptions { label: None, not_clean: false, disk_only: false },
+                true,
+            )
         });
         let mark = match marked {
             Ok(m) => m,

@@ -4,6 +4,7 @@
 //! * [`CtBackend::cold_start_ct`] boots a template's rootfs ([`spawn`]).
 //! * [`CtSandbox`] marks (CRIU dump, leave running) and suspends (dump and release); the image directory and
 //!   the overlay upper go into the store as trees ([`sandbox`], [`dump`]).
+//! * A disk-only mark ([`disk`]) keeps the upper alone; its restore boots it cold.
 //! * [`CtBackend::restore_ct`] brings a mark up in fresh namespaces with a fresh upper ([`restore`]); fork is N
 //!   of those side by side. Restored tasks are KSM-mergeable so siblings share identical pages again.
 //! * [`audit::audit`] is the sibling audit (two siblings share no namespace, PID, pipe, socket,
@@ -14,6 +15,7 @@
 
 pub mod audit;
 pub mod criu;
+pub mod disk;
 pub mod dump;
 pub mod footprint;
 pub mod inroot;
@@ -244,8 +246,11 @@ impl CtBackend {
         restore::prepare(self, mark, id)
     }
 
-    /// Restore, returning the concrete sandbox.
+    /// Restore, returning the concrete sandbox: a disk-only mark boots cold ([`disk`]).
     pub fn restore_ct(&self, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
+        if mark.boots_cold() {
+            return disk::boot_disk(self, mark, id);
+        }
         restore::restore(self, mark, id)
     }
 }
@@ -273,6 +278,10 @@ impl Backend for CtBackend {
         mark: &MarkState,
         id: &Identity,
     ) -> Result<Option<Box<dyn clade_core::backend::Prepared>>, BackendError> {
+        // A disk-only mark has nothing to prepare ahead: it boots.
+        if mark.boots_cold() {
+            return Ok(None);
+        }
         Ok(Some(Box::new(self.prepare_ct(mark, id)?)))
     }
 }

@@ -59,6 +59,9 @@ pub struct CtPrepared {
     jail: bool,
     hostname: Option<String>,
     cpu_ms: u64,
+    /// What the mark records of the jail's `no_new_privs` (its tasks keep theirs; a disk-only mark of this
+    /// sandbox records it again).
+    no_new_privs: bool,
     kdat: std::path::PathBuf,
     fail_at: Option<FailPoint>,
     /// The fresh loopback-only network namespace a `loopback` mark is restored into (crate::net).
@@ -92,6 +95,11 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
             host: "ct".into(),
             hint: "restore it with the backend that took it".into(),
         });
+    }
+    if mark.boots_cold() {
+        return Err(BackendError::Unsupported(
+            "a disk-only mark has no processes to prepare: restore it (it boots cold)".into(),
+        ));
     }
     let host = b.host_compat();
     check_compat(&mark.compat, &host)?;
@@ -203,6 +211,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         procs,
         jail: b.cfg.jail,
         cpu_ms,
+        no_new_privs: crate::sandbox::no_new_privs_of(mark),
         // A clean mark's sibling gets its own hostname; a not-clean one keeps the mark's.
         hostname: mark.clean.then(|| id.hostname.clone()),
         kdat,
@@ -345,6 +354,7 @@ impl CtPrepared {
             predump: self.predump,
             last_dump: None,
             cpu_ms: self.cpu_ms,
+            no_new_privs: self.no_new_privs,
             startup: t0.elapsed(),
             phases,
         })
@@ -442,24 +452,9 @@ fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<Pat
 /// read-only; each restore gets its own copy (`cp -a`: whiteouts, `trusted.overlay.*` xattrs and owners kept),
 /// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
 /// store's read (decompress, verify, write) took 100-300 ms on this host.
-fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
+pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
     let cache = cached_tree(b, "ct-uppers", id, "the upper")?;
-    let out = Command::new("cp")
-        .arg("-a")
-        .arg("-T")
-        .arg(&cache)
-        .arg(dest)
-        .output()
-        .map_err(|e| failed(format!("run cp: {e}")))?;
-    if !out.status.success() {
-        return Err(failed(format!(
-            "copy the upper {} to {}: {}",
-            cache.display(),
-            dest.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(())
+    crate::disk::copy_tree(&cache, dest)
 }
 
 /// The images of a mark are laid out once per host under `$CLADE_HOME/cache/ct-images/<tree id>` (read-only);

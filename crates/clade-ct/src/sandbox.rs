@@ -19,6 +19,14 @@ use crate::{connect_agent, dump, CtBackend, FailPoint};
 pub const ROLE_CRIU: &str = "criu";
 pub const ROLE_UPPER: &str = "upper";
 pub const ROLE_ROOTFS: &str = "rootfs";
+/// Whether the jail set `no_new_privs` in the marked sandbox (`1`/`0`; absent: `1`): a disk-only mark's boot
+/// sets it as its template asked.
+pub const ROLE_NO_NEW_PRIVS: &str = "no_new_privs";
+
+/// What a mark records of `no_new_privs` ([`ROLE_NO_NEW_PRIVS`]).
+pub(crate) fn no_new_privs_of(mark: &MarkState) -> bool {
+    mark.manifests.get(ROLE_NO_NEW_PRIVS).map(String::as_str) != Some("0")
+}
 
 /// A running `ct` sandbox. Dropping it ends it and removes everything it held on the host.
 pub struct CtSandbox {
@@ -38,6 +46,9 @@ pub struct CtSandbox {
     pub(crate) last_dump: Option<crate::dump::DumpTimes>,
     /// The cgroup's CPU quota (ms per 100 ms; 0: none), lifted while CRIU dumps the sandbox.
     pub(crate) cpu_ms: u64,
+    /// Whether the jail sets `no_new_privs` (recorded in a disk-only mark, whose boot sets it again). A
+    /// restored sandbox keeps what its tasks were marked with.
+    pub(crate) no_new_privs: bool,
     /// Time from the start call to the agent's first answer.
     pub startup: Duration,
     /// Time since the start call at the end of each phase (restore: verified, upper, files, criu, agent).
@@ -50,13 +61,36 @@ fn failed(e: String) -> BackendError {
 
 /// Cold start of a template's rootfs.
 pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) -> Result<CtSandbox, BackendError> {
-    let t0 = Instant::now();
     if !image.rootfs.join("bin").exists() && !image.rootfs.join("usr").exists() {
         return Err(BackendError::Failed(format!(
             "{} does not look like a root filesystem (no bin or usr): build the template first",
             image.rootfs.display()
         )));
     }
+    let rootfs = image.rootfs.display().to_string();
+    if rootfs.contains([':', ',']) {
+        return Err(failed(format!("rootfs path {rootfs:?} contains ':' or ',', which overlayfs cannot take")));
+    }
+    let lower = format!("{}:{rootfs}", agent_layer(&b.home, &b.cfg.agent_bin)?.display());
+    let spec =
+        BootSpec { lower, upper: None, shape: &image.shape, egress: image.egress, no_new_privs: image.no_new_privs };
+    boot(b, &spec, id)
+}
+
+/// What a cold boot mounts and runs: a template's image, or a disk-only mark's layers and upper (crate::disk).
+pub(crate) struct BootSpec<'a> {
+    /// The overlay's lower layers as a mark names them (directories, or store trees: crate::lower).
+    pub lower: String,
+    /// The upper to start from (a disk-only mark's); `None`: an empty one.
+    pub upper: Option<clade_store::TreeId>,
+    pub shape: &'a Shape,
+    pub egress: bool,
+    pub no_new_privs: bool,
+}
+
+/// Boot cold: a fresh init (the agent) on the layers `spec` names.
+pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<CtSandbox, BackendError> {
+    let t0 = Instant::now();
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
         failed(format!("create {}: {e} (a sandbox with this id exists; kill it or pick another id)", run_dir.display()))
@@ -66,33 +100,45 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
     res.rw_mounted = true;
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, root) = (res.rw().join("upper"), res.rw().join("work"), run_dir.join("root"));
+    if let Some(tree) = &spec.upper {
+        crate::restore::upper_for(b, tree, &upper)?;
+        // A boot starts with empty /dev and /run, as a tmpfs there would (crate::spawn seeds them again).
+        for d in ["dev", "run"] {
+            let p = upper.join(d);
+            if p.exists() {
+                std::fs::remove_dir_all(&p).map_err(|e| failed(format!("empty {}: {e}", p.display())))?;
+            }
+        }
+    }
     for d in [&upper, &work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
-    let rootfs = image.rootfs.display().to_string();
-    if rootfs.contains([':', ',']) {
-        return Err(failed(format!("rootfs path {rootfs:?} contains ':' or ',', which overlayfs cannot take")));
-    }
-    let lower = format!("{}:{rootfs}", agent_layer(&b.home, &b.cfg.agent_bin)?.display());
     b.check_fail(FailPoint::Files)?;
-    let limits = b.limits(&image.shape);
+    let limits = b.limits(spec.shape);
     let cpu_ms = limits.cpu_ms_per_100ms;
     res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     let programs = b.jail_programs()?;
     // Jailed means in a user namespace (crate::userns): the lower layers are then mounted idmapped.
     let userns = programs.is_some();
-    if image.egress {
+    if spec.egress {
         res.net = Some(crate::net::SandboxNet::create(&id.sandbox_id).map_err(failed)?);
     }
     b.check_fail(FailPoint::Network)?;
+    // Lower layers named as store trees (a disk-only mark from another host) are mounted lazily, already
+    // shifted for the user namespace; host directories are idmapped.
+    let shift = if userns { crate::userns::BASE } else { 0 };
+    let lowerdir = crate::lower::resolve(&b.store, &spec.lower, &run_dir, &mut res.lowers, shift).map_err(failed)?;
     let (overlay_lower, idmapped) = if userns {
-        let (dirs, pairs) = crate::userns::plan_lowers(&lower, &run_dir.join("idmap"), |_| false).map_err(failed)?;
+        let lazy = run_dir.join("lower");
+        let (dirs, pairs) =
+            crate::userns::plan_lowers(&lowerdir, &run_dir.join("idmap"), |l| Path::new(l).starts_with(&lazy))
+                .map_err(failed)?;
         (dirs, Some(pairs))
     } else {
-        (lower.clone(), None)
+        (lowerdir, None)
     };
-    let spec = crate::spawn::InitSpec {
+    let init = crate::spawn::InitSpec {
         lower: overlay_lower,
         upper,
         work,
@@ -102,9 +148,9 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         netns: res.net.as_ref().map(crate::net::SandboxNet::netns_path),
         jail: programs,
         userns: idmapped,
-        no_new_privs: image.no_new_privs,
+        no_new_privs: spec.no_new_privs,
     };
-    res.init = Some(crate::spawn::spawn_init(&spec).map_err(failed)?);
+    res.init = Some(crate::spawn::spawn_init(&init).map_err(failed)?);
     let pid = res.init.unwrap_or_default();
     b.check_fail(FailPoint::Processes)?;
     let agent = connect_agent(pid, b.cfg.ready_timeout).map_err(|e| with_console(e, &res))?;
@@ -115,14 +161,15 @@ pub(crate) fn cold_start(b: &CtBackend, image: &TemplateImage, id: &Identity) ->
         agent,
         criu: b.cfg.criu.clone(),
         store: b.store.clone(),
-        lower,
-        shape: image.shape.clone(),
+        lower: spec.lower.clone(),
+        shape: spec.shape.clone(),
         compat: clade_core::backend::Backend::host_compat(b),
         ready_timeout: b.cfg.ready_timeout,
         dumps: 0,
         predump: b.cfg.predump,
         last_dump: None,
         cpu_ms,
+        no_new_privs: spec.no_new_privs,
         startup: t0.elapsed(),
         phases: Vec::new(),
     })
@@ -146,7 +193,7 @@ fn console_of(pid: u32) -> String {
 /// A read-only overlay layer holding only the agent at `AGENT_PATH`, shared by every sandbox of this agent
 /// build (keyed by size and mtime): the agent is then neither in any upper nor in any mark, and CRIU sees it as
 /// an ordinary file of the root mount, never as a bind mount from the host.
-fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, BackendError> {
+pub(crate) fn agent_layer(home: &clade_core::CladeHome, bin: &Path) -> Result<PathBuf, BackendError> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let md = std::fs::metadata(bin).map_err(|e| failed(format!("the agent {}: {e}", bin.display())))?;
     // v2: the layer also holds the jail's empty file and directory (crate::spawn::EMPTY_FILE, EMPTY_DIR).
@@ -220,7 +267,7 @@ impl CtSandbox {
     /// namespace, as a mark does first: the state in which an outside CRIU can dump it (the bench's peer arm).
     /// The agent is not reconnected.
     pub fn detach_agent(&mut self) -> Result<(), BackendError> {
-        self.drop_agent()
+        self.drop_agent(false)
     }
 
     fn set_frozen(&self, frozen: bool) -> Result<(), BackendError> {
@@ -257,8 +304,13 @@ impl CtSandbox {
 
     /// Drop the host's agent connection and wait until every connection inside is gone: CRIU cannot dump a
     /// unix socket whose peer is outside the sandbox. A process started through `exec` that still runs keeps
-    /// its connection open in the agent; such a mark is refused with that reason.
-    fn drop_agent(&mut self) -> Result<(), BackendError> {
+    /// its connection open in the agent (its output streams through it); such a mark is refused with that
+    /// reason, unless `hang_up` (a suspend, which ends those streams anyway): then the connection is ended
+    /// for every holder, the agent closes its side, and the processes go on unwatched.
+    fn drop_agent(&mut self, hang_up: bool) -> Result<(), BackendError> {
+        if hang_up {
+            self.agent.hang_up();
+        }
         self.agent = AgentClient::from_parts(std::io::empty(), std::io::sink());
         let t0 = Instant::now();
         loop {
@@ -303,7 +355,14 @@ impl CtSandbox {
         self.compat.get("jail").map(String::as_str) == Some(crate::jail::POLICY)
     }
 
-    fn reconnect(&mut self) -> Result<(), BackendError> {
+    /// What any mark records beside its trees: the network mode and `no_new_privs`.
+    pub(crate) fn record_boot_facts(&self, manifests: &mut BTreeMap<String, String>) {
+        let mode = if self.res.net.is_some() { crate::net::EGRESS } else { crate::net::LOOPBACK };
+        manifests.insert(crate::net::ROLE_NETWORK.to_string(), mode.to_string());
+        manifests.insert(ROLE_NO_NEW_PRIVS.to_string(), if self.no_new_privs { "1" } else { "0" }.to_string());
+    }
+
+    pub(crate) fn reconnect(&mut self) -> Result<(), BackendError> {
         self.agent = connect_agent(self.init_pid(), self.ready_timeout)?;
         Ok(())
     }
@@ -316,7 +375,7 @@ impl CtSandbox {
         self.dumps += 1;
         let stage = self.res.rw().join(format!("dump-{}", self.dumps));
         std::fs::create_dir_all(&stage).map_err(|e| failed(format!("create {}: {e}", stage.display())))?;
-        if let Err(e) = self.drop_agent() {
+        if let Err(e) = self.drop_agent(!leave_running) {
             let _ = self.reconnect();
             let _ = std::fs::remove_dir_all(&stage);
             return Err(e);
@@ -381,8 +440,7 @@ impl CtSandbox {
             (ROLE_ROOTFS.to_string(), self.lower.clone()),
         ]
         .into();
-        let mode = if self.res.net.is_some() { crate::net::EGRESS } else { crate::net::LOOPBACK };
-        manifests.insert(crate::net::ROLE_NETWORK.to_string(), mode.to_string());
+        self.record_boot_facts(&mut manifests);
         Ok(MarkState {
             backend: BackendKind::Ct,
             manifests,
@@ -424,9 +482,15 @@ impl Sandbox for CtSandbox {
         self.set_frozen(false)
     }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        if opts.disk_only {
+            return self.disk_mark(opts);
+        }
         self.dump_and_store(opts, true)
     }
     fn suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        if opts.disk_only {
+            return self.disk_suspend(opts);
+        }
         let state = self.dump_and_store(opts, false)?;
         self.res.release().map_err(failed)?;
         Ok(state)

@@ -310,8 +310,28 @@ fn seed_upper(upper: &Path, userns: bool) -> Result<(), String> {
             crate::userns::own(&p)?;
         }
     }
+    // This boot's id (docs/ct.md, "Boot id"): a fresh random UUID, read-only at /proc/sys/kernel/random/boot_id
+    // inside, where the host kernel's own would otherwise show. A restore keeps the mark's (its processes go on
+    // in the same boot, as a vm guest restored from memory does); a cold boot, a disk-only mark's included,
+    // gets a new one.
+    let dir = upper.join("run/clade");
+    std::fs::create_dir(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let uuid = std::fs::read_to_string("/proc/sys/kernel/random/uuid").map_err(|e| format!("a fresh uuid: {e}"))?;
+    let file = upper.join(BOOT_ID_FILE.trim_start_matches('/'));
+    std::fs::write(&file, uuid.trim().to_string() + "\n").map_err(|e| format!("write {}: {e}", file.display()))?;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o444))
+        .map_err(|e| format!("chmod {}: {e}", file.display()))?;
+    if userns {
+        crate::userns::own(&dir)?;
+        crate::userns::own(&file)?;
+    }
     Ok(())
 }
+
+/// Where the sandbox's boot id is kept inside (bound read-only onto [`BOOT_ID_PROC`]).
+pub const BOOT_ID_FILE: &str = "/run/clade/boot_id";
+/// The kernel's boot id file, which the sandbox sees as its own.
+pub const BOOT_ID_PROC: &str = "/proc/sys/kernel/random/boot_id";
 
 /// overlayfs' mark of a directory that hides what the lower layers hold at its path.
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
@@ -339,6 +359,12 @@ fn prepare_root(spec: &InitSpec, overlay: &str, err_w: &OwnedFd) -> Result<(), S
         }
         jail_paths(&root)?;
     }
+    // After the jail's read-only /proc/sys, which would cover it.
+    let (boot_src, boot_proc) =
+        (root.join(BOOT_ID_FILE.trim_start_matches('/')), root.join(BOOT_ID_PROC.trim_start_matches('/')));
+    m(Some(&boot_src.display().to_string()), &boot_proc, None, MsFlags::MS_BIND, None)?;
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    m(None, &boot_proc, None, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | ro, None)?;
     if spec.userns.is_none() {
         // The jail takes CAP_NET_ADMIN away: the loopback interface comes up here (the agent then finds it
         // up). In a user namespace stage 1 did it: the network namespace is the host's.

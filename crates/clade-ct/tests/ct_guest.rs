@@ -153,7 +153,7 @@ fn privileged_guest_suspend_restore_and_refusals() {
     drop(busy);
     std::thread::sleep(Duration::from_millis(100));
     let run_dir = e.home.join("run").join(sb.id());
-    let mark = Box::new(sb).suspend(&MarkOptions { label: None, not_clean: true }).expect("suspend");
+    let mark = Box::new(sb).suspend(&MarkOptions { label: None, not_clean: true, disk_only: false }).expect("suspend");
     assert!(!mark.clean);
     assert!(!run_dir.exists(), "suspend released the run dir");
     let ident = id("resumed");

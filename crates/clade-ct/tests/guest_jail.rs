@@ -198,7 +198,8 @@ fn assert_jailed(what: &str, r: &BTreeMap<String, Value>) {
 fn privileged_guest_jail_refuses_every_escape_cold_and_restored() {
     let Some(e) = env("on", true) else { return };
     let mut cold = e.backend.cold_start_ct(&e.image, &id("cold")).expect("cold start");
-    let mark = cold.mark(&MarkOptions { label: None, not_clean: false }).expect("mark a jailed sandbox");
+    let mark =
+        cold.mark(&MarkOptions { label: None, not_clean: false, disk_only: false }).expect("mark a jailed sandbox");
     assert_eq!(mark.compat.get("jail").map(String::as_str), Some(clade_ct::jail::POLICY));
     let sib_id = id("sibling");
     let sibling = e.backend.restore_ct(&mark, &sib_id).expect("restore a sibling");
@@ -215,7 +216,8 @@ fn privileged_guest_jail_refuses_every_escape_cold_and_restored() {
     }
     // The jail survives a second generation: a mark of the sibling, restored again.
     let mut sibling = sibling;
-    let mark2 = sibling.mark(&MarkOptions { label: None, not_clean: false }).expect("mark the sibling");
+    let mark2 =
+        sibling.mark(&MarkOptions { label: None, not_clean: false, disk_only: false }).expect("mark the sibling");
     let grandchild = e.backend.restore_ct(&mark2, &id("grandchild")).expect("restore the grandchild");
     assert_jailed("restored grandchild", &probe(&grandchild, cold.init_pid()));
     for s in [Box::new(cold) as Box<dyn Sandbox>, Box::new(sibling), Box::new(grandchild)] {
@@ -269,7 +271,7 @@ fn privileged_guest_jail_control_unjailed_sandbox_lets_each_probe_through() {
     }
     // A jailed backend refuses a mark taken without the jail: CRIU would restore it unjailed.
     let mut sb = sb;
-    let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark unjailed");
+    let mark = sb.mark(&MarkOptions { label: None, not_clean: false, disk_only: false }).expect("mark unjailed");
     let jailed = env("on-refuses", true).expect("jailed env");
     let err =
         jailed.backend.restore_ct(&mark, &id("refused")).expect_err("an unjailed mark must be refused").to_string();
@@ -291,7 +293,9 @@ fn privileged_guest_jail_agent_socket_link_to_a_host_socket_is_not_followed() {
     let walked = std::os::unix::net::UnixStream::connect(format!("/proc/{}/root/run/clade/agent.sock", sb.init_pid()));
     assert!(walked.is_ok() && listener.accept().is_ok(), "control: the link must lead a path walk to the host socket");
     // The backend resolves inside the sandbox: the mark's reconnect finds no agent, and the mark is refused.
-    let err = sb.mark(&MarkOptions { label: None, not_clean: false }).expect_err("a mark whose agent did not answer");
+    let err = sb
+        .mark(&MarkOptions { label: None, not_clean: false, disk_only: false })
+        .expect_err("a mark whose agent did not answer");
     assert!(err.to_string().contains("did not answer"), "{err}");
     assert!(listener.accept().is_err(), "the supervisor connected to the host socket the sandbox pointed at");
     Box::new(sb).kill().expect("kill");
@@ -358,7 +362,7 @@ fn privileged_guest_jail_no_new_privs_off_lets_setuid_gain_only_the_sandbox_root
     assert_jailed("no_new_privs off", &r);
     // A restored sibling keeps the flag as its base had it (CRIU restores it per task).
     let mut sb = sb;
-    let mark = sb.mark(&MarkOptions { label: None, not_clean: false }).expect("mark");
+    let mark = sb.mark(&MarkOptions { label: None, not_clean: false, disk_only: false }).expect("mark");
     let sib = e.backend.restore_ct(&mark, &id("nnp-sib")).expect("restore");
     let mut spec = ExecSpec::new(["/usr/bin/suid-python3", "-c", "import os; print(os.geteuid())"]);
     (spec.uid, spec.gid) = (Some(1000), Some(1000));

@@ -162,6 +162,8 @@ struct NewSandbox {
     template_id: Option<String>,
     timeout: Option<u64>,
     auto_pause: Option<bool>,
+    /// False: the timeout's auto-pause keeps the filesystem alone (a resume boots cold).
+    auto_pause_memory: Option<bool>,
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
     lifecycle: Option<Lifecycle>,
@@ -248,6 +250,7 @@ fn record_of<H: Host>(
         started_ms: now,
         end_ms: now + timeout_s * 1000,
         auto_pause,
+        auto_pause_disk_only: false,
         token,
         salt,
         cpu_count: s.cpu_count,
@@ -287,6 +290,7 @@ async fn create<H: Host>(State(app): State<Arc<App<H>>>, b: Bytes) -> R {
         egress_allow: allow,
         egress_deny: deny,
         private_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic) == Some(false),
+        auto_pause_disk_only: auto_pause && req.auto_pause_memory == Some(false),
         ..record_of(&app, &started, timeout, auto_pause, req.metadata.unwrap_or_default())
     };
     app.state.put(rec.clone());
@@ -484,6 +488,9 @@ struct Timeout {
     auto_pause: Option<bool>,
     count: Option<u32>,
     name: Option<String>,
+    /// Pause and snapshot: false keeps the filesystem alone (a resume, or a sandbox made from the snapshot,
+    /// boots cold). Connect and resume: false boots the filesystem cold even where the pause kept memory.
+    memory: Option<bool>,
 }
 
 async fn set_timeout<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
@@ -502,19 +509,27 @@ async fn refresh<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn pause<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>) -> R {
+async fn pause<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String>, b: Bytes) -> R {
+    let t: Timeout = body(&b)?;
     let (_, s) = live(&app, &id).await?;
     if s == Status::Paused {
         return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
     }
-    let i = id.clone();
-    app.blocking(move |h| h.pause(&i)).await??;
+    pause_now(&app, &id, t.memory == Some(false)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Pause (`disk_only`: the filesystem alone; its resume boots cold).
+async fn pause_now<H: Host>(app: &Arc<App<H>>, id: &str, disk_only: bool) -> Result<(), ApiError> {
+    let i = id.to_string();
+    app.blocking(move |h| h.pause(&i, disk_only)).await??;
+    Ok(())
 }
 
 async fn bring_back<H: Host>(app: &Arc<App<H>>, id: &str, t: &Timeout) -> Result<Record, ApiError> {
     let i = id.to_string();
-    app.blocking(move |h| h.resume(&i)).await??;
+    let reboot = t.memory == Some(false);
+    app.blocking(move |h| h.resume(&i, reboot)).await??;
     // A resumed sandbox has a fresh network: its rules go back on before anyone can use it.
     if let Some(r) = app.state.get(id).filter(|r| !(r.egress_allow.is_empty() && r.egress_deny.is_empty())) {
         set_egress(app, id, &r.egress_allow, &r.egress_deny).await?;
@@ -588,8 +603,8 @@ async fn snapshot<H: Host>(State(app): State<Arc<App<H>>>, Path(id): Path<String
     if s != Status::Running {
         return Err(ApiError(StatusCode::CONFLICT, format!("sandbox {id} is paused: connect to it first")));
     }
-    let (i, name) = (id.clone(), t.name.clone());
-    let snap = app.blocking(move |h| h.snapshot(&i, name.as_deref())).await??;
+    let (i, name, disk_only) = (id.clone(), t.name.clone(), t.memory == Some(false));
+    let snap = app.blocking(move |h| h.snapshot(&i, name.as_deref(), disk_only)).await??;
     let names: Vec<String> = t.name.into_iter().collect();
     app.state.put_snapshot(SnapshotRecord {
         id: snap.id.clone(),
@@ -656,7 +671,7 @@ pub async fn reap<H: Host>(app: &Arc<App<H>>) {
             Status::Running if r.end_ms <= now => {
                 let id = r.id.clone();
                 if r.auto_pause {
-                    let _ = app.blocking(move |h| h.pause(&id)).await;
+                    let _ = pause_now(app, &id, r.auto_pause_disk_only).await;
                 } else {
                     let _ = app.blocking(move |h| h.kill(&id)).await;
                     app.state.remove(&r.id);

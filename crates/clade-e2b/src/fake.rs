@@ -74,11 +74,11 @@ impl Host for Fake {
         self.sandboxes.lock().unwrap().insert(id.into(), Status::Gone);
         Ok(())
     }
-    fn pause(&self, id: &str) -> HostResult<()> {
+    fn pause(&self, id: &str, _disk_only: bool) -> HostResult<()> {
         self.sandboxes.lock().unwrap().insert(id.into(), Status::Paused);
         Ok(())
     }
-    fn resume(&self, id: &str) -> HostResult<()> {
+    fn resume(&self, id: &str, _reboot: bool) -> HostResult<()> {
         self.sandboxes.lock().unwrap().insert(id.into(), Status::Running);
         Ok(())
     }
@@ -86,7 +86,7 @@ impl Host for Fake {
         self.live(id)?;
         Ok((0..count).map(|_| self.started()).collect())
     }
-    fn snapshot(&self, id: &str, _name: Option<&str>) -> HostResult<Snapshot> {
+    fn snapshot(&self, id: &str, _name: Option<&str>, _disk_only: bool) -> HostResult<Snapshot> {
         self.live(id)?;
         Ok(Snapshot { id: format!("mk-{id}") })
     }

@@ -144,14 +144,17 @@ pub trait Host: Send + Sync + 'static {
     fn template_exists(&self, name: &str) -> bool;
     fn status(&self, id: &str) -> Status;
     fn kill(&self, id: &str) -> HostResult<()>;
-    /// Stop the sandbox keeping its state (E2B pause).
-    fn pause(&self, id: &str) -> HostResult<()>;
-    /// Bring a paused sandbox back, same id.
-    fn resume(&self, id: &str) -> HostResult<()>;
+    /// Stop the sandbox keeping its state (E2B pause); `disk_only`: its filesystem alone (E2B's `memory:
+    /// false`), and the resume boots it cold.
+    fn pause(&self, id: &str, disk_only: bool) -> HostResult<()>;
+    /// Bring a paused sandbox back, same id; `reboot`: boot its filesystem cold instead of restoring its
+    /// memory (E2B's `memory: false` on connect and resume).
+    fn resume(&self, id: &str, reboot: bool) -> HostResult<()>;
     /// `count` new sandboxes continuing from this one's present state.
     fn fork(&self, id: &str, count: u32) -> HostResult<Vec<Started>>;
-    /// Keep this sandbox's present state under a new id that `create` accepts; it keeps running.
-    fn snapshot(&self, id: &str, name: Option<&str>) -> HostResult<Snapshot>;
+    /// Keep this sandbox's present state under a new id that `create` accepts; it keeps running. `disk_only`:
+    /// its filesystem alone, and sandboxes made from it boot cold.
+    fn snapshot(&self, id: &str, name: Option<&str>, disk_only: bool) -> HostResult<Snapshot>;
     /// Forget a snapshot (`Ok(false)`: none such).
     fn delete_snapshot(&self, _snapshot: &str) -> HostResult<bool> {
         Ok(true)

@@ -32,6 +32,9 @@ pub struct Record {
     /// Pause (not kill) when the timeout passes.
     #[serde(default)]
     pub auto_pause: bool,
+    /// The timeout's auto-pause keeps the filesystem alone (`autoPauseMemory: false`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause_disk_only: bool,
     /// The envd access token: in memory only, derived from the token key and [`Record::salt`].
     #[serde(skip)]
     pub token: String,
@@ -324,6 +327,7 @@ mod tests {
             started_ms: 1,
             end_ms: 2,
             auto_pause: false,
+            auto_pause_disk_only: false,
             token,
             salt,
             cpu_count: 1,
@@ -401,6 +405,7 @@ mod tests {
             started_ms: 1,
             end_ms: 2,
             auto_pause: true,
+            auto_pause_disk_only: false,
             token: String::new(),
             salt: String::new(),
             cpu_count: 1,

@@ -254,6 +254,30 @@ pub struct MarkRequest {
     /// State hygiene would disturb is kept: restores skip identity and connection resets.
     #[serde(default)]
     pub not_clean: bool,
+    /// Keep the disk alone, not memory or processes: a sandbox from this mark boots its disk cold (E2B's
+    /// filesystem-only snapshot). The sandbox stops only while its disk is copied.
+    #[serde(default)]
+    pub disk_only: bool,
+}
+
+/// Resume a suspended sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRequest {
+    /// Boot its disk cold instead of restoring its memory (E2B's `on_resume="reboot"`): its files as suspended,
+    /// new processes, a new boot id. A disk-only suspend boots cold either way.
+    #[serde(default)]
+    pub reboot: bool,
+}
+
+/// Suspend a running sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuspendRequest {
+    /// Keep the disk alone: its processes end now and the resume boots the disk cold, with a new boot id (E2B's
+    /// filesystem-only pause). Default: the whole sandbox, memory and processes included.
+    #[serde(default)]
+    pub disk_only: bool,
 }
 
 /// One mark as `marks` lists it.
@@ -270,6 +294,9 @@ pub struct MarkRow {
     pub created_ms: UnixMillis,
     pub pinned: bool,
     pub clean: bool,
+    /// A disk-only mark: a sandbox from it boots its disk cold.
+    #[serde(default)]
+    pub disk_only: bool,
 }
 
 impl From<&Mark> for MarkRow {
@@ -286,6 +313,8 @@ impl From<&Mark> for MarkRow {
             created_ms: m.created_ms,
             pinned: m.pinned,
             clean: m.clean,
+            disk_only: m.manifests.get(clade_core::backend::ROLE_BOOT).map(|v| v.as_str())
+                == Some(clade_core::backend::BOOT_COLD),
         }
     }
 }
@@ -390,9 +419,17 @@ pub trait SandboxApi: Send + Sync {
     /// Take a sandbox back to an earlier mark of its branch.
     fn retake(&self, sandbox: &str, to: &str) -> anyhow::Result<RetakeOutcome>;
     /// Mark a sandbox and release its CPU and memory; the mark it can resume from.
-    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark>;
+    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
+        self.suspend_with(sandbox, &SuspendRequest::default())
+    }
+    /// [`SandboxApi::suspend`] with options (a disk-only suspend).
+    fn suspend_with(&self, sandbox: &str, req: &SuspendRequest) -> anyhow::Result<Mark>;
     /// Bring a suspended sandbox back from its branch's head.
-    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome>;
+    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
+        self.resume_with(sandbox, &ResumeRequest::default())
+    }
+    /// [`SandboxApi::resume`] with options (a reboot from the disk).
+    fn resume_with(&self, sandbox: &str, req: &ResumeRequest) -> anyhow::Result<ResumeOutcome>;
     /// End a sandbox.
     fn kill(&self, sandbox: &str) -> anyhow::Result<KillOutcome>;
     /// End every sandbox not dead, several at once (each kill mostly waits on its supervisor's teardown).

@@ -71,6 +71,26 @@ impl Ops {
         }
     }
 
+    /// The mark a reboot resumes from: `head` itself when it is disk-only already, else a new mark on the branch
+    /// naming `head`'s manifests and booting cold (a backend's cold boot reads only its disk's roles), so the
+    /// sandbox's line shows that it rebooted there.
+    fn reboot_mark(
+        &self,
+        branch: &clade_ledger::BranchId,
+        head: &clade_ledger::Mark,
+    ) -> anyhow::Result<clade_ledger::Mark> {
+        let mut state = self.engine.mark_state(head)?;
+        if state.boots_cold() {
+            return Ok(head.clone());
+        }
+        state.manifests.insert(clade_core::backend::ROLE_BOOT.into(), clade_core::backend::BOOT_COLD.into());
+        state.pause = Duration::ZERO;
+        state.stored_bytes = 0;
+        let opts =
+            clade_core::backend::MarkOptions { label: Some("reboot".into()), not_clean: !state.clean, disk_only: true };
+        Ok(self.engine.record_mark(branch, &state, &opts, false)?)
+    }
+
     /// Refuse a mark (or suspend) that might not fit: the store's filesystem needs the sandbox's last mark's
     /// growth (at least 1 GiB) plus a reserve of 1 GiB, so nothing is half-written for want of space.
     fn ensure_room_for_mark(&self, sandbox: &str) -> anyhow::Result<()> {
@@ -163,7 +183,12 @@ impl SandboxApi for Ops {
     fn mark(&self, sandbox: &str, req: &MarkRequest) -> anyhow::Result<Mark> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        let req = Request::Mark { label: req.label.clone(), keep: req.keep, not_clean: req.not_clean };
+        let req = Request::Mark {
+            label: req.label.clone(),
+            keep: req.keep,
+            not_clean: req.not_clean,
+            disk_only: req.disk_only,
+        };
         answer(self.sup_call(sandbox, &req)?, "mark")
     }
 
@@ -171,14 +196,14 @@ impl SandboxApi for Ops {
         answer(self.sup_call(sandbox, &Request::Retake { mark: to.into() })?, "retake")
     }
 
-    fn suspend(&self, sandbox: &str) -> anyhow::Result<Mark> {
+    fn suspend_with(&self, sandbox: &str, req: &SuspendRequest) -> anyhow::Result<Mark> {
         check_id(sandbox)?;
         self.ensure_room_for_mark(sandbox)?;
-        answer(self.sup_call(sandbox, &Request::Suspend)?, "suspend")
+        answer(self.sup_call(sandbox, &Request::Suspend { disk_only: req.disk_only })?, "suspend")
     }
 
     /// Bring a suspended sandbox back from its branch's head, under its own id.
-    fn resume(&self, sandbox: &str) -> anyhow::Result<ResumeOutcome> {
+    fn resume_with(&self, sandbox: &str, req: &ResumeRequest) -> anyhow::Result<ResumeOutcome> {
         check_id(sandbox)?;
         let engine = &self.engine;
         let id = SandboxId::new(sandbox);
@@ -195,6 +220,7 @@ impl SandboxApi for Ops {
             .ledger()
             .head(&rec.branch)?
             .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
+        let head = if req.reboot { self.reboot_mark(&rec.branch, &head)? } else { head };
         self.admit(&head, 1, false)?;
         let start = Instant::now();
         let pid = spawn_supervisor(self.home(), &id, &head, 1)?;

@@ -52,9 +52,9 @@ enum Command {
     /// Take a sandbox back to an earlier mark of its branch.
     Retake(cmd::sandbox::RetakeArgs),
     /// Mark a sandbox and release its CPU and memory.
-    Suspend(cmd::sandbox::SbxArgs),
+    Suspend(cmd::sandbox::SuspendArgs),
     /// Bring a suspended sandbox back from its last mark.
-    Resume(cmd::sandbox::SbxArgs),
+    Resume(cmd::sandbox::ResumeArgs),
     /// Stop every process of a running sandbox where it stands, memory kept (containerd's pause).
     Freeze(cmd::sandbox::SbxArgs),
     /// Continue a frozen sandbox.

@@ -199,10 +199,13 @@ fn guest_e2b_python_sdk_on_vm() {
     build_base(h, "vm");
     let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
     let s = serve(h);
-    let mut c = Command::new(py);
+    let mut c = Command::new(&py);
     // The whole flow; under TCG each restore is seconds, so this is the slow one.
     c.arg("sdk_flow.py");
     run_sdk(c, &s, &key, "minimal:vm", "python sdk on vm");
+    let mut c = Command::new(&py);
+    c.arg("pause_modes.py").env("HOME_DIR", "/root");
+    run_sdk(c, &s, &key, "minimal:vm", "pause modes on vm (a filesystem-only pause boots the guest's disk cold)");
     drop(s);
     nothing_left(h);
 }
@@ -244,6 +247,9 @@ fn guest_e2b_base_template_on_ct() {
     c.arg("api_parity.py");
     let what = "list filters, metrics, Template.exists, timeouts, PTY reattach, a kill under a command";
     run_sdk(c, &s, &key, "base", what);
+    let mut c = Command::new(&py);
+    c.arg("pause_modes.py");
+    run_sdk(c, &s, &key, "base", "full and filesystem-only pause, reboot, filesystem-only snapshot and auto-pause");
     drop(s);
     assert!(bases().contains("e2b-base"), "the first create built e2b-base's ct base: {}", bases());
     nothing_left(h);

@@ -50,12 +50,19 @@ pub enum Request {
         keep: bool,
         #[serde(default)]
         not_clean: bool,
+        /// The disk alone (clade_core::backend::MarkOptions::disk_only).
+        #[serde(default)]
+        disk_only: bool,
     },
     /// Take the sandbox back to `mark` (one of its branch's marks, or the mark it was forked from).
     Retake {
         mark: String,
     },
-    Suspend,
+    Suspend {
+        /// Keep the disk alone: the resume boots it cold (clade_core::backend::MarkOptions::disk_only).
+        #[serde(default)]
+        disk_only: bool,
+    },
     Kill,
     /// Start a process. Without `stream` the answer is `{"pid": n}` and its output is only seen by a later
     /// `proc_connect`; with `stream` the connection carries [`StreamEvent`] lines.

@@ -400,7 +400,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
             | Request::Freeze
             | Request::Thaw
             | Request::Kill
-            | Request::Suspend
+            | Request::Suspend { .. }
             | Request::ProcConnect { .. }
     );
     if sup.frozen.load(Ordering::SeqCst) && !serves_frozen {
@@ -449,7 +449,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         }
         Request::Mark { .. }
         | Request::Retake { .. }
-        | Request::Suspend
+        | Request::Suspend { .. }
         | Request::Kill
         | Request::Freeze
         | Request::Thaw
@@ -761,8 +761,8 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
         );
     }
     match req {
-        Request::Mark { label, keep, not_clean } => {
-            let opts = MarkOptions { label, not_clean };
+        Request::Mark { label, keep, not_clean, disk_only } => {
+            let opts = MarkOptions { label, not_clean, disk_only };
             let sbx = slot.as_mut().expect("checked above");
             let done = match sup.engine.mark_sandbox(sbx.as_mut(), &sup.id, &opts, keep) {
                 Ok(m) => (Response::ok(serde_json::to_value(&m).unwrap_or_default()), None),
@@ -776,7 +776,7 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
             sup.shed_store_later();
             done
         }
-        Request::Suspend => {
+        Request::Suspend { disk_only } => {
             let rec = sup.engine.ledger().sandbox(&sup.id);
             let branch = match rec {
                 Ok(r) => r.branch,
@@ -793,7 +793,7 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
             }
             sup.procs.forget_all("the sandbox was suspended");
             let start = Instant::now();
-            let opts = MarkOptions { label: Some("suspend".into()), not_clean: false };
+            let opts = MarkOptions { label: Some("suspend".into()), not_clean: false, disk_only };
             match sbx.suspend(&opts) {
                 Ok(state) => match sup.engine.record_mark(&branch, &state, &opts, false) {
                     Ok(m) => {

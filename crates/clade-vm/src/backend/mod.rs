@@ -13,6 +13,8 @@
 //!   proportional to what changed. The pages are stored after the guest runs again, as a complete manifest
 //!   derived from the root's.
 //!
+//! - **Disk-only mark** (`disk.rs`): the disk alone; its restore boots that disk cold.
+//!
 //! Each operation lives in a file of its own, as in clade-ct: `cold_start.rs` (a template's disk booted cold),
 //! `restore.rs` (a mark brought up; [`VmPrepared`]), `mark.rs` (mark of a cold sandbox and of a clone;
 //! [`MarkStats`]), `sandbox.rs` (the running [`VmSandbox`]) and `run_dir.rs` (a sandbox's run dir and the socket
@@ -20,6 +22,7 @@
 //! the helpers the operations share, and the `Backend` impl.
 
 mod cold_start;
+mod disk;
 mod mark;
 mod restore;
 mod run_dir;
@@ -348,10 +351,17 @@ impl Backend for VmBackend {
     }
 
     fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
+        if mark.boots_cold() {
+            return self.boot_disk(mark, id);
+        }
         self.prepare_vm(mark, id)?.start_vm()
     }
 
     fn prepare(&self, mark: &MarkState, id: &Identity) -> Result<Option<Box<dyn Prepared>>, BackendError> {
+        // A disk-only mark has nothing to prepare ahead: it boots.
+        if mark.boots_cold() {
+            return Ok(None);
+        }
         Ok(Some(Box::new(self.prepare_vm(mark, id)?)))
     }
 }

@@ -44,6 +44,11 @@ impl VmBackend {
         if mark.backend != BackendKind::Vm {
             return Err(failed("not a vm mark"));
         }
+        if mark.boots_cold() {
+            return Err(BackendError::Unsupported(
+                "a disk-only mark has no memory to prepare: restore it (it boots cold)".into(),
+            ));
+        }
         check_compat(&mark.compat, &self.compat(&mark.shape))?;
         let egress = crate::net::mark_egress(mark)?;
         let store = &self.inner.store;

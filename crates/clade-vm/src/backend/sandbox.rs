@@ -98,6 +98,9 @@ impl Sandbox for VmSandbox {
         self.qemu_pid().into_iter().collect()
     }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        if opts.disk_only {
+            return self.disk_mark(opts, false);
+        }
         // The guest's own preparations first (pre-mark.d hooks): they run before the pause.
         for warning in clade_core::hygiene::pre_mark(&self.agent, !opts.not_clean) {
             eprintln!("clade-vm: {}: mark goes on: {warning}", self.id);
@@ -108,7 +111,7 @@ impl Sandbox for VmSandbox {
         }
     }
     fn suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
-        let m = self.mark(opts)?;
+        let m = if opts.disk_only { self.disk_mark(opts, true)? } else { self.mark(opts)? };
         self.kill()?;
         Ok(m)
     }

@@ -10,7 +10,7 @@ use clade_core::backend::BackendKind;
 use clade_core::CladeHome;
 
 use clade_api::client::Remote;
-use clade_host::api::{ExecRequest, ForkRequest, MarkRequest, SandboxApi};
+use clade_host::api::{ExecRequest, ForkRequest, MarkRequest, ResumeRequest, SandboxApi, SuspendRequest};
 use clade_host::Ops;
 
 #[derive(clap::Args)]
@@ -62,6 +62,20 @@ pub struct MarkArgs {
     /// Keep state hygiene would disturb (e.g. a logged-in browser): restores skip identity and connection resets.
     #[arg(long)]
     pub not_clean: bool,
+    /// Keep the disk alone, not memory or processes: a sandbox from this mark boots its disk cold.
+    #[arg(long)]
+    pub disk_only: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct SuspendArgs {
+    pub sandbox: String,
+    /// Keep the disk alone: the processes end now and `resume` boots the disk cold (a new boot id), as after
+    /// a shutdown. Default: the whole sandbox, memory and processes included.
+    #[arg(long)]
+    pub disk_only: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -168,7 +182,7 @@ pub fn exec(a: ExecArgs) -> anyhow::Result<i32> {
 }
 
 pub fn mark(a: MarkArgs) -> anyhow::Result<i32> {
-    let req = MarkRequest { label: a.label, keep: a.keep, not_clean: a.not_clean };
+    let req = MarkRequest { label: a.label, keep: a.keep, not_clean: a.not_clean, disk_only: a.disk_only };
     let m = api()?.mark(&a.sandbox, &req)?;
     print(a.json, &m, |m| {
         let pause = m.pause_ms.map_or("null".to_string(), |p| p.to_string());
@@ -189,11 +203,11 @@ pub fn info(a: SbxArgs) -> anyhow::Result<i32> {
 /// A suspend of a sandbox holding at least this much shows progress (it writes about that much).
 const BIG_SUSPEND: u64 = 256 << 20;
 
-pub fn suspend(a: SbxArgs) -> anyhow::Result<i32> {
+pub fn suspend(a: SuspendArgs) -> anyhow::Result<i32> {
     let api = api()?;
     let rss = api.get(&a.sandbox).ok().and_then(|i| i.live).map_or(0, |l| l.rss);
-    let call = || api.suspend(&a.sandbox);
-    let m = if rss >= BIG_SUSPEND {
+    let call = || api.suspend_with(&a.sandbox, &SuspendRequest { disk_only: a.disk_only });
+    let m = if rss >= BIG_SUSPEND && !a.disk_only {
         super::progress::around(&format!("suspending {} ({} MiB resident)", a.sandbox, rss >> 20), call)?
     } else {
         call()?
@@ -233,8 +247,18 @@ pub fn kill(a: KillArgs) -> anyhow::Result<i32> {
     print(a.json, &k, |_| format!("{sandbox} killed"))
 }
 
-pub fn resume(a: SbxArgs) -> anyhow::Result<i32> {
-    let r = api()?.resume(&a.sandbox)?;
+#[derive(clap::Args)]
+pub struct ResumeArgs {
+    pub sandbox: String,
+    /// Boot its disk cold instead of restoring its memory: its files as suspended, new processes, a new boot id.
+    #[arg(long)]
+    pub reboot: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn resume(a: ResumeArgs) -> anyhow::Result<i32> {
+    let r = api()?.resume_with(&a.sandbox, &ResumeRequest { reboot: a.reboot })?;
     let ok = r.ok;
     print(a.json, &r, |r| match &r.error {
         None => format!("{} resumed from {} in {:.0} ms", a.sandbox, r.mark, r.resume_ms),

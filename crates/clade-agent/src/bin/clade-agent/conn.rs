@@ -20,17 +20,40 @@ use std::sync::Arc;
 
 /// The writing half of a connection, shared by every thread that answers on it.
 pub struct Conn {
-    w: Mutex<Box<dyn Write + Send>>,
-    /// The same stream as an fd for `sendfile` (file reads skip a copy through user space).
-    fd: Option<OwnedFd>,
+    w: Mutex<Out>,
     sendfile_ok: AtomicBool,
     /// The boot id as of this connection's start ([`sys::boot_id`]).
     boot_id: String,
 }
 
+/// Where a connection's answers go: the stream, and the same stream as an fd for `sendfile` (file reads skip
+/// a copy through user space). Both are dropped when the host hangs up ([`Conn::close`]).
+struct Out {
+    w: Box<dyn Write + Send>,
+    fd: Option<OwnedFd>,
+}
+
+impl Write for Out {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.w.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.w.flush()
+    }
+}
+
 impl Conn {
     pub fn new(w: Box<dyn Write + Send>, fd: Option<OwnedFd>) -> Conn {
-        Conn { w: Mutex::new(w), fd, sendfile_ok: AtomicBool::new(true), boot_id: sys::boot_id() }
+        Conn { w: Mutex::new(Out { w, fd }), sendfile_ok: AtomicBool::new(true), boot_id: sys::boot_id() }
+    }
+
+    /// The host hung up: close the stream now, though processes started on it still hold this connection
+    /// for their events (they go nowhere until a host attaches again). A sandbox holding no socket of the
+    /// host's can be checkpointed (a ct mark with a background command running).
+    pub fn close(&self) {
+        let mut out = self.w.lock();
+        out.w = Box::new(std::io::sink());
+        out.fd = None;
     }
 
     /// Sends `n` bytes of `f` from `off` as one `Data` frame on [`Chan::File`]: `sendfile` where the
@@ -40,7 +63,8 @@ impl Conn {
         let mut w = self.w.lock();
         w.write_all(&wire::encode_header(Kind::Data, Chan::File, 0, id, n))?;
         let mut sent = 0usize;
-        if let (Some(fd), true) = (&self.fd, self.sendfile_ok.load(Ordering::Relaxed)) {
+        let ok = self.sendfile_ok.load(Ordering::Relaxed);
+        if let (Some(fd), true) = (w.fd.as_ref(), ok) {
             while sent < n {
                 let mut o = (off + sent as u64) as libc::off_t;
                 match nix::sys::sendfile::sendfile(fd, f, Some(&mut o), n - sent) {
@@ -146,6 +170,7 @@ pub fn serve(agent: &Arc<Agent>, r: impl Read, w: Box<dyn Write + Send>, fd: Opt
             }
         }
     }
+    conn.close();
     for (_, w) in writes.drain() {
         w.abandon();
     }

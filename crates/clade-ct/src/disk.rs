@@ -1,0 +1,157 @@
+//! Disk-only marks (E2B's filesystem-only pause and snapshot; docs/ct.md, "Disk-only marks"): the sandbox's
+//! overlay upper and the names of its lower layers, no CRIU images. A suspend ends the processes first and
+//! stores the upper as they left it; a mark of a running sandbox freezes it only for a copy of the upper. The
+//! restore of such a mark is a cold boot ([`boot_disk`]): a fresh init on the same layers, with empty /dev and
+//! /run and a new boot id, as a machine that was shut down and started again.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use clade_core::backend::{BackendError, BackendKind, Identity, MarkOptions, MarkState, BOOT_COLD, ROLE_BOOT};
+
+use crate::sandbox::{no_new_privs_of, BootSpec, CtSandbox, ROLE_ROOTFS, ROLE_UPPER};
+use crate::CtBackend;
+
+fn failed(e: String) -> BackendError {
+    BackendError::Failed(e)
+}
+
+impl CtSandbox {
+    /// A disk-only mark of the running sandbox: frozen while its upper is copied, then thawed.
+    pub(crate) fn disk_mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        for warning in clade_core::hygiene::pre_mark(&self.agent, !opts.not_clean) {
+            eprintln!("clade-ct: {}: mark goes on: {warning}", self.id);
+        }
+        // Frozen, no process writes while the copy runs (the page cache is the host's: what they wrote is there).
+        let t0 = Instant::now();
+        let cg = self.res.cgroup.as_ref().ok_or_else(|| failed("this sandbox has no cgroup to freeze".into()))?;
+        cg.freeze(true).map_err(failed)?;
+        self.dumps += 1;
+        let copy = self.res.rw().join(format!("disk-{}", self.dumps));
+        let copied = copy_tree(&self.upper_dir(), &copy);
+        if let Err(e) = cg.freeze(false) {
+            let _ = std::fs::remove_dir_all(&copy);
+            return Err(failed(format!("thaw after copying the upper: {e}")));
+        }
+        let pause = t0.elapsed();
+        copied?;
+        let stored = self.store_disk(&copy, pause, opts);
+        let _ = std::fs::remove_dir_all(&copy);
+        stored
+    }
+
+    /// A disk-only suspend: the processes end (as at a power-off), then the upper they left is stored and
+    /// everything else released.
+    pub(crate) fn disk_suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        let t0 = Instant::now();
+        self.end_processes();
+        let upper = self.upper_dir();
+        let state = self.store_disk(&upper, t0.elapsed(), opts)?;
+        self.res.release().map_err(failed)?;
+        Ok(state)
+    }
+
+    /// Kill the sandbox's init (which ends its PID namespace) and wait for it; the mounts on the host stay.
+    fn end_processes(&mut self) {
+        if let Some(pid) = self.res.init.take() {
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            crate::resources::reap(pid, std::time::Duration::from_secs(5));
+        }
+        // Its other tasks go with the namespace; wait until the cgroup holds none, so nothing writes any more.
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while !clade_core::backend::Sandbox::pids(self).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
+    fn store_disk(
+        &mut self,
+        upper: &Path,
+        pause: std::time::Duration,
+        opts: &MarkOptions,
+    ) -> Result<MarkState, BackendError> {
+        let tree = self.store.put_dir(upper).map_err(|e| failed(format!("store the upper: {e}")))?;
+        let mut manifests: BTreeMap<String, String> = [
+            (ROLE_UPPER.to_string(), tree.id.to_hex()),
+            (ROLE_ROOTFS.to_string(), self.lower.clone()),
+            (ROLE_BOOT.to_string(), BOOT_COLD.to_string()),
+        ]
+        .into();
+        self.record_boot_facts(&mut manifests);
+        Ok(MarkState {
+            backend: BackendKind::Ct,
+            manifests,
+            compat: self.compat.clone(),
+            shape: self.shape.clone(),
+            logical_bytes: tree.data.size,
+            stored_bytes: tree.data.bytes_stored + tree.tree_bytes,
+            pause,
+            clean: !opts.not_clean,
+        })
+    }
+}
+
+/// `cp -a` of a directory (an upper: whiteouts, xattrs and owners kept) to `to`, removed again on failure.
+pub(crate) fn copy_tree(from: &Path, to: &Path) -> Result<(), BackendError> {
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg("-T")
+        .arg(from)
+        .arg(to)
+        .output()
+        .map_err(|e| failed(format!("run cp: {e}")))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_dir_all(to);
+        return Err(failed(format!(
+            "copy the upper {} to {}: {}",
+            from.display(),
+            to.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Boot a disk-only mark cold: its lower layers (the agent's layer replaced by this host's current one) and a
+/// copy of its upper, a fresh init, the network its mark records.
+pub(crate) fn boot_disk(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<CtSandbox, BackendError> {
+    if mark.backend != BackendKind::Ct {
+        return Err(failed(format!("not a ct mark (a {} one)", mark.backend.as_str())));
+    }
+    let upper = mark
+        .manifests
+        .get(ROLE_UPPER)
+        .ok_or_else(|| BackendError::Corrupt("the disk-only mark has no 'upper' entry".into()))?;
+    let upper =
+        upper.parse().map_err(|_| BackendError::Corrupt(format!("the mark's upper {upper:?} is not a tree id")))?;
+    b.store.tree(&upper).map_err(|e| BackendError::Corrupt(format!("tree {upper}: {e}")))?;
+    let named =
+        mark.manifests.get(ROLE_ROOTFS).ok_or_else(|| BackendError::Corrupt("the mark names no rootfs".into()))?;
+    let lower = current_agent_layer(b, named)?;
+    let egress = matches!(crate::net::mark_net(mark)?, crate::net::MarkNet::Egress);
+    let spec = BootSpec { lower, upper: Some(upper), shape: &mark.shape, egress, no_new_privs: no_new_privs_of(mark) };
+    crate::sandbox::boot(b, &spec, id)
+}
+
+/// `lowers` with its first entry, when that is an agent layer of this host (`$CLADE_HOME/cache/ct-agent/...`),
+/// replaced by the current agent's: a boot runs the agent this host has now. Other entries must exist.
+fn current_agent_layer(b: &CtBackend, lowers: &str) -> Result<String, BackendError> {
+    let agents = b.home.cache_dir().join("ct-agent");
+    let current = crate::sandbox::agent_layer(&b.home, &b.cfg.agent_bin)?.display().to_string();
+    let mut out = Vec::new();
+    for entry in lowers.split(':').filter(|e| !e.is_empty()) {
+        if Path::new(entry).starts_with(&agents) {
+            out.push(current.clone());
+        } else if crate::lower::tree_of(entry).is_none() && !Path::new(entry).is_dir() {
+            return Err(failed(format!(
+                "the mark's lower layer {entry} is gone: rebuild the template it was taken from"
+            )));
+        } else {
+            out.push(entry.to_string());
+        }
+    }
+    Ok(out.join(":"))
+}
