@@ -483,6 +483,29 @@ impl AgentClient {
         self.done(Request::Rename { from: from.into(), to: to.into() }, "rename")
     }
 
+    /// Watches a directory (inotify in the agent; its subdirectories too when `recursive`): the watch's id.
+    pub fn watch_start(&self, path: &str, recursive: bool) -> Result<u64> {
+        match self.call_for(&Request::WatchStart { path: path.into(), recursive }, "watch_start", self.inner.timeout)? {
+            Reply::Watch { watch } => Ok(watch),
+            r => Err(unexpected("watch_start", r)),
+        }
+    }
+
+    /// A watch's events since the last call, waiting up to `wait` for one when none are queued; `true` when
+    /// some may be missing before them.
+    pub fn watch_events(&self, watch: u64, wait: Duration) -> Result<(Vec<WatchEvent>, bool)> {
+        let req = Request::WatchEvents { watch, wait_ms: wait.as_millis() as u64 };
+        match self.call_for(&req, "watch_events", self.inner.timeout + wait)? {
+            Reply::WatchEvents { events, lost } => Ok((events, lost)),
+            r => Err(unexpected("watch_events", r)),
+        }
+    }
+
+    /// Ends a watch.
+    pub fn watch_stop(&self, watch: u64) -> Result<()> {
+        self.done(Request::WatchStop { watch }, "watch_stop")
+    }
+
     /// Changes permission bits.
     pub fn chmod(&self, path: &str, mode: u32) -> Result<()> {
         self.done(Request::Chmod { path: path.into(), mode }, "chmod")

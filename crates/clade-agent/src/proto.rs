@@ -156,6 +156,28 @@ pub enum Request {
         /// Give up after this many milliseconds.
         timeout_ms: u64,
     },
+    /// Watches a directory (inotify): replies [`Reply::Watch`] with its id. Events queue in the agent until
+    /// `watch_events` takes them.
+    WatchStart {
+        /// Absolute path of a directory.
+        path: String,
+        /// Its subdirectories too, those made later included.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// Takes a watch's queued events, waiting up to `wait_ms` for the first: replies [`Reply::WatchEvents`].
+    WatchEvents {
+        /// The watch's id.
+        watch: u64,
+        /// Milliseconds to wait when none are queued (0: answer at once).
+        #[serde(default)]
+        wait_ms: u64,
+    },
+    /// Ends a watch: replies [`Reply::Done`].
+    WatchStop {
+        /// The watch's id.
+        watch: u64,
+    },
 }
 
 fn one() -> u32 {
@@ -207,6 +229,9 @@ impl Request {
         "net_reset",
         "write_env",
         "wait_ready",
+        "watch_start",
+        "watch_events",
+        "watch_stop",
     ];
 }
 
@@ -354,8 +379,46 @@ pub enum Reply {
         /// Milliseconds waited.
         waited_ms: u64,
     },
+    /// To `watch_start`.
+    Watch {
+        /// The watch's id (for `watch_events` and `watch_stop`).
+        watch: u64,
+    },
+    /// To `watch_events`.
+    WatchEvents {
+        /// In the order they happened.
+        events: Vec<WatchEvent>,
+        /// Events may be missing before these: the kernel's queue overflowed, or the watch was re-armed after
+        /// a mark of a ct sandbox (an inotify descriptor cannot be checkpointed).
+        #[serde(default)]
+        lost: bool,
+    },
     /// To operations with nothing to report.
     Done,
+}
+
+/// What happened to an entry of a watched directory (inotify's events, as E2B's envd names them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    /// Made (`IN_CREATE`).
+    Create,
+    /// Written (`IN_MODIFY`).
+    Write,
+    /// Its mode, owner, times or extended attributes changed (`IN_ATTRIB`).
+    Chmod,
+    /// Removed (`IN_DELETE`).
+    Remove,
+    /// Renamed away or into place (`IN_MOVED_FROM`, `IN_MOVED_TO`).
+    Rename,
+}
+
+/// One event of a watch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// The entry's path relative to the watched directory (`sub/file` in a recursive watch).
+    pub name: String,
+    pub kind: WatchKind,
 }
 
 /// The agent's answer to `hello`.
@@ -613,6 +676,12 @@ pub enum AgentError {
     NoSuchProcess {
         /// The pid.
         pid: u32,
+    },
+    /// The watch is not one of this agent's, or it was stopped.
+    #[error("no watch {watch} in this sandbox (stopped, or never started): start another")]
+    NoSuchWatch {
+        /// The watch's id.
+        watch: u64,
     },
     /// A wait ran out of time.
     #[error("{what} not ready after {waited_ms} ms")]

@@ -389,6 +389,22 @@ impl SandboxApi for Remote {
         self.proc_post(sandbox, pid, "resize", &serde_json::json!({"rows": rows, "cols": cols}))
     }
 
+    fn watch_start(&self, sandbox: &str, path: &str, recursive: bool) -> anyhow::Result<u64> {
+        let req = WatchRequest { path: path.into(), recursive };
+        let v: serde_json::Value =
+            self.typed("POST", &format!("/v1/sandboxes/{}/watches", seg(sandbox)), Some(&req))?;
+        v["watch"].as_u64().ok_or_else(|| anyhow!("clade serve's answer to a watch has no id"))
+    }
+
+    fn watch_events(&self, sandbox: &str, watch: u64, wait_ms: u64) -> anyhow::Result<WatchBatch> {
+        self.typed("GET", &format!("/v1/sandboxes/{}/watches/{watch}?wait_ms={wait_ms}", seg(sandbox)), NO_BODY)
+    }
+
+    fn watch_stop(&self, sandbox: &str, watch: u64) -> anyhow::Result<()> {
+        let route = format!("/v1/sandboxes/{}/watches/{watch}", seg(sandbox));
+        self.typed::<serde_json::Value>("DELETE", &route, NO_BODY).map(|_| ())
+    }
+
     fn stat(&self, sandbox: &str, path: &str) -> anyhow::Result<FileStat> {
         self.typed("GET", &format!("/v1/sandboxes/{}/fs/stat?path={}", seg(sandbox), encode(path)), NO_BODY)
     }

@@ -322,6 +322,23 @@ impl SandboxApi for Fake {
         self.state.lock().running(sandbox).map(|_| ())
     }
 
+    /// The fake's watches see nothing happen (its files change only through the API).
+    fn watch_start(&self, sandbox: &str, _path: &str, _recursive: bool) -> anyhow::Result<u64> {
+        self.state.lock().running(sandbox).map(|_| 1)
+    }
+
+    fn watch_events(&self, sandbox: &str, watch: u64, _wait_ms: u64) -> anyhow::Result<WatchBatch> {
+        self.state.lock().running(sandbox)?;
+        if watch != 1 {
+            return Err(not_found(format!("no watch {watch}")));
+        }
+        Ok(WatchBatch::default())
+    }
+
+    fn watch_stop(&self, sandbox: &str, _watch: u64) -> anyhow::Result<()> {
+        self.state.lock().running(sandbox).map(|_| ())
+    }
+
     fn stat(&self, sandbox: &str, path: &str) -> anyhow::Result<FileStat> {
         let mut st = self.state.lock();
         st.running(sandbox)?;

@@ -31,5 +31,6 @@ mod openapi_check;
 pub mod routes;
 pub mod server;
 pub mod status;
+mod watches;
 
 pub use doors::load_or_create_key;

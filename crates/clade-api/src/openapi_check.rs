@@ -87,6 +87,12 @@ fn row() -> SandboxRow {
     }
 }
 
+fn watch_batch() -> WatchBatch {
+    let event = |name: &str, kind| clade_agent::proto::WatchEvent { name: name.into(), kind };
+    use clade_agent::proto::WatchKind;
+    WatchBatch { events: vec![event("a", WatchKind::Create), event("d/b", WatchKind::Rename)], lost: false }
+}
+
 fn mark_row() -> MarkRow {
     MarkRow {
         id: MarkId::new("m-1"),
@@ -225,6 +231,9 @@ fn samples() -> Vec<(&'static str, &'static str, &'static str, Value)> {
         ("get", "/v1/sandboxes/{id}/fs/stat", "200", v(&stat())),
         ("get", "/v1/sandboxes/{id}/fs/list", "200", json!({ "entries": [v(&entry)] })),
         ("get", "/v1/sandboxes/{id}/processes", "200", json!({ "processes": v(&procs) })),
+        ("post", "/v1/sandboxes/{id}/watches", "201", json!({"watch": 1})),
+        ("get", "/v1/sandboxes/{id}/watches/{watch}", "200", v(&watch_batch())),
+        ("delete", "/v1/sandboxes/{id}/watches/{watch}", "200", json!({"stopped": 1})),
     ]
 }
 

@@ -46,6 +46,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/processes/{pid}/close_stdin"),
     ("post", "/v1/sandboxes/{id}/processes/{pid}/signal"),
     ("post", "/v1/sandboxes/{id}/processes/{pid}/resize"),
+    ("post", "/v1/sandboxes/{id}/watches"),
+    ("get", "/v1/sandboxes/{id}/watches/{watch}"),
+    ("delete", "/v1/sandboxes/{id}/watches/{watch}"),
     ("get", "/v1/sandboxes/{id}/marks"),
     ("post", "/v1/sandboxes/{id}/marks"),
     ("post", "/v1/sandboxes/{id}/retake"),
@@ -110,7 +113,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/pull", post(pull))
         .route("/v1/roam", get(roam_list))
         .route("/v1/hosts", get(hosts_list));
-    crate::inside::routes(r).with_state(app)
+    crate::watches::routes(crate::inside::routes(r)).with_state(app)
 }
 
 async fn openapi() -> Response {

@@ -1,7 +1,8 @@
 //! envd, the daemon E2B runs inside each sandbox, answered from outside it: `process.Process` and
 //! `filesystem.Filesystem` over Connect (JSON codec), `GET/POST /files`, `GET /health`. Users come from
 //! `Authorization: Basic <user:>` as envd reads them (default: the configured user); relative paths resolve
-//! against the user's home. Directory watches poll (every 250 ms) and diff listings.
+//! against the user's home. Directory watches are the sandbox's own (inotify in its agent); a sandbox whose
+//! agent predates them is polled (every 250 ms) and its listings diffed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
@@ -23,7 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::api::header_str;
 use crate::connect::{self, Code, RpcError};
-use crate::host::{Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status, Upload};
+use crate::host::{Change, Entry, Host, HostError, Kind, ProcEvent, ProcSpec, Status, Upload};
 use crate::state::{random_hex, rfc3339_ns};
 use crate::App;
 
@@ -1183,7 +1184,7 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
                     format!("watcher {} not found", r.watcher_id),
                 )));
             };
-            let evs = w.poll(&app).await;
+            let evs = w.next(&app, 0).await;
             app.watchers.lock().insert(r.watcher_id.clone(), w);
             connect::unary(evs.map(|evs| json!({"events": evs.iter().map(|e| e.json(&users)).collect::<Vec<_>>()})))
         }
@@ -1202,14 +1203,29 @@ async fn filesystem<H: Host>(State(app): State<Arc<App<H>>>, Path(method): Path<
     }
 }
 
-/// A polling directory watch: the previous listing, diffed against each new one.
+/// A directory watch: the sandbox's own (inotify in its agent) where the host offers one, else a polling one
+/// (the previous listing, diffed against each new one: a sandbox whose agent predates watches).
 pub struct Watcher {
     sandbox: String,
     path: String,
     depth: u32,
     /// Events carry the entry they are about (`include_entry`, envd >= 0.6.3).
     with_entry: bool,
+    /// The sandbox's watch, and what ends it when this watcher goes (a stopped stream, `RemoveWatcher`).
+    inside: Option<(u64, Option<StopWatch>)>,
     seen: HashMap<String, Entry>,
+}
+
+/// Ends a watch inside the sandbox.
+type StopWatch = Box<dyn FnOnce() + Send>;
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(stop) = self.inside.as_mut().and_then(|(_, s)| s.take()) {
+            // Off the async runtime: the stop is a request to the sandbox.
+            std::thread::spawn(stop);
+        }
+    }
 }
 
 struct FsEvent {
@@ -1254,8 +1270,44 @@ impl Watcher {
             return Err(RpcError::new(Code::InvalidArgument, format!("path {path} is not a directory")));
         }
         let depth = if recursive { 32 } else { 1 };
-        let seen = Self::listing(app, sandbox, path, depth).await?;
-        Ok(Watcher { sandbox: sandbox.into(), path: path.trim_end_matches('/').to_string(), depth, with_entry, seen })
+        let path = path.trim_end_matches('/').to_string();
+        let (i, p) = (sandbox.to_string(), path.clone());
+        if let Some(watch) = call(app, move |h| h.watch_start(&i, &p, recursive)).await? {
+            let (a, i) = (app.clone(), sandbox.to_string());
+            let stop: StopWatch = Box::new(move || {
+                let _ = a.host.watch_stop(&i, watch);
+            });
+            let inside = Some((watch, Some(stop)));
+            return Ok(Watcher { sandbox: sandbox.into(), path, depth, with_entry, inside, seen: HashMap::new() });
+        }
+        let seen = Self::listing(app, sandbox, &path, depth).await?;
+        Ok(Watcher { sandbox: sandbox.into(), path, depth, with_entry, inside: None, seen })
+    }
+
+    /// New events, waiting up to `wait_ms` for one (a watch inside the sandbox; a polling one answers at once).
+    async fn next<H: Host>(&mut self, app: &Arc<App<H>>, wait_ms: u64) -> Result<Vec<FsEvent>, RpcError> {
+        let Some((watch, _)) = &self.inside else { return self.poll(app).await };
+        let (i, w) = (self.sandbox.clone(), *watch);
+        let (changes, _lost) = call(app, move |h| h.watch_events(&i, w, wait_ms)).await?;
+        let mut out = Vec::with_capacity(changes.len());
+        for c in changes {
+            let kind = match c.change {
+                Change::Create => "EVENT_TYPE_CREATE",
+                Change::Write => "EVENT_TYPE_WRITE",
+                Change::Chmod => "EVENT_TYPE_CHMOD",
+                Change::Remove => "EVENT_TYPE_REMOVE",
+                Change::Rename => "EVENT_TYPE_RENAME",
+            };
+            // The entry as it is now, where there is one (not after a removal or a rename away).
+            let entry = if self.with_entry && c.change != Change::Remove {
+                let (i, p) = (self.sandbox.clone(), format!("{}/{}", self.path, c.name));
+                call(app, move |h| h.stat(&i, &p)).await.ok()
+            } else {
+                None
+            };
+            out.push(FsEvent { name: c.name, kind, entry });
+        }
+        Ok(out)
     }
 
     async fn poll<H: Host>(&mut self, app: &Arc<App<H>>) -> Result<Vec<FsEvent>, RpcError> {
@@ -1312,8 +1364,11 @@ fn watch_stream<H: Host>(app: Arc<App<H>>, w: Watcher, users: Arc<Users>) -> Res
                     if let Some(v) = queue.pop_front() {
                         return Some((Ok(v), (None, w, queue, false)));
                     }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                    match w.poll(&app).await {
+                    // A watch inside the sandbox waits there for its next event; a polling one every 250 ms.
+                    if w.inside.is_none() {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    match w.next(&app, 1000).await {
                         Ok(evs) => queue.extend(evs.iter().map(|e| json!({"filesystem": e.json(&users)}))),
                         Err(e) => return Some((Err(e), (None, w, queue, true))),
                     }

@@ -107,6 +107,23 @@ pub struct Entry {
     pub xattrs: BTreeMap<String, String>,
 }
 
+/// What a watch saw happen to an entry (envd's event types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Create,
+    Write,
+    Chmod,
+    Remove,
+    Rename,
+}
+
+/// One event of a watch: the entry's path relative to the watched directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    pub name: String,
+    pub change: Change,
+}
+
 /// How an upload is written: who owns the file (and the parents made for it), and its `user.` extended
 /// attributes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -176,6 +193,20 @@ pub trait Host: Send + Sync + 'static {
     fn proc_close_stdin(&self, id: &str, pid: u32) -> HostResult<()>;
     fn proc_signal(&self, id: &str, pid: u32, signal: i32) -> HostResult<()>;
     fn proc_resize(&self, id: &str, pid: u32, rows: u16, cols: u16) -> HostResult<()>;
+
+    /// Watch a directory inside the sandbox as it changes (inotify in the sandbox): the watch's id. `None`: this
+    /// host or sandbox cannot (an agent older than watches), and the E2B face polls listings instead.
+    fn watch_start(&self, _id: &str, _path: &str, _recursive: bool) -> HostResult<Option<u64>> {
+        Ok(None)
+    }
+    /// A watch's events since the last call (waiting up to `wait_ms` for one), and whether some may be
+    /// missing before them.
+    fn watch_events(&self, _id: &str, watch: u64, _wait_ms: u64) -> HostResult<(Vec<Changed>, bool)> {
+        Err(HostError::NotFound(format!("watch {watch}")))
+    }
+    fn watch_stop(&self, _id: &str, _watch: u64) -> HostResult<()> {
+        Ok(())
+    }
 
     fn stat(&self, id: &str, path: &str) -> HostResult<Entry>;
     /// Entries below `path` down to `depth` levels (1: its own entries).

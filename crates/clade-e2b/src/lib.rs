@@ -21,8 +21,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use host::{
-    Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot, Started, Status,
-    Upload, Usage,
+    Change, Changed, Entry, Host, HostError, HostResult, Kind, ProcEvent, ProcInfo, ProcSpec, ProcStream, Snapshot,
+    Started, Status, Upload, Usage,
 };
 
 /// Settings of the E2B layer.
@@ -30,7 +30,7 @@ pub use host::{
 pub struct Config {
     /// The envd version reported to SDKs: it selects their code paths. 0.6.4: default user, stdin,
     /// octet-stream uploads, file metadata (0.6.2), entry info in watch events (0.6.3), watches that allow
-    /// network mounts (0.6.4; clade's watches poll, so any mount is watched the same way).
+    /// network mounts (0.6.4: inotify in the sandbox's agent sees what the sandbox's own kernel sees of a mount).
     pub envd_version: String,
     /// The user processes and files run as when a request names none, where the sandbox has it (E2B's `user`,
     /// home /home/user); a sandbox without it runs such requests as root.

@@ -260,6 +260,25 @@ pub struct MarkRequest {
     pub disk_only: bool,
 }
 
+/// Events of a directory watch ([`SandboxApi::watch_events`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WatchBatch {
+    /// In the order they happened; names relative to the watched directory.
+    pub events: Vec<clade_agent::proto::WatchEvent>,
+    /// Some may be missing before these (the kernel's queue overflowed, or a ct mark re-armed the watch).
+    #[serde(default)]
+    pub lost: bool,
+}
+
+/// Start a directory watch.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchRequest {
+    pub path: String,
+    #[serde(default)]
+    pub recursive: bool,
+}
+
 /// Resume a suspended sandbox.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -517,6 +536,12 @@ pub trait SandboxApi: Send + Sync {
     /// kept (containerd's Pause); until [`SandboxApi::thaw`] only `get`, attaching to a process's events, `thaw`,
     /// `kill` and `suspend` (which thaws it first) are served, the rest refused as a conflict.
     fn freeze(&self, sandbox: &str) -> anyhow::Result<()>;
+    /// Watch a directory of the sandbox (inotify inside; its subdirectories too when `recursive`): the watch's
+    /// id. Its events queue inside the sandbox until [`SandboxApi::watch_events`] takes them.
+    fn watch_start(&self, sandbox: &str, path: &str, recursive: bool) -> anyhow::Result<u64>;
+    /// The watch's events since the last call, waiting up to `wait_ms` (at most 60 s) for one.
+    fn watch_events(&self, sandbox: &str, watch: u64, wait_ms: u64) -> anyhow::Result<WatchBatch>;
+    fn watch_stop(&self, sandbox: &str, watch: u64) -> anyhow::Result<()>;
 
     /// Continue a sandbox after [`SandboxApi::freeze`].
     fn thaw(&self, sandbox: &str) -> anyhow::Result<()>;

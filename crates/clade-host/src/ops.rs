@@ -440,6 +440,19 @@ impl SandboxApi for Ops {
         self.sup_call(sandbox, &Request::SetEgress { rules: rules.clone() }).map(|_| ())
     }
 
+    fn watch_start(&self, sandbox: &str, path: &str, recursive: bool) -> anyhow::Result<u64> {
+        let v = self.sup_call(sandbox, &Request::WatchStart { path: path.into(), recursive })?;
+        answer(v["watch"].clone(), "watch_start")
+    }
+
+    fn watch_events(&self, sandbox: &str, watch: u64, wait_ms: u64) -> anyhow::Result<WatchBatch> {
+        answer(self.sup_call(sandbox, &Request::WatchEvents { watch, wait_ms: wait_ms.min(60_000) })?, "watch_events")
+    }
+
+    fn watch_stop(&self, sandbox: &str, watch: u64) -> anyhow::Result<()> {
+        self.sup_call(sandbox, &Request::WatchStop { watch }).map(|_| ())
+    }
+
     fn freeze(&self, sandbox: &str) -> anyhow::Result<()> {
         self.sup_call(sandbox, &Request::Freeze).map(|_| ())
     }

@@ -89,6 +89,21 @@ pub enum Request {
         rows: u16,
         cols: u16,
     },
+    /// Watch a directory: `{"watch": id}` (clade_agent's `watch_start`).
+    WatchStart {
+        path: String,
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// `{"events": [clade_agent::proto::WatchEvent], "lost": bool}`, waiting up to `wait_ms` for one.
+    WatchEvents {
+        watch: u64,
+        #[serde(default)]
+        wait_ms: u64,
+    },
+    WatchStop {
+        watch: u64,
+    },
     /// `clade_agent::proto::FileStat` of a path (not following a final symlink).
     Stat {
         path: String,

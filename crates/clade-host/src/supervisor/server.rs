@@ -544,7 +544,9 @@ fn write_stream(sup: &Supervisor, src: &mut impl Read, path: &str, opts: &WriteO
 pub fn agent_kind(e: &ClientError) -> ErrorKind {
     match e {
         ClientError::Agent(a) => match a {
-            AgentError::NotFound { .. } | AgentError::NoSuchProcess { .. } => ErrorKind::NotFound,
+            AgentError::NotFound { .. } | AgentError::NoSuchProcess { .. } | AgentError::NoSuchWatch { .. } => {
+                ErrorKind::NotFound
+            }
             AgentError::BadPath { .. } | AgentError::BadRequest { .. } | AgentError::IsADirectory { .. } => {
                 ErrorKind::Invalid
             }
@@ -669,6 +671,20 @@ fn shared(sup: &Supervisor, agent: &AgentClient, req: Request) -> Response {
         Request::ProcCloseStdin { pid } => known(sup, pid, || agent.close_stdin(pid), "close stdin"),
         Request::ProcSignal { pid, signal } => known(sup, pid, || agent.signal(pid, signal), "signal"),
         Request::ProcResize { pid, rows, cols } => known(sup, pid, || agent.resize(pid, rows, cols), "resize"),
+        Request::WatchStart { path, recursive } => match agent.watch_start(&path, recursive) {
+            Ok(watch) => Response::ok(serde_json::json!({"watch": watch})),
+            Err(e) => client_err(&format!("watch {path}"), e),
+        },
+        Request::WatchEvents { watch, wait_ms } => {
+            match agent.watch_events(watch, std::time::Duration::from_millis(wait_ms.min(60_000))) {
+                Ok((events, lost)) => Response::ok(serde_json::json!({"events": events, "lost": lost})),
+                Err(e) => client_err(&format!("watch {watch}"), e),
+            }
+        }
+        Request::WatchStop { watch } => match agent.watch_stop(watch) {
+            Ok(()) => Response::ok(serde_json::json!({"stopped": watch})),
+            Err(e) => client_err(&format!("watch {watch}"), e),
+        },
         Request::Stat { path } => match agent.stat(&path) {
             Ok(st) => Response::ok(serde_json::to_value(st).unwrap_or_default()),
             Err(e) => client_err(&format!("stat {path}"), e),

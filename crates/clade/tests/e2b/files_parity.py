@@ -91,5 +91,25 @@ created = [e for e in evs if e.name == "f.txt" and e.entry is not None]
 check("a watch event carries the entry", created and created[0].entry.owner == "user", repr(evs))
 h.stop()
 
+# Watch events as they happen (inotify in the sandbox, no polling delay): an upload of a new file is a create,
+# a write and a chmod (its owner), as envd reports it; a nested directory made after the watch started is
+# followed; a command's changes are seen as well as the API's.
+sbx.files.make_dir("w2/nested")
+h = sbx.files.watch_dir("w2", recursive=True)
+sbx.files.write("w2/nested/a.txt", "hello")
+evs = h.get_new_events()
+kinds = sorted(e.type.name for e in evs)
+check("an upload: create, write, chmod at once", [e.name for e in evs][:1] == ["nested/a.txt"]
+      and kinds == ["CHMOD", "CREATE", "WRITE"], repr(evs))
+sbx.files.write("w2/nested/a.txt", "again")
+evs = h.get_new_events()
+check("an overwrite: no create", any(e.type.name == "WRITE" for e in evs)
+      and not any(e.type.name == "CREATE" for e in evs), repr(evs))
+sbx.commands.run("mkdir /home/user/w2/later && echo x > /home/user/w2/later/b && rm /home/user/w2/nested/a.txt")
+evs = [(e.name, e.type.name) for e in h.get_new_events()]
+check("a command's changes, a new directory followed", ("later", "CREATE") in evs and ("later/b", "CREATE") in evs
+      and ("nested/a.txt", "REMOVE") in evs, repr(evs))
+h.stop()
+
 sbx.kill()
 print("all passed")

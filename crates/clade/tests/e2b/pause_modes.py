@@ -43,11 +43,16 @@ boot = s.files.read(BOOT_ID).strip()
 check("a sandbox has a boot id of its own", len(boot) == 36, repr(boot))
 start_sleeper(s)
 s.files.write(f"{HOME}/full.txt", "full")
+w = s.files.watch_dir(HOME)
 check("full pause", s.pause())
 check("paused", not s.is_running())
 r = s.connect()
 check("full resume: the same boot", r.files.read(BOOT_ID).strip() == boot)
 check("full resume: its processes", sleeper_running(r))
+r.files.write(f"{HOME}/after-resume.txt", "w")
+evs = [(e.name, e.type.name) for e in w.get_new_events()]
+check("a watch goes on across a whole pause", ("after-resume.txt", "CREATE") in evs, repr(evs))
+w.stop()
 # A full pause resumed with on_resume="reboot": its files, a cold boot.
 s.files.write(f"{HOME}/before-reboot.txt", "kept")
 # A reboot starts from the disk: on vm, what the guest had not flushed yet is lost (as E2B says of "reboot").

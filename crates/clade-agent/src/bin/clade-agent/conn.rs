@@ -149,6 +149,10 @@ const READ_BUF: usize = 64 * 1024;
 /// Serves one connection until the host closes it.
 pub fn serve(agent: &Arc<Agent>, r: impl Read, w: Box<dyn Write + Send>, fd: Option<OwnedFd>) {
     let conn = Arc::new(Conn::new(w, fd));
+    // After a ct mark or restore (crate::watch): the host's first connection since.
+    if agent.shared_kernel {
+        agent.watches.rearm_all();
+    }
     // One read syscall per small frame instead of three (length, header, body); under TCG each guest
     // syscall costs microseconds. Bulk data frames bigger than the buffer are read straight into place.
     let mut r = std::io::BufReader::with_capacity(READ_BUF, r);
@@ -269,6 +273,9 @@ fn dispatch(
         Request::Rename { from, to } => conn.reply(id, &guarded(|| fsops::rename(&from, &to))),
         Request::Chmod { path, mode } => conn.reply(id, &guarded(|| fsops::chmod(&path, mode))),
         Request::SetIdentity(ident) => task(conn, id, move || Ok(Reply::Identity(sys::set_identity(&a, &ident)))),
+        Request::WatchStart { path, recursive } => task(conn, id, move || a.watches.start(&path, recursive)),
+        Request::WatchEvents { watch, wait_ms } => task(conn, id, move || a.watches.events(watch, wait_ms)),
+        Request::WatchStop { watch } => conn.reply(id, &guarded(|| agent.watches.stop(watch))),
         Request::PreMark { clean } => task(conn, id, move || Ok(Reply::Hooks(sys::pre_mark(&a, clean)))),
         Request::RegisterRestoreSignal { pid, signal } => {
             conn.reply(id, &guarded(|| sys::register_restore_signal(agent, pid, signal)))

@@ -12,13 +12,16 @@ use std::path::{Component, Path, PathBuf};
 
 const MAX_LIST: usize = 100_000;
 
-/// A temp file name next to `target`, unique across threads and connections of this agent.
+/// A temp file name next to `target`, unique across threads and connections of this agent:
+/// `.{name}.clade-tmp.{pid}.{n}`, or `clade-tmpr` when it will replace an existing `target` (a watch reports
+/// the write as the target's own: crate::watch).
 pub fn tmp_path(target: &Path) -> PathBuf {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let dir = target.parent().unwrap_or(Path::new("/"));
-    dir.join(format!(".{name}.clade-tmp.{}.{n}", std::process::id()))
+    let tag = if target.symlink_metadata().is_ok() { "clade-tmpr" } else { "clade-tmp" };
+    dir.join(format!(".{name}.{tag}.{}.{n}", std::process::id()))
 }
 
 /// Accepts an absolute path without NUL or `..`.

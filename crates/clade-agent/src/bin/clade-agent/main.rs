@@ -18,6 +18,7 @@ mod procs;
 mod ready;
 mod reaper;
 mod sys;
+mod watch;
 
 use parking_lot::Mutex;
 use std::fs::{self, File, OpenOptions};
@@ -41,6 +42,8 @@ pub struct Agent {
     /// `--shared-kernel`: a ct sandbox, on the host's kernel (its clock and random pool are the host's; the
     /// jail leaves this agent no right to set either).
     pub shared_kernel: bool,
+    /// Directory watches (`watch_start`, `watch_events`, `watch_stop`).
+    pub watches: watch::Watches,
 }
 
 impl Agent {
@@ -147,6 +150,7 @@ fn main() {
         reaper: reaper::Reaper::default(),
         restore_signals: Mutex::new(Vec::new()),
         shared_kernel: o.shared_kernel,
+        watches: watch::Watches::default(),
     });
     let a = agent.clone();
     if std::thread::Builder::new().name("reaper".into()).spawn(move || a.reaper.run()).is_err() {

@@ -268,6 +268,11 @@ pub fn pre_mark(agent: &Agent, clean: bool) -> HookReport {
     let env = [("CLADE_GENERATION", generation.as_str()), ("CLADE_MARK_CLEAN", if clean { "1" } else { "0" })];
     let dir = agent.sys_path("/etc/clade/pre-mark.d");
     run_hooks(agent, &dir, &env, &mut rep.scripts, &mut rep.errors);
+    // On a shared kernel the mark is a CRIU dump, which cannot take an inotify descriptor on an overlay: the
+    // watches close theirs and arm again at their next read (crate::watch). A vm guest's are in its memory.
+    if agent.shared_kernel {
+        agent.watches.disarm_all();
+    }
     rep
 }
 
