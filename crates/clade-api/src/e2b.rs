@@ -310,8 +310,10 @@ impl Host for CladeHost {
 
     fn proc_list(&self, id: &str) -> HostResult<Vec<ProcInfo>> {
         let procs = self.api.proc_list(id).map_err(host_err)?;
+        // The port relays serving `<port>-<id>` hosts are clade's, not the sandbox user's.
         Ok(procs
             .into_iter()
+            .filter(|p| p.tag.as_deref() != Some(crate::port_relay::TAG))
             .map(|p| ProcInfo { pid: p.pid, argv: p.argv, env: p.env, cwd: p.cwd, tag: p.tag })
             .collect())
     }
@@ -337,13 +339,15 @@ impl Host for CladeHost {
         self.api.set_egress(id, &rules).map_err(host_err)
     }
 
+    /// ct: a socket made in the sandbox's network namespace; vm: a relay process in the guest
+    /// (crate::port_relay), since the host has no network path into a guest.
     fn connect_port(&self, id: &str, port: u16) -> HostResult<std::net::TcpStream> {
         let info = self.api.get(id).map_err(host_err)?;
-        if info.row.backend != BackendKind::Ct {
-            return Err(HostError::Invalid(format!(
-                "ports of {:?} sandboxes are not reachable through clade serve yet (ct ones are)",
-                info.row.backend
-            )));
+        if info.row.backend == BackendKind::Vm {
+            if info.live.is_none() {
+                return Err(HostError::NotFound(format!("The sandbox {id} was not found")));
+            }
+            return crate::port_relay::connect(&self.api, id, port);
         }
         let pid = info.live.and_then(|l| l.pids.first().copied());
         let pid = pid.ok_or_else(|| HostError::NotFound(format!("The sandbox {id} was not found")))?;

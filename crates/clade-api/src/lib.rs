@@ -28,6 +28,7 @@ mod lock;
 mod metrics;
 #[cfg(test)]
 mod openapi_check;
+mod port_relay;
 pub mod routes;
 pub mod server;
 pub mod status;

@@ -32,13 +32,7 @@ impl Footprint for CtFootprint {
 
     /// The sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.
     fn leftovers(&self, _home: &CladeHome, sandbox: &str, fix: bool, settled: &dyn Fn(&Path) -> bool) -> Vec<Leftover> {
-        let netns = crate::net::netns_path_of(sandbox);
-        if !netns.exists() || !settled(&netns) {
-            return Vec::new();
-        }
-        let removed = if fix { crate::net::release_by_id(sandbox) } else { Vec::new() };
-        let detail = if removed.is_empty() { netns.display().to_string() } else { removed.join(", ") };
-        vec![Leftover { kind: "leftover-network", detail, fixed: fix && !netns.exists() }]
+        crate::net::network_leftover(sandbox, fix, settled).into_iter().collect()
     }
 
     /// A container has no vCPU threads to reserve.

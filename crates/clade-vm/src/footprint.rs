@@ -25,14 +25,17 @@ impl Footprint for VmFootprint {
         vec![home.shm_dir().join("lazy").join(sandbox)]
     }
 
-    /// A cold sandbox's RAM file (`run/<sandbox>.ram` under `CLADE_SHM`).
+    /// A cold sandbox's RAM file (`run/<sandbox>.ram` under `CLADE_SHM`), and the network namespace of a guest
+    /// with egress (its QEMU's: clade_core::sandbox_net).
     fn leftovers(&self, home: &CladeHome, sandbox: &str, fix: bool, settled: &dyn Fn(&Path) -> bool) -> Vec<Leftover> {
+        let mut left: Vec<Leftover> =
+            clade_core::sandbox_net::network_leftover(sandbox, fix, settled).into_iter().collect();
         let ram = home.shm_dir().join("run").join(format!("{sandbox}.ram"));
-        if !ram.exists() || !settled(&ram) {
-            return Vec::new();
+        if ram.exists() && settled(&ram) {
+            let fixed = fix && std::fs::remove_file(&ram).is_ok();
+            left.push(Leftover { kind: "leftover-ram-file", detail: ram.display().to_string(), fixed });
         }
-        let fixed = fix && std::fs::remove_file(&ram).is_ok();
-        vec![Leftover { kind: "leftover-ram-file", detail: ram.display().to_string(), fixed }]
+        left
     }
 
     /// An eighth of its RAM its own (what a sibling dirties at first), the mark's RAM file shared by all.

@@ -11,7 +11,8 @@
 //!   seccomp filter ([`SANDBOX_OPTS`]).
 //! - Before exec (in the forked child): the QEMU gets its own mount namespace (every mount a slave of the
 //!   host's, the other sandboxes' mounts detached), an empty network namespace unless its guest has egress
-//!   (user-mode networking runs inside QEMU), `no_new_privs`, and a bounding set of only the three
+//!   (then the sandbox's own, joined first: [`join_netns`]; user-mode networking runs inside QEMU),
+//!   `no_new_privs`, and a bounding set of only the three
 //!   capabilities `-runas` and `-chroot` use ([`KEPT_CAPS`]). Right after exec it is moved into its cgroup
 //!   ([`Jailed::enter_cgroup`]).
 //!
@@ -165,6 +166,25 @@ pub(crate) fn prepare(
         std::os::unix::process::CommandExt::pre_exec(cmd, move || setup.enter());
     }
     Ok(Jailed { dir, cgroup, slot })
+}
+
+/// Make `cmd`'s process join the network namespace `ns` before exec (and before the jail's own setup, when
+/// this is called first): a guest with egress, whose slirp then opens its sockets there.
+pub(crate) fn join_netns(cmd: &mut std::process::Command, ns: std::fs::File) {
+    use std::os::fd::AsRawFd;
+    let fd = ns.as_raw_fd();
+    // SAFETY: the closure runs in the forked child before exec: one setns on a descriptor opened before the
+    // fork and kept open by the closure itself (`ns` moves into it); setns is async-signal-safe and allocates
+    // nothing.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+            let _keep = &ns;
+            if nix::libc::setns(fd, nix::libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// The chroot: empty, mode 0770, owner root, group the sandbox's gid. The QEMU enters it as uid 0 without

@@ -146,6 +146,8 @@ pub enum VmError {
     RunDir(String, std::io::Error),
     #[error("jail: {0}")]
     Jail(String),
+    #[error("the sandbox's network namespace {0}: {1} (was its network released meanwhile?)")]
+    Netns(String, std::io::Error),
     #[error("{source}; QEMU said: {stderr}")]
     Qmp { source: QmpError, stderr: String },
 }
@@ -189,6 +191,11 @@ impl Vm {
         let hold = jail.is_some() && !spec.incoming;
         if hold {
             cmd.arg("-S");
+        }
+        // The sandbox's own network namespace (a guest with egress): slirp's sockets are made there.
+        if let Some(ns) = spec.net.as_ref().and_then(|n| n.netns.as_ref()) {
+            let f = std::fs::File::open(ns).map_err(|e| VmError::Netns(ns.display().to_string(), e))?;
+            crate::jail::join_netns(&mut cmd, f);
         }
         let jailed = match jail {
             Some(j) => {

@@ -4,8 +4,10 @@
 //!   `lo` up). No default route, nothing to leak.
 //! * `network = "egress"`: one virtio-net device on QEMU's user-mode network (libslirp, inside the QEMU process).
 //!   The guest is configured by clade's initramfs from the kernel command line (`clade.net=ADDR/LEN,GATEWAY`)
-//!   before it switches root: `eth0` = 10.0.2.15/24, default route via 10.0.2.2 (slirp's host alias, which
-//!   reaches the host's loopback). Outgoing TCP/UDP is NATed by slirp to host sockets of the QEMU process.
+//!   before it switches root: `eth0` = 10.0.2.15/24, default route via 10.0.2.2 (slirp's host alias).
+//!   Outgoing TCP/UDP is NATed by slirp to sockets of the QEMU process, which runs in the sandbox's own network
+//!   namespace (clade_core::sandbox_net: veth, NAT, egress rules), so 10.0.2.2 is that namespace's loopback,
+//!   never the host's.
 //!
 //! Siblings forked from one mark keep the guest address of the mark (it is in their RAM): every sibling has
 //! 10.0.2.15 and the same MAC, and they never collide because each QEMU process has its own slirp stack (no
@@ -33,6 +35,11 @@ pub const GUEST_MAC: &str = "52:54:00:c1:ad:01";
 pub struct UserNet {
     /// `restrict=on`: the guest can reach nothing outside (only forwarded ports would pass).
     pub restrict: bool,
+    /// The network namespace QEMU runs in (the sandbox's own, clade_core::sandbox_net), so that slirp's sockets
+    /// are made there: the guest reaches the outside through the sandbox's veth and NAT, under its egress
+    /// rules, and neither the host's loopback nor another sandbox. `None`: the caller's namespace.
+    #[serde(default)]
+    pub netns: Option<std::path::PathBuf>,
 }
 
 impl UserNet {
@@ -57,10 +64,11 @@ pub fn cmdline_word() -> String {
     format!("clade.net={GUEST_ADDR},{GATEWAY}")
 }
 
-/// Give `spec` the network of `egress` (no device at all when false).
-pub fn apply(spec: &mut VmSpec, egress: bool) {
-    if egress {
-        spec.net = Some(UserNet { restrict: false });
+/// Give `spec` the network of a guest with egress, its QEMU in `netns` (the sandbox's own namespace,
+/// clade_core::sandbox_net); `None`: no network device at all.
+pub fn apply(spec: &mut VmSpec, netns: Option<std::path::PathBuf>) {
+    if let Some(ns) = netns {
+        spec.net = Some(UserNet { restrict: false, netns: Some(ns) });
         spec.append.push(' ');
         spec.append.push_str(&cmdline_word());
     } else {
@@ -92,11 +100,11 @@ mod tests {
 
     #[test]
     fn args_and_mark_roundtrip() {
-        let a = UserNet { restrict: false }.qemu_args(MachineType::Q35);
+        let a = UserNet { restrict: false, netns: None }.qemu_args(MachineType::Q35);
         assert_eq!(a[0], "-netdev");
         assert!(a[1].starts_with("user,id=net0,") && a[1].contains("restrict=off"), "{}", a[1]);
         assert!(a[3].starts_with("virtio-net-pci,netdev=net0,mac=52:54:00:c1:ad:01"), "{}", a[3]);
-        let m = UserNet { restrict: true }.qemu_args(MachineType::Microvm);
+        let m = UserNet { restrict: true, netns: None }.qemu_args(MachineType::Microvm);
         assert!(m[1].contains("restrict=on") && m[3].starts_with("virtio-net-device"), "{m:?}");
         let mut manifests = std::collections::BTreeMap::new();
         record(&mut manifests, false);

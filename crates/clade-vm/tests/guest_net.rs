@@ -1,8 +1,10 @@
 //! Guest networking of the `vm` backend with real guests (docs/net.md): a guest of an `egress` template reaches a
-//! TCP listener on the host through QEMU's user-mode network (10.0.2.2 is the host's loopback); two siblings
-//! restored at once from its mark, both with the mark's address 10.0.2.15, reach it concurrently and each gets
-//! its own answer; a guest without network has no NIC and no route and cannot connect; after kill no QEMU is
-//! left.
+//! TCP listener "outside" (a network namespace of the test's own behind a veth from the host) through QEMU's
+//! user-mode network, whose QEMU runs in the sandbox's own network namespace (veth and NAT, as a ct sandbox's);
+//! it cannot reach the host's loopback through slirp's host alias 10.0.2.2 (a listener there is the control:
+//! the host itself reaches it); two siblings restored at once from its mark, both with the mark's address
+//! 10.0.2.15, reach the outside concurrently, each from its own namespace; egress rules deny and allow; a guest
+//! without network has no NIC and no route and cannot connect; after kill no QEMU and no namespace is left.
 
 mod common;
 
@@ -28,13 +30,53 @@ fn sh(sbx: &dyn Sandbox, script: &str) -> (i32, String, String) {
     )
 }
 
-/// A host listener that answers each connection's first line with `pong <line>` and records the lines.
-fn listener() -> (u16, Arc<Mutex<Vec<String>>>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
+fn ip(args: &str) {
+    let st = std::process::Command::new("ip").args(args.split_whitespace()).status().unwrap();
+    assert!(st.success(), "ip {args}");
+}
+
+/// A network namespace standing in for the internet: 10.217.0.2 behind a veth to the host (10.217.0.1).
+struct Outside {
+    ns: String,
+    link: String,
+}
+
+impl Outside {
+    fn new() -> Outside {
+        let tag = std::process::id() % 100_000;
+        let o = Outside { ns: format!("vmnet-out-{tag}"), link: format!("vmout{tag}") };
+        let _ = std::process::Command::new("ip").args(["netns", "del", &o.ns]).status();
+        ip(&format!("netns add {}", o.ns));
+        ip(&format!("link add {} type veth peer name eth0 netns {}", o.link, o.ns));
+        ip(&format!("addr add 10.217.0.1/30 dev {}", o.link));
+        ip(&format!("link set {} up", o.link));
+        ip(&format!("-n {} addr add 10.217.0.2/30 dev eth0", o.ns));
+        ip(&format!("-n {} link set eth0 up", o.ns));
+        ip(&format!("-n {} link set lo up", o.ns));
+        o
+    }
+}
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.link]).status();
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// A listener on `addr` (in network namespace `netns` when given) that answers each connection's first line with
+/// `pong <line>` and records the lines.
+fn listener(netns: Option<&str>, addr: &'static str) -> (u16, Arc<Mutex<Vec<String>>>) {
+    let netns = netns.map(|n| std::fs::File::open(format!("/run/netns/{n}")).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let seen2 = seen.clone();
     std::thread::spawn(move || {
+        if let Some(f) = netns {
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        }
+        let l = TcpListener::bind((addr, 0)).unwrap();
+        tx.send(l.local_addr().unwrap().port()).unwrap();
         for conn in l.incoming().flatten() {
             let seen = seen2.clone();
             std::thread::spawn(move || {
@@ -49,7 +91,7 @@ fn listener() -> (u16, Arc<Mutex<Vec<String>>>) {
             });
         }
     });
-    (port, seen)
+    (rx.recv().unwrap(), seen)
 }
 
 /// Exit code, stdout, stderr.
@@ -75,9 +117,11 @@ fn guest_vm_net_egress_siblings_and_none() {
         egress,
         no_new_privs: true,
     };
-    let (port, seen) = listener();
+    let outside = Outside::new();
+    let (port, seen) = listener(Some(&outside.ns), "10.217.0.2");
+    let (host_port, host_seen) = listener(None, "127.0.0.1");
     let tag = std::process::id();
-    let connect = |who: &str| format!("echo {who} | /bin/busybox nc -w 5 10.0.2.2 {port}");
+    let connect = |who: &str| format!("echo {who} | /bin/busybox nc -w 5 10.217.0.2 {port}");
 
     // Egress: the guest is configured by the initramfs and reaches the host.
     let t = Instant::now();
@@ -89,6 +133,27 @@ fn guest_vm_net_egress_siblings_and_none() {
     assert!(route.contains("default via 10.0.2.2"), "routes: {route}");
     let (code, out, err) = sh(cold.as_ref(), &connect("cold"));
     assert_eq!((code, out.as_str()), (0, "pong cold"), "{err}");
+    // slirp's host alias is the loopback of the namespace QEMU runs in, never the host's: a listener on the
+    // host's loopback (the control: the host reaches it) is out of the guest's reach.
+    let reach_host = format!("echo escaped | /bin/busybox nc -w 3 10.0.2.2 {host_port}");
+    let (_, out, _) = sh(cold.as_ref(), &reach_host);
+    assert!(!out.contains("pong"), "the guest reached the host's loopback through 10.0.2.2: {out}");
+    let mut ctl = std::net::TcpStream::connect(("127.0.0.1", host_port)).unwrap();
+    writeln!(ctl, "control").unwrap();
+    let mut line = String::new();
+    BufReader::new(ctl).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "pong control", "the control: the host listener answers");
+    assert!(!host_seen.lock().unwrap().iter().any(|l| l == "escaped"));
+    // Egress rules hold in the QEMU's namespace: a denied address does not answer, an allowed one does.
+    use clade_core::backend::EgressRules;
+    let deny = EgressRules { allow: vec![], deny: vec!["10.217.0.2".into()] };
+    cold.set_egress_rules(&deny).expect("deny the outside");
+    let (_, out, _) = sh(cold.as_ref(), &connect("denied"));
+    assert!(!out.contains("pong"), "a denied address answered: {out}");
+    let allow = EgressRules { allow: vec!["10.217.0.0/30".into()], deny: vec!["0.0.0.0/0".into()] };
+    cold.set_egress_rules(&allow).expect("allow only the outside");
+    assert_eq!(sh(cold.as_ref(), &connect("allowed")).1, "pong allowed");
+    cold.set_egress_rules(&EgressRules::default()).expect("clear the rules");
     let mark = cold.mark(&MarkOptions::default()).unwrap();
     assert_eq!(mark.manifests.get(clade_vm::net::ROLE_NETWORK).map(String::as_str), Some("egress"));
     // The marked sandbox runs on as a clone, still networked.
@@ -146,12 +211,16 @@ fn guest_vm_net_egress_siblings_and_none() {
         pids.extend(s.pids());
     }
     assert_eq!(pids.len(), 3);
-    // User-mode networking runs inside QEMU: a jailed QEMU of an egress guest stays in the host's network
-    // namespace, with the host's resolv.conf copied into its chroot (libslirp reads it after the chroot).
+    // User-mode networking runs inside QEMU: each QEMU of an egress guest runs in its sandbox's own network
+    // namespace (not the host's, not a sibling's), with the host's resolv.conf copied into its chroot (libslirp
+    // reads it after the chroot).
     let netns = |p: u32| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
     let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
-    for p in &pids {
-        assert_eq!(netns(*p), host_ns, "QEMU {p} of an egress guest is in the host's network namespace");
+    let spaces: std::collections::BTreeSet<_> = pids.iter().map(|p| netns(*p)).collect();
+    assert!(!spaces.contains(&host_ns), "a QEMU of an egress guest is in the host's network namespace");
+    assert_eq!(spaces.len(), 3, "each sandbox has its own network namespace: {spaces:?}");
+    for id in [cold.id().to_string()].into_iter().chain(sibs.iter().map(|s| s.id().to_string())) {
+        assert!(clade_core::sandbox_net::netns_path_of(&id).exists(), "{id}'s namespace is clade-{id}");
     }
     for s in &sibs {
         let jail = home.run_dir().join(s.id()).join("qemu/jail");
@@ -183,5 +252,7 @@ fn guest_vm_net_egress_siblings_and_none() {
     assert!(pids.iter().all(|p| !alive(*p)), "QEMU processes left: {pids:?}");
     for id in ["ncold", "ns0", "ns1", "nnone"] {
         assert!(!home.run_dir().join(format!("t{tag}{id}")).exists(), "run dir of {id} left");
+        let left = clade_core::sandbox_net::leftovers_of_id(&format!("t{tag}{id}"));
+        assert!(left.is_empty(), "network of {id} left: {left:?}");
     }
 }

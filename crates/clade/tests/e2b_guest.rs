@@ -204,6 +204,9 @@ fn guest_e2b_python_sdk_on_vm() {
     c.arg("sdk_flow.py");
     run_sdk(c, &s, &key, "minimal:vm", "python sdk on vm");
     let mut c = Command::new(&py);
+    c.arg("ports.py");
+    run_sdk(c, &s, &key, "minimal:vm", "ports on vm through <port>-<id> hosts (a relay process in the guest)");
+    let mut c = Command::new(&py);
     c.arg("pause_modes.py").env("HOME_DIR", "/root");
     run_sdk(c, &s, &key, "minimal:vm", "pause modes on vm (a filesystem-only pause boots the guest's disk cold)");
     drop(s);
@@ -214,9 +217,9 @@ fn guest_e2b_python_sdk_on_vm() {
 /// clade's e2b-base template and its base from the shipped spec (crates/clade-api/src/e2b_base.rs), then the
 /// default user is `user` in /home/user, root when asked, python/pip/curl/git/node are there, and `sudo -n`
 /// makes `user` root (the template opts out of the ct jail's no_new_privs: docs/security.md). Then envd 0.6.4's file behaviours
-/// (tests/e2b/files_parity.py): ownership by the user, metadata as xattrs, symlinks, signed URLs, watch entries;
-/// and the API's (tests/e2b/api_parity.py): list filters, metrics, Template.exists, a command's timeout, a PTY
-/// reattached, a kill under a running command.
+/// (tests/e2b/files_parity.py): ownership by the user, metadata as xattrs, symlinks, signed URLs, watches;
+/// the API's (tests/e2b/api_parity.py): list filters, metrics, Template.exists, a command's timeout, a PTY
+/// reattached, a kill under a running command; ports (tests/e2b/ports.py); pause modes (tests/e2b/pause_modes.py).
 #[test]
 fn guest_e2b_base_template_on_ct() {
     let Some(py) = can_run("ct") else { return };
@@ -247,6 +250,9 @@ fn guest_e2b_base_template_on_ct() {
     c.arg("api_parity.py");
     let what = "list filters, metrics, Template.exists, timeouts, PTY reattach, a kill under a command";
     run_sdk(c, &s, &key, "base", what);
+    let mut c = Command::new(&py);
+    c.arg("ports.py");
+    run_sdk(c, &s, &key, "base", "ports through <port>-<id> hosts (the sandbox's network namespace)");
     let mut c = Command::new(&py);
     c.arg("pause_modes.py");
     run_sdk(c, &s, &key, "base", "full and filesystem-only pause, reboot, filesystem-only snapshot and auto-pause");
@@ -299,12 +305,12 @@ impl Drop for Outside {
     }
 }
 
-/// E2B's network settings on ct through the Python SDK (tests/e2b/network_rules.py): a template like E2B's
-/// base but with egress, `update_network` denials, `allow_internet_access=False` with `allow_out`, and rules
-/// that hold across a pause and resume; the control (no rules) reaches the outside first.
-#[test]
-fn guest_e2b_network_rules_on_ct() {
-    let Some(py) = can_run("ct") else { return };
+/// E2B's network settings through the Python SDK (tests/e2b/network_rules.py): a template like E2B's base but
+/// with egress, `update_network` denials, `allow_internet_access=False` with `allow_out`, and rules that hold
+/// across a pause and resume; the control (no rules) reaches the outside first. ct: the rules are the
+/// sandbox's namespace's; vm: its QEMU's (slirp opens its sockets there).
+fn network_rules(backend: &str) {
+    let Some(py) = can_run(backend) else { return };
     let t = test_home();
     let h = t.path();
     // e2b-base with egress on, under another name.
@@ -318,14 +324,24 @@ fn guest_e2b_network_rules_on_ct() {
     assert!(spec.contains("egress = true"));
     std::fs::write(spec_dir.join("template.toml"), spec).unwrap();
     let t0 = Instant::now();
-    ok(h, &["base", "build", spec_dir.join("template.toml").to_str().unwrap(), "--backend", "ct"]);
-    eprintln!("e2b-net base on ct built in {:.1} s", t0.elapsed().as_secs_f64());
+    ok(h, &["base", "build", spec_dir.join("template.toml").to_str().unwrap(), "--backend", backend]);
+    eprintln!("e2b-net base on {backend} built in {:.1} s", t0.elapsed().as_secs_f64());
     let outside = Outside::new();
     let key = ok(h, &["e2b", "key", "create"]).trim().to_string();
     let s = serve(h);
     let mut c = Command::new(&py);
     c.arg("network_rules.py").env("OUTSIDE", format!("10.215.0.2:{}", outside.port));
-    run_sdk(c, &s, &key, "e2b-net:ct", "E2B network settings on ct");
+    run_sdk(c, &s, &key, &format!("e2b-net:{backend}"), &format!("E2B network settings on {backend}"));
     drop(s);
     nothing_left(h);
+}
+
+#[test]
+fn guest_e2b_network_rules_on_ct() {
+    network_rules("ct");
+}
+
+#[test]
+fn guest_e2b_network_rules_on_vm() {
+    network_rules("vm");
 }

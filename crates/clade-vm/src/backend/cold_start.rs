@@ -6,6 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use clade_core::backend::{BackendError, Identity, Sandbox, TemplateImage};
+use clade_core::sandbox_net::SandboxNet;
 
 use super::run_dir::RunDir;
 use super::{await_hello, failed, FailPoint, VmBackend, VmSandbox, COLD_TIMEOUT};
@@ -34,7 +35,8 @@ impl VmBackend {
             false,
             false,
         );
-        crate::net::apply(&mut spec, image.egress);
+        let net = self.sandbox_net(&id.sandbox_id, image.egress)?;
+        crate::net::apply(&mut spec, net.as_ref().map(SandboxNet::netns_path));
         let qemu_dir = run.path.join("qemu");
         let guard = RamGuard(Some(ram.clone()));
         // Created here, 0600: QEMU would create it 0644.
@@ -65,6 +67,7 @@ impl VmBackend {
             last_mark: None,
             egress: image.egress,
             lazy: None,
+            net,
         }))
     }
 }

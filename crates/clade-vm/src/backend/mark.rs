@@ -81,7 +81,7 @@ impl VmSandbox {
             true,
             false,
         );
-        crate::net::apply(&mut spec, self.egress);
+        crate::net::apply(&mut spec, self.net.as_ref().map(clade_core::sandbox_net::SandboxNet::netns_path));
         let jail = self.backend.jail(&self.id, &self.shape);
         let (vm, _) = crate::templating::restore_jailed(
             &self.backend.inner.qemu,

@@ -312,6 +312,19 @@ impl VmBackend {
         }
     }
 
+    /// A guest with egress gets a network namespace of its own, which its QEMU runs in (slirp's sockets are
+    /// made there: clade_core::sandbox_net); `None` without egress.
+    fn sandbox_net(
+        &self,
+        sandbox: &str,
+        egress: bool,
+    ) -> Result<Option<clade_core::sandbox_net::SandboxNet>, BackendError> {
+        if !egress {
+            return Ok(None);
+        }
+        clade_core::sandbox_net::SandboxNet::create(sandbox).map(Some).map_err(failed)
+    }
+
     pub fn root_ram_file(&self, root: &str) -> PathBuf {
         self.inner.shm.join("ram").join(format!("{root}.ram"))
     }

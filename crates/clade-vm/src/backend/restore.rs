@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use clade_core::backend::{check_compat, BackendError, BackendKind, Identity, MarkState, Prepared, Sandbox, Shape};
+use clade_core::sandbox_net::SandboxNet;
 use clade_store::{Lease, Store};
 
 use super::run_dir::RunDir;
@@ -98,7 +99,8 @@ impl VmBackend {
             true,
             devstate_only,
         );
-        crate::net::apply(&mut spec, egress);
+        let net = self.sandbox_net(&id.sandbox_id, egress)?;
+        crate::net::apply(&mut spec, net.as_ref().map(SandboxNet::netns_path));
         let vm = self.spawn(&id.sandbox_id, &mark.shape, spec, &run.path.join("qemu"))?;
         self.check_fail(FailPoint::Process)?;
         crate::templating::write_mark_pages(&vm, &pages, &data).map_err(failed)?;
@@ -118,6 +120,7 @@ impl VmBackend {
             generation: id.generation,
             egress,
             lazy,
+            net,
         })
     }
 
@@ -176,6 +179,8 @@ pub struct VmPrepared {
     egress: bool,
     /// The lazily fetched root RAM this restore maps, when it has no root file (see `root_backing`).
     lazy: Option<clade_lazyfs::LazyFile>,
+    /// Egress: the namespace its QEMU runs in (last: released after QEMU is gone).
+    net: Option<SandboxNet>,
 }
 
 impl VmBackend {
@@ -212,6 +217,7 @@ impl VmPrepared {
             last_mark: None,
             egress: self.egress,
             lazy: self.lazy,
+            net: self.net,
         })
     }
 }

@@ -35,6 +35,9 @@ pub struct VmSandbox {
     pub(super) egress: bool,
     /// The lazily fetched root RAM QEMU maps, when this host had no root file (last: unmounted after QEMU ends).
     pub(super) lazy: Option<clade_lazyfs::LazyFile>,
+    /// Egress: the sandbox's own network namespace, which its QEMU runs in (clade_core::sandbox_net; released
+    /// after QEMU is gone).
+    pub(super) net: Option<clade_core::sandbox_net::SandboxNet>,
 }
 
 impl VmSandbox {
@@ -75,18 +78,14 @@ impl Sandbox for VmSandbox {
     fn kind(&self) -> BackendKind {
         BackendKind::Vm
     }
-    /// A guest without a NIC reaches nothing: denials hold already. Rules for a guest with the user-mode NIC
-    /// are not enforced yet (QEMU's slirp has no per-destination filter; a host-side one is to come).
+    /// A guest without a NIC reaches nothing: denials hold already. A guest with the user-mode NIC gets the
+    /// rules in its QEMU's network namespace, where slirp opens its sockets (as a ct sandbox's own).
     fn set_egress_rules(&mut self, rules: &clade_core::backend::EgressRules) -> Result<(), BackendError> {
         rules.check().map_err(BackendError::Unsupported)?;
-        if !self.egress {
-            return rules.without_network(&self.id);
+        match &self.net {
+            Some(net) => net.set_rules(rules).map_err(BackendError::Failed),
+            None => rules.without_network(&self.id),
         }
-        Err(BackendError::Unsupported(
-            "egress rules are not enforced for vm sandboxes with a network yet: use a ct template, or one without \
-             [network] egress"
-                .into(),
-        ))
     }
     fn id(&self) -> &str {
         &self.id

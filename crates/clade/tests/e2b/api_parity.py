@@ -1,17 +1,14 @@
 """E2B control-plane and process behaviours through the official Python SDK (docs/e2b.md): list filters (order,
-started_after, template), metrics, Template.exists, a sandbox's port through its `<port>-<id>` host name, a
-command's timeout ending its stream, a PTY reattached after a disconnect, a command's error when its sandbox is
-killed under it, sudo, and /proc files read whole. Env as sdk_flow.py."""
+started_after, template), metrics, Template.exists, a command's timeout ending its stream, a PTY reattached after
+a disconnect, a command's error when its sandbox is killed under it, sudo, and /proc files read whole (ports:
+ports.py). Env as sdk_flow.py."""
 
 import asyncio
 import os
 import sys
 import time
-import urllib.parse
 import uuid
 from datetime import timedelta
-
-import httpx
 
 from e2b import AsyncSandbox, Sandbox, SandboxQuery, Template, TimeoutException
 from e2b.sandbox.commands.command_handle import PtySize
@@ -56,47 +53,6 @@ boot = a.files.read("/proc/sys/kernel/random/boot_id").strip()
 check("a /proc file reads whole", len(boot) == 36, repr(boot))
 r = a.commands.run("sudo -n whoami")
 check("sudo as user", r.stdout.strip() == "root", repr(r))
-
-# A server in the sandbox, reached from outside through its host name `<port>-<id>.<domain>` (sent to clade's
-# envd listener; the names need no DNS here).
-envd = os.environ["E2B_SANDBOX_URL"]
-port_of = urllib.parse.urlparse(envd).port
-srv = a.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/i.txt && cd /tmp/www && python3 -m http.server 8001",
-                     background=True)
-got = None
-for _ in range(40):
-    try:
-        got = httpx.get(envd + "/i.txt", headers={"Host": f"8001-{a.sandbox_id}.localhost:{port_of}"}, timeout=5)
-        if got.status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.25)
-check("a sandbox's port through its host name", got is not None and got.text.strip() == "served", repr(got))
-closed = httpx.get(envd + "/", headers={"Host": f"8002-{a.sandbox_id}.localhost:{port_of}"}, timeout=10)
-check("a closed port is a 502 'port is not open'", closed.status_code == 502 and "port is not open" in closed.text,
-      closed.text[:120])
-none = httpx.get(envd + "/", headers={"Host": f"8001-sb-nope.localhost:{port_of}"}, timeout=10)
-check("an unknown sandbox is a 502 'was not found'", none.status_code == 502 and "was not found" in none.text)
-srv.kill()
-
-# allowPublicTraffic false: its ports answer only with the sandbox's traffic access token.
-p = Sandbox.create(TEMPLATE, network={"allow_public_traffic": False})
-check("a private sandbox has a traffic access token", bool(p.traffic_access_token))
-p.commands.run("cd /tmp && python3 -m http.server 8001", background=True)
-host = {"Host": f"8001-{p.sandbox_id}.localhost:{port_of}"}
-code = None
-for _ in range(40):
-    code = httpx.get(envd + "/", headers={**host, "e2b-traffic-access-token": p.traffic_access_token}, timeout=5).status_code
-    if code == 200:
-        break
-    time.sleep(0.25)
-check("with its token a private port answers", code == 200, str(code))
-check("without it: 403", httpx.get(envd + "/", headers=host, timeout=5).status_code == 403)
-wrong = {**host, "e2b-traffic-access-token": "x" + p.traffic_access_token[1:]}
-check("with a wrong one: 403", httpx.get(envd + "/", headers=wrong, timeout=5).status_code == 403)
-check("another sandbox's port needs none", a.traffic_access_token is None)
-p.kill()
 
 # A PTY, left and reattached: its output keeps coming as PTY data.
 out = []

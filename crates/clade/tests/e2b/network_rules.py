@@ -1,4 +1,4 @@
-"""E2B's network settings through the official Python SDK on a ct template with egress: `update_network`
+"""E2B's network settings through the official Python SDK on a template with egress (ct or vm): `update_network`
 (deny_out), `allow_internet_access=False` with `allow_out`, and the rules kept across a pause and resume. The
 "internet" is a host in a network namespace the test made (OUTSIDE=addr:port answering `pong`); nothing leaves the
 machine. Env as sdk_flow.py, plus OUTSIDE."""

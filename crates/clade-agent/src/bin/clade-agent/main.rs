@@ -17,6 +17,7 @@ mod passwd;
 mod procs;
 mod ready;
 mod reaper;
+mod relay;
 mod sys;
 mod watch;
 
@@ -87,6 +88,7 @@ struct Opts {
 const USAGE: &str =
     "usage: clade-agent init [--listen unix:PATH|virtio:PATH] [--sysroot DIR] [--no-mounts] [--shared-kernel]
        clade-agent serve (--listen unix:PATH | --port /dev/virtio-ports/NAME) [--sysroot DIR]
+       clade-agent relay PORT
        clade-agent version";
 
 fn parse_args() -> Result<Opts, String> {
@@ -119,6 +121,11 @@ fn main() {
     // SAFETY: setting a signal disposition to SIG_IGN installs no handler code.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    // A port relay is a short-lived helper process, never the agent itself (crate::relay).
+    if std::process::id() != 1 && std::env::args().nth(1).as_deref() == Some("relay") {
+        let port = std::env::args().nth(2).unwrap_or_default();
+        std::process::exit(relay::run(&port));
     }
     let o = match parse_args() {
         Ok(o) => o,
