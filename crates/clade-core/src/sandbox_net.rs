@@ -2,8 +2,9 @@
 //! (`ip netns add clade-<id>`, so it is visible and removable by name) with loopback up and one veth pair,
 //! `eth0` inside and `clade<N>` on the host, on a /30 of 10.213.0.0/16 (host `.1`, sandbox `.2`, default route
 //! via the host end). Egress is NATed by one static nftables table (`ip clade`): a masquerade rule for the
-//! source addresses in its set `egress`, where each sandbox adds its own /30 (and removes it on release), plus
-//! a forward rule that drops sandbox-to-sandbox traffic. Egress rules (`EgressRules`) are an nftables table in
+//! source addresses in its set `egress`, where each sandbox adds its own /30 (and removes it on release), a
+//! forward rule that drops sandbox-to-sandbox traffic, and an input rule that drops what a sandbox opens
+//! towards the host itself (only replies to the host's own connections come in from a sandbox's link). Egress rules (`EgressRules`) are an nftables table in
 //! the namespace itself. Both backends use it: a ct sandbox's processes live in the namespace; a vm guest's
 //! QEMU does, so its user-mode network (slirp) opens its sockets there and reaches neither the host's loopback
 //! nor another sandbox.
@@ -79,6 +80,14 @@ const NFT_TABLE: &str = "table ip clade {
 }
 ";
 
+/// The host's own addresses are not a sandbox's to connect to (its services on any interface, the sandbox's
+/// gateway included): only replies to what the host opened come in from a sandbox's link. Added on its own to
+/// a table made before it existed.
+const NFT_GUARD: &str = "table ip clade {
+  chain guard_in { type filter hook input priority filter; policy accept; iifname \"clade*\" ct state established,related accept; iifname \"clade*\" drop; }
+}
+";
+
 fn ensure_nat_table() -> Result<(), String> {
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -91,6 +100,9 @@ fn ensure_nat_table() -> Result<(), String> {
         .map_err(|(_, e)| format!("lock /run/clade-net.lock: {e}"))?;
     if run("nft", &["list", "table", "ip", "clade"], None).is_err() {
         run("nft", &["-f", "-"], Some(NFT_TABLE))?;
+    }
+    if run("nft", &["list", "chain", "ip", "clade", "guard_in"], None).is_err() {
+        run("nft", &["-f", "-"], Some(NFT_GUARD))?;
     }
     // Forwarding is host-wide; egress needs it (docs/net.md).
     let fwd = "/proc/sys/net/ipv4/ip_forward";

@@ -1,6 +1,7 @@
 //! Networking of `ct` sandboxes on this host (docs/net.md), with real veth pairs, nftables NAT and CRIU:
-//! an `egress` sandbox reaches a listener on the host side of its veth and, NATed, a listener in an "outside"
-//! network namespace (which sees the host's address, not the sandbox's); two siblings restored at once from its
+//! an `egress` sandbox reaches, NATed, a listener in an "outside" network namespace (which sees the host's
+//! address, not the sandbox's), and not a listener of the host's own, even at its gateway address (the control:
+//! the host reaches it there); two siblings restored at once from its
 //! mark get their own veth and address and reach the outside concurrently; a sandbox without network cannot;
 //! after kill, and after a restore failing at each step, no link, namespace or NAT element is left.
 //! Root, namespaces, CRIU, iproute2 and nft are required (tier names: `privileged`, `guest`).
@@ -137,16 +138,23 @@ fn privileged_guest_net_egress_siblings_none_and_cleanup() {
     let (host_port, host_seen) = listen(None, "0.0.0.0");
     let before = host_state();
 
-    // Egress, cold: eth0 on its /30, default route via the host end, host and (NATed) outside reachable.
+    // Egress, cold: eth0 on its /30, default route via the host end, the (NATed) outside reachable; the host
+    // itself is not (a listener on all its addresses, the sandbox's gateway included; the control: the host
+    // reaches it at that same address).
     let mut base = e.backend.cold_start_ct(&e.image, &id("base")).expect("cold start");
     let net = base.net().expect("an egress sandbox has a network");
     let (base_link, base_ns, base_addr) = (net.link.clone(), net.netns.clone(), net.addr.to_string());
     assert_eq!(eth0(&base), format!("{base_addr}/30"));
     let gw = sh(&base, "ip route | awk '/^default/ {print $3}'").1;
     assert_eq!(gw, net.host_addr.to_string());
-    assert_eq!(sh(&base, &nc(&gw, host_port, "base-host")), (0, "pong base-host".into()));
+    assert_ne!(sh(&base, &nc(&gw, host_port, "base-host")).1, "pong base-host", "the sandbox reached the host");
+    let mut ctl = std::net::TcpStream::connect((gw.as_str(), host_port)).expect("the host reaches its own listener");
+    writeln!(ctl, "control").unwrap();
+    let mut line = String::new();
+    BufReader::new(ctl).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "pong control", "the control: the listener answers at the gateway address");
+    assert!(!host_seen.lock().unwrap().iter().any(|(_, l)| l == "base-host"));
     assert_eq!(sh(&base, &nc("10.214.0.2", out_port, "base-out")), (0, "pong base-out".into()));
-    assert!(host_seen.lock().unwrap().iter().any(|(p, l)| p == &base_addr && l == "base-host"));
     assert!(
         out_seen.lock().unwrap().iter().any(|(p, l)| p == "10.214.0.1" && l == "base-out"),
         "the outside saw the sandbox's own address, not the host's (no NAT): {:?}",
@@ -284,9 +292,11 @@ fn privileged_guest_net_egress_rules_deny_and_allow() {
     let Some(e) = env("rules") else { return };
     let outside = Outside::at("r", 216);
     let (out_port, _) = listen(Some(outside.ns.clone()), "10.216.0.2");
-    let (host_port, _) = listen(None, "0.0.0.0");
+    // A second destination: another outside host.
+    let other = Outside::at("s", 218);
+    let (host_port, _) = listen(Some(other.ns.clone()), "10.218.0.2");
+    let gw = "10.218.0.2".to_string();
     let mut sb = e.backend.cold_start_ct(&e.image, &id("rules")).expect("cold start");
-    let gw = sb.net().expect("egress").host_addr.to_string();
     let reach = |sb: &CtSandbox, host: &str, port: u16| sh(sb, &nc(host, port, "x")).1 == "pong x";
     assert!(reach(&sb, "10.216.0.2", out_port) && reach(&sb, &gw, host_port), "control: no rules, both answer");
 

@@ -1,8 +1,8 @@
 //! Guest networking of the `vm` backend with real guests (docs/net.md): a guest of an `egress` template reaches a
 //! TCP listener "outside" (a network namespace of the test's own behind a veth from the host) through QEMU's
 //! user-mode network, whose QEMU runs in the sandbox's own network namespace (veth and NAT, as a ct sandbox's);
-//! it cannot reach the host's loopback through slirp's host alias 10.0.2.2 (a listener there is the control:
-//! the host itself reaches it); two siblings restored at once from its mark, both with the mark's address
+//! it cannot reach the host's loopback through slirp's host alias 10.0.2.2, nor the host at its namespace's
+//! gateway (a listener on all the host's addresses is the control: the host itself reaches it there); two siblings restored at once from its mark, both with the mark's address
 //! 10.0.2.15, reach the outside concurrently, each from its own namespace; egress rules deny and allow; a guest
 //! without network has no NIC and no route and cannot connect; after kill no QEMU and no namespace is left.
 
@@ -119,7 +119,7 @@ fn guest_vm_net_egress_siblings_and_none() {
     };
     let outside = Outside::new();
     let (port, seen) = listener(Some(&outside.ns), "10.217.0.2");
-    let (host_port, host_seen) = listener(None, "127.0.0.1");
+    let (host_port, host_seen) = listener(None, "0.0.0.0");
     let tag = std::process::id();
     let connect = |who: &str| format!("echo {who} | /bin/busybox nc -w 5 10.217.0.2 {port}");
 
@@ -138,11 +138,19 @@ fn guest_vm_net_egress_siblings_and_none() {
     let reach_host = format!("echo escaped | /bin/busybox nc -w 3 10.0.2.2 {host_port}");
     let (_, out, _) = sh(cold.as_ref(), &reach_host);
     assert!(!out.contains("pong"), "the guest reached the host's loopback through 10.0.2.2: {out}");
-    let mut ctl = std::net::TcpStream::connect(("127.0.0.1", host_port)).unwrap();
+    // Nor the host at any address of its own: the gateway of the QEMU's namespace is the host's end of its veth.
+    let ns = clade_core::sandbox_net::netns_path_of(cold.id());
+    let ns_name = ns.file_name().unwrap().to_string_lossy().to_string();
+    let route = std::process::Command::new("ip").args(["-n", &ns_name, "route", "show", "default"]).output().unwrap();
+    let route = String::from_utf8_lossy(&route.stdout).to_string();
+    let gw = route.split_whitespace().nth(2).expect("a default route in the QEMU's namespace").to_string();
+    let (_, out, _) = sh(cold.as_ref(), &format!("echo escaped | /bin/busybox nc -w 3 {gw} {host_port}"));
+    assert!(!out.contains("pong"), "the guest reached the host at {gw}: {out}");
+    let mut ctl = std::net::TcpStream::connect((gw.as_str(), host_port)).unwrap();
     writeln!(ctl, "control").unwrap();
     let mut line = String::new();
     BufReader::new(ctl).read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "pong control", "the control: the host listener answers");
+    assert_eq!(line.trim(), "pong control", "the control: the host listener answers at that address");
     assert!(!host_seen.lock().unwrap().iter().any(|l| l == "escaped"));
     // Egress rules hold in the QEMU's namespace: a denied address does not answer, an allowed one does.
     use clade_core::backend::EgressRules;
