@@ -123,7 +123,10 @@ pub fn build(
         let base = engine.ledger().base_for(&tid, to_ledger(backend))?;
         if let Some(b) = base {
             let found = engine.ledger().mark(&b.mark);
-            if let Ok(m) = found {
+            // A base marked with another network than its template's now (a template whose `egress` changed,
+            // which does not change its rootfs or hash) is built again: its sandboxes would not have it.
+            let egress_of = |m: &clade_ledger::Mark| m.manifests.get("network").map(|v| v.as_str()) == Some("egress");
+            if let Some(m) = found.ok().filter(|m| egress_of(m) == record.egress) {
                 return Ok(BaseOutcome {
                     template: record.name,
                     hash: record.hash,

@@ -149,7 +149,12 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
     let id = SandboxId::generate();
     let prepared = engine
         .prepare(backend.as_ref(), &id, &mark, 1)?
-        .ok_or_else(|| anyhow!("the {} backend has no warm pool (restores are not split)", backend.kind().as_str()))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "no warm pool of {}: a disk-only mark boots cold, and a backend whose restores are not split has none",
+                mark.id
+            )
+        })?;
     // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
     let warm = engine.warm(prepared, crate::base::base_readiness(&engine, &mark))?;
     let tmp = dir.join(format!("{id}.bind"));

@@ -47,6 +47,12 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             let engine = Engine::open(&home)?;
             let mark = engine.resolve_mark(&from, backend)?;
             let m = mark.id.as_str();
+            if engine.mark_state(&mark)?.boots_cold() {
+                anyhow::bail!(
+                    "{m} is a disk-only mark: its sandboxes boot cold, so there is nothing to restore ahead; \
+                     fork it directly, or pool a whole mark of a sandbox booted from it"
+                );
+            }
             pool::set_size(&home, m, size)?;
             let start = Instant::now();
             let started = pool::refill(&home, m)?;
