@@ -147,14 +147,12 @@ pub fn run_member(engine: Engine, backend: Arc<dyn Backend>, mark: Mark) -> anyh
         return Ok(()); // drained before this member started
     }
     let id = SandboxId::generate();
-    let prepared = engine
-        .prepare(backend.as_ref(), &id, &mark, 1)?
-        .ok_or_else(|| {
-            anyhow!(
-                "no warm pool of {}: a disk-only mark boots cold, and a backend whose restores are not split has none",
-                mark.id
-            )
-        })?;
+    let prepared = engine.prepare(backend.as_ref(), &id, &mark, 1)?.ok_or_else(|| {
+        anyhow!(
+            "no warm pool of {}: a disk-only mark boots cold, and a backend whose restores are not split has none",
+            mark.id
+        )
+    })?;
     // Restore, apply hygiene and pause now, so a claim only continues the guest and steps its clock.
     let warm = engine.warm(prepared, crate::base::base_readiness(&engine, &mark))?;
     let tmp = dir.join(format!("{id}.bind"));
