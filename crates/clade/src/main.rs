@@ -59,6 +59,9 @@ enum Command {
     Freeze(cmd::sandbox::SbxArgs),
     /// Continue a frozen sandbox.
     Thaw(cmd::sandbox::SbxArgs),
+    /// Print what happens in a directory of a sandbox as it happens (inotify inside), until interrupted or
+    /// `--count` events.
+    Watch(cmd::sandbox::WatchArgs),
     /// Move suspended sandboxes between hosts through the shared blob tier (`CLADE_BLOB`).
     #[command(subcommand)]
     Roam(cmd::roam::Command),
@@ -133,6 +136,7 @@ fn main() {
         Command::Suspend(a) => cmd::sandbox::suspend(a),
         Command::Freeze(a) => cmd::sandbox::freeze(a, true),
         Command::Thaw(a) => cmd::sandbox::freeze(a, false),
+        Command::Watch(a) => cmd::sandbox::watch(a),
         Command::Resume(a) => cmd::sandbox::resume(a),
         Command::Roam(c) => cmd::roam::run(c),
         Command::Hosts(a) => cmd::roam::hosts(a),

@@ -215,6 +215,67 @@ pub fn suspend(a: SuspendArgs) -> anyhow::Result<i32> {
     print(a.json, &m, |m| format!("{} suspended at {}", a.sandbox, m.id))
 }
 
+#[derive(clap::Args)]
+pub struct WatchArgs {
+    pub sandbox: String,
+    /// An absolute path of a directory in the sandbox.
+    pub path: String,
+    /// Its subdirectories too, those made later included.
+    #[arg(long, short)]
+    pub recursive: bool,
+    /// Stop after this many events (default: until interrupted).
+    #[arg(long)]
+    pub count: Option<usize>,
+    /// One JSON object a line (`{"name", "kind"}`; `{"lost": true}` where events may be missing).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `clade watch`: the sandbox's own watch (docs/agent.md, "Watches"), read a second at a time.
+pub fn watch(a: WatchArgs) -> anyhow::Result<i32> {
+    use nix::sys::signal::{SigSet, Signal};
+    // Ctrl-C or a TERM ends the loop (read from a signalfd between reads), so the watch is stopped in the
+    // sandbox rather than left there.
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGINT);
+    mask.add(Signal::SIGTERM);
+    mask.thread_block()?;
+    let stop = nix::sys::signalfd::SignalFd::with_flags(&mask, nix::sys::signalfd::SfdFlags::SFD_NONBLOCK)?;
+    let api = api()?;
+    let watch = api.watch_start(&a.sandbox, &a.path, a.recursive)?;
+    let mut seen = 0usize;
+    let mut out = std::io::stdout().lock();
+    let result = loop {
+        let batch = match api.watch_events(&a.sandbox, watch, 1000) {
+            Ok(b) => b,
+            Err(e) => break Err(e),
+        };
+        if batch.lost {
+            let line = if a.json { r#"{"lost":true}"#.to_string() } else { "(events may be missing here)".into() };
+            writeln!(out, "{line}")?;
+        }
+        for e in batch.events {
+            let kind = serde_json::to_value(e.kind)?.as_str().unwrap_or_default().to_string();
+            let line = if a.json {
+                serde_json::json!({"name": e.name, "kind": kind}).to_string()
+            } else {
+                format!("{kind:<7} {}", e.name)
+            };
+            writeln!(out, "{line}")?;
+            seen += 1;
+            if a.count.is_some_and(|n| seen >= n) {
+                break;
+            }
+        }
+        out.flush()?;
+        if a.count.is_some_and(|n| seen >= n) || matches!(stop.read_signal(), Ok(Some(_))) {
+            break Ok(0);
+        }
+    };
+    let _ = api.watch_stop(&a.sandbox, watch);
+    result
+}
+
 /// `clade freeze` (`frozen`) or `clade thaw`.
 pub fn freeze(a: SbxArgs, frozen: bool) -> anyhow::Result<i32> {
     let api = api()?;
