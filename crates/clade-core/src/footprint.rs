@@ -83,9 +83,11 @@ pub trait Footprint: Send + Sync {
         None
     }
 
-    /// Mark roles whose value is a word the mark carries, not stored data (the ct backend's network mode).
+    /// Mark roles whose value is a word the mark carries, not stored data (a disk-only mark's `boot`, a
+    /// network mode, the ct jail's `no_new_privs`). A backend that adds its own lists [`crate::backend::ROLE_BOOT`]
+    /// too.
     fn word_roles(&self) -> &'static [&'static str] {
-        &[]
+        &[crate::backend::ROLE_BOOT]
     }
 
     /// The store tree a layer entry names, if it names one.

@@ -60,7 +60,7 @@ impl Footprint for CtFootprint {
     }
 
     fn word_roles(&self) -> &'static [&'static str] {
-        &[crate::net::ROLE_NETWORK]
+        &[crate::net::ROLE_NETWORK, crate::sandbox::ROLE_NO_NEW_PRIVS, clade_core::backend::ROLE_BOOT]
     }
 
     fn layer_tree(&self, entry: &str) -> Option<clade_store::TreeId> {

@@ -59,6 +59,13 @@ mod tests {
         let shape = Shape { memory_mib: 512, vcpus: 2, disk_gib: 1 };
         assert_eq!((vm.reserved_vcpus(&shape), ct.reserved_vcpus(&shape)), (2, 0));
         assert_eq!(ct.layers_role(), Some("rootfs"));
+        // Every word a mark of each backend records (roaming skips them as no store ids).
+        for role in ["network", "no_new_privs", clade_core::backend::ROLE_BOOT] {
+            assert!(ct.word_roles().contains(&role), "ct: {role}");
+        }
+        for role in ["network", clade_core::backend::ROLE_BOOT] {
+            assert!(vm.word_roles().contains(&role), "vm: {role}");
+        }
         let tree: clade_store::TreeId = ct.layer_tree(&ct.tree_layer(&clade_store::TreeId([7; 32]))).unwrap();
         assert_eq!(tree, clade_store::TreeId([7; 32]), "a layer entry names its tree and back");
         assert!(ct.layer_tree("/var/lib/clade/templates/x/rootfs").is_none());

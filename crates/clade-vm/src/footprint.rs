@@ -25,6 +25,11 @@ impl Footprint for VmFootprint {
         vec![home.shm_dir().join("lazy").join(sandbox)]
     }
 
+    /// A guest's network mode and a disk-only mark's `boot` are words, not stored data.
+    fn word_roles(&self) -> &'static [&'static str] {
+        &[crate::net::ROLE_NETWORK, clade_core::backend::ROLE_BOOT]
+    }
+
     /// A cold sandbox's RAM file (`run/<sandbox>.ram` under `CLADE_SHM`), and the network namespace of a guest
     /// with egress (its QEMU's: clade_core::sandbox_net).
     fn leftovers(&self, home: &CladeHome, sandbox: &str, fix: bool, settled: &dyn Fn(&Path) -> bool) -> Vec<Leftover> {
