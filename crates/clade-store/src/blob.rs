@@ -2,10 +2,11 @@
 //! `trees/ab/<id>`) in an `object_store` backend: a local directory (a shared mount, or tests) or an
 //! S3-compatible bucket for fleets.
 //!
-//! `object_store` is async; the store's API is sync (callers are worker threads, and the NBD server uses
-//! `spawn_blocking`). So the blob tier owns a small private tokio runtime and blocks on it. Blocking inside
-//! somebody else's runtime would stall or panic, so every call first checks that it is not on a tokio worker
-//! thread and returns a clear error if it is: **never call the store's sync API from an async task**.
+//! `object_store` is async; the store's API is sync (callers are worker threads). So the blob tier owns a small
+//! private tokio runtime and blocks on it. A call made inside somebody else's runtime (a vm disk's NBD export
+//! reading a frame only the tier holds) cannot enter this one there, so it waits on a plain thread of its own
+//! ([`Blob::block_on`]); the caller's task is blocked for the round trip. Async code should still prefer
+//! `spawn_blocking`.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -116,14 +117,17 @@ impl Blob {
         &self.desc
     }
 
-    fn block_on<F: std::future::Future>(&self, key: &str, f: F) -> Result<F::Output, StoreError> {
+    fn block_on<F>(&self, key: &str, f: F) -> Result<F::Output, StoreError>
+    where
+        F: std::future::Future + Send,
+        F::Output: Send,
+    {
         if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(berr(
-                &self.at,
-                "call",
-                key,
-                "the store's sync API was called on an async runtime thread; call it through tokio::task::spawn_blocking",
-            ));
+            // Called from inside another runtime (a vm disk's NBD export reading a frame only the tier holds,
+            // for a sandbox that roamed here): this runtime cannot be entered from there, so the call waits on
+            // a plain thread of its own. The caller's worker blocks for the round trip, as any reader would.
+            return std::thread::scope(|s| s.spawn(|| self.rt.block_on(f)).join())
+                .map_err(|_| berr(&self.at, "call", key, "the thread waiting on the blob tier panicked"));
         }
         Ok(self.rt.block_on(f))
     }
@@ -136,10 +140,10 @@ impl Blob {
 
     /// Run `requests` on the blob runtime, up to `n` at once; their answers in the order asked, or the first
     /// error (requests still in flight are dropped).
-    fn run_many<T, F: std::future::Future<Output = Result<T, StoreError>>>(
+    fn run_many<T: Send, F: std::future::Future<Output = Result<T, StoreError>> + Send>(
         &self,
         what: &str,
-        requests: impl Iterator<Item = F>,
+        requests: impl Iterator<Item = F> + Send,
         n: usize,
     ) -> Result<Vec<T>, StoreError> {
         use futures::TryStreamExt;

@@ -8,8 +8,8 @@
 //! into extents, so it is complete (no parent chain) yet small. See `docs/store.md` for the design and the
 //! measurements behind it.
 //!
-//! The API is synchronous. From async code call it through `spawn_blocking`; never on a runtime worker
-//! thread (the blob tier blocks on its own private runtime and refuses to run inside another one).
+//! The API is synchronous. From async code call it through `spawn_blocking`: on a runtime worker thread it
+//! blocks that worker (the blob tier's calls then wait on a plain thread of their own, docs/store.md).
 
 // `unsafe` only in map.rs (read-only maps of immutable packs), documented there.
 #![deny(unsafe_code)]

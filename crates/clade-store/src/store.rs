@@ -124,7 +124,7 @@ pub(crate) struct Inner {
 /// A content-addressed chunk store. Cheap to clone (an `Arc` inside), `Send + Sync`.
 ///
 /// The API is synchronous and may block on disk or network: from async code, call it through
-/// `tokio::task::spawn_blocking`, never directly on a runtime worker thread.
+/// `tokio::task::spawn_blocking` (on a runtime worker it blocks that worker).
 #[derive(Clone)]
 pub struct Store {
     pub(crate) inner: Arc<Inner>,
@@ -549,6 +549,15 @@ impl Store {
             return Ok(());
         }
         self.blob_upload_packs(self.packs_of(manifests)?).map(|_| ())
+    }
+
+    /// Make sure every frame of image `id` can be found: in a local pack, else through the blob tier's pack
+    /// indexes (the tier is listed once for those this host has not read). Call it from a plain thread before
+    /// an async reader (an NBD export) reads the image: listing the tier is a blocking call, which a tokio
+    /// worker may not make.
+    pub fn locate(&self, id: &ManifestId) -> Result<(), StoreError> {
+        let m = self.manifest(id)?;
+        self.packs_of([&*m]).map(|_| ())
     }
 
     /// The packs the frames of `manifests` live in.

@@ -12,7 +12,7 @@ use clade_core::backend::{
     BackendError, BackendKind, Identity, MarkOptions, MarkState, Sandbox, TemplateImage, BOOT_COLD, ROLE_BOOT,
 };
 
-use super::{failed, manifest, role, VmBackend, VmSandbox};
+use super::{failed, manifest, mid, role, VmBackend, VmSandbox};
 
 impl VmSandbox {
     /// Store the guest's disk as a disk-only mark; the guest goes on unless `end` (then the caller drops it).
@@ -59,6 +59,11 @@ impl VmBackend {
             return Err(failed(format!("not a vm mark (a {} one)", mark.backend.as_str())));
         }
         let disk = manifest(mark, role::DISK)?;
+        // A disk written on another host (a roamed sandbox) may have frames only in the blob tier, whose
+        // indexes are listed here, not on the guest's first read inside the NBD export's runtime.
+        if self.inner.store.blob_tier().is_some() {
+            self.inner.store.locate(&mid(disk)?).map_err(|e| BackendError::Corrupt(format!("the mark's disk: {e}")))?;
+        }
         let image = TemplateImage {
             name: format!("the disk of mark {disk}"),
             hash: disk.to_string(),
