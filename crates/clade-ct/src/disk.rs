@@ -53,14 +53,10 @@ impl CtSandbox {
         Ok(state)
     }
 
-    /// Kill the sandbox's init (which ends its PID namespace) and wait for it; the mounts on the host stay.
+    /// Kill the sandbox's processes (crate::resources) and wait until its cgroup holds none, so nothing writes
+    /// any more; the mounts on the host stay.
     fn end_processes(&mut self) {
-        if let Some(pid) = self.res.init.take() {
-            let pid = nix::unistd::Pid::from_raw(pid as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            crate::resources::reap(pid, std::time::Duration::from_secs(5));
-        }
-        // Its other tasks go with the namespace; wait until the cgroup holds none, so nothing writes any more.
+        self.res.kill_processes();
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
         while !clade_core::backend::Sandbox::pids(self).is_empty() && Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(2));
@@ -74,23 +70,13 @@ impl CtSandbox {
         opts: &MarkOptions,
     ) -> Result<MarkState, BackendError> {
         let tree = self.store.put_dir(upper).map_err(|e| failed(format!("store the upper: {e}")))?;
-        let mut manifests: BTreeMap<String, String> = [
+        let manifests: BTreeMap<String, String> = [
             (ROLE_UPPER.to_string(), tree.id.to_hex()),
             (ROLE_ROOTFS.to_string(), self.lower.clone()),
             (ROLE_BOOT.to_string(), BOOT_COLD.to_string()),
         ]
         .into();
-        self.record_boot_facts(&mut manifests);
-        Ok(MarkState {
-            backend: BackendKind::Ct,
-            manifests,
-            compat: self.compat.clone(),
-            shape: self.shape.clone(),
-            logical_bytes: tree.data.size,
-            stored_bytes: tree.data.bytes_stored + tree.tree_bytes,
-            pause,
-            clean: !opts.not_clean,
-        })
+        Ok(self.mark_state(manifests, tree.data.size, tree.data.bytes_stored + tree.tree_bytes, pause, opts))
     }
 }
 

@@ -64,6 +64,16 @@ impl Resources {
         self.run_dir.join("rw")
     }
 
+    /// Kill the sandbox's init and wait for it: killing a PID namespace's init kills the whole namespace. The
+    /// rest (mounts, cgroup, run dir) stays for [`Resources::release`].
+    pub fn kill_processes(&mut self) {
+        if let Some(pid) = self.init.take() {
+            let pid = Pid::from_raw(pid as i32);
+            let _ = kill(pid, Signal::SIGKILL);
+            reap(pid, Duration::from_secs(5));
+        }
+    }
+
     /// Kill the processes, then take down the mount, the cgroup and the run directory. Returns every step
     /// that failed (the rest still ran).
     pub fn release(&mut self) -> Result<(), String> {
@@ -72,12 +82,7 @@ impl Resources {
         }
         self.released = true;
         let mut errors = Vec::new();
-        if let Some(pid) = self.init.take() {
-            let pid = Pid::from_raw(pid as i32);
-            // Killing a PID namespace's init kills the whole namespace.
-            let _ = kill(pid, Signal::SIGKILL);
-            reap(pid, Duration::from_secs(5));
-        }
+        self.kill_processes();
         if let Some(mut h) = self.helper.take() {
             let _ = h.kill();
             let _ = h.wait();

@@ -355,11 +355,29 @@ impl CtSandbox {
         self.compat.get("jail").map(String::as_str) == Some(crate::jail::POLICY)
     }
 
-    /// What any mark records beside its trees: the network mode and `no_new_privs`.
-    pub(crate) fn record_boot_facts(&self, manifests: &mut BTreeMap<String, String>) {
+    /// A mark of this sandbox naming `manifests`, plus what any mark records beside its trees: the network
+    /// mode and `no_new_privs`.
+    pub(crate) fn mark_state(
+        &self,
+        mut manifests: BTreeMap<String, String>,
+        logical_bytes: u64,
+        stored_bytes: u64,
+        pause: Duration,
+        opts: &MarkOptions,
+    ) -> MarkState {
         let mode = if self.res.net.is_some() { crate::net::EGRESS } else { crate::net::LOOPBACK };
         manifests.insert(crate::net::ROLE_NETWORK.to_string(), mode.to_string());
         manifests.insert(ROLE_NO_NEW_PRIVS.to_string(), if self.no_new_privs { "1" } else { "0" }.to_string());
+        MarkState {
+            backend: BackendKind::Ct,
+            manifests,
+            compat: self.compat.clone(),
+            shape: self.shape.clone(),
+            logical_bytes,
+            stored_bytes,
+            pause,
+            clean: !opts.not_clean,
+        }
     }
 
     pub(crate) fn reconnect(&mut self) -> Result<(), BackendError> {
@@ -434,23 +452,15 @@ impl CtSandbox {
         })();
         let _ = std::fs::remove_dir_all(&stage);
         let (img, upper) = stored.map_err(|e| failed(format!("store the mark: {e}")))?;
-        let mut manifests: BTreeMap<String, String> = [
+        let manifests: BTreeMap<String, String> = [
             (ROLE_CRIU.to_string(), img.id.to_hex()),
             (ROLE_UPPER.to_string(), upper.id.to_hex()),
             (ROLE_ROOTFS.to_string(), self.lower.clone()),
         ]
         .into();
-        self.record_boot_facts(&mut manifests);
-        Ok(MarkState {
-            backend: BackendKind::Ct,
-            manifests,
-            compat: self.compat.clone(),
-            shape: self.shape.clone(),
-            logical_bytes: img.data.size + upper.data.size,
-            stored_bytes: img.data.bytes_stored + upper.data.bytes_stored + img.tree_bytes + upper.tree_bytes,
-            pause: times.frozen,
-            clean: !opts.not_clean,
-        })
+        let logical = img.data.size + upper.data.size;
+        let stored = img.data.bytes_stored + upper.data.bytes_stored + img.tree_bytes + upper.tree_bytes;
+        Ok(self.mark_state(manifests, logical, stored, times.frozen, opts))
     }
 }
 

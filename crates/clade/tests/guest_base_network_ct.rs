@@ -6,10 +6,9 @@
 mod common;
 use common::clade;
 
+/// A `--json` command that must succeed (common::ok_env without extra environment).
 fn ok(h: &std::path::Path, args: &[&str]) -> serde_json::Value {
-    let (code, out, err) = clade(h, args);
-    assert_eq!(code, 0, "clade {args:?}: {err}");
-    serde_json::from_str(&out).unwrap_or(serde_json::Value::Null)
+    common::ok_env(h, &Vec::new(), args)
 }
 
 #[test]

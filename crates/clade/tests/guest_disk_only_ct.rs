@@ -26,10 +26,9 @@ const BOOT_ID: &str = "cat /proc/sys/kernel/random/boot_id";
 const TICKER: &str = "setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 &";
 const TICKING: &str = "ps -o args 2>/dev/null | grep -c '^sh -c while' || true";
 
+/// A `--json` command that must succeed (common::ok_env without extra environment).
 fn ok(h: &std::path::Path, args: &[&str]) -> serde_json::Value {
-    let (code, out, err) = clade(h, args);
-    assert_eq!(code, 0, "clade {args:?}: {err}");
-    serde_json::from_str(&out).unwrap_or(serde_json::Value::Null)
+    common::ok_env(h, &Vec::new(), args)
 }
 
 #[test]

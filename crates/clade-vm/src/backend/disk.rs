@@ -36,19 +36,9 @@ impl VmSandbox {
         }
         let pause = t0.elapsed();
         let disk = disk?;
-        let mut manifests: BTreeMap<String, String> =
+        let manifests: BTreeMap<String, String> =
             [(role::DISK.to_string(), disk), (ROLE_BOOT.to_string(), BOOT_COLD.to_string())].into();
-        crate::net::record(&mut manifests, self.egress);
-        Ok(MarkState {
-            backend: BackendKind::Vm,
-            manifests,
-            compat: self.backend.compat(&self.shape),
-            shape: self.shape.clone(),
-            logical_bytes: u64::from(self.shape.disk_gib) << 30,
-            stored_bytes: dirty,
-            pause,
-            clean: !opts.not_clean,
-        })
+        Ok(self.mark_state(manifests, u64::from(self.shape.disk_gib) << 30, dirty, pause, opts))
     }
 }
 

@@ -61,17 +61,8 @@ impl VmSandbox {
         manifests.insert(role::RAM.to_string(), root.clone());
         manifests.insert(role::DEVSTATE.to_string(), put_id(&dev)?);
         manifests.insert(role::DISK.to_string(), disk);
-        crate::net::record(&mut manifests, self.egress);
-        let mark = MarkState {
-            backend: BackendKind::Vm,
-            manifests,
-            compat: self.backend.compat(&self.shape),
-            shape: self.shape.clone(),
-            logical_bytes: ram.size + dev.size,
-            stored_bytes: stored(&ram) + stored(&dev),
-            pause: Duration::from_secs_f64(saved.pause_ms / 1e3),
-            clean: !opts.not_clean,
-        };
+        let pause = Duration::from_secs_f64(saved.pause_ms / 1e3);
+        let mark = self.mark_state(manifests, ram.size + dev.size, stored(&ram) + stored(&dev), pause, opts);
         // Go on as a clone of the mark (same guest state; a new QEMU mapping the root privately).
         let mut spec = self.backend.spec(
             &self.shape,
@@ -161,17 +152,30 @@ impl VmSandbox {
         manifests.insert(role::RAM_PAGES.to_string(), put_id(&pages)?);
         manifests.insert(role::DEVSTATE_ONLY.to_string(), put_id(&dev)?);
         manifests.insert(role::DISK.to_string(), disk);
+        let stored_bytes = stored(&ram) + stored(&pages) + stored(&dev);
+        Ok(self.mark_state(manifests, size + dev.size, stored_bytes, pause, opts))
+    }
+
+    /// A mark of this sandbox naming `manifests`, its network mode recorded beside them.
+    pub(super) fn mark_state(
+        &self,
+        mut manifests: BTreeMap<String, String>,
+        logical_bytes: u64,
+        stored_bytes: u64,
+        pause: Duration,
+        opts: &MarkOptions,
+    ) -> MarkState {
         crate::net::record(&mut manifests, self.egress);
-        Ok(MarkState {
+        MarkState {
             backend: BackendKind::Vm,
             manifests,
             compat: self.backend.compat(&self.shape),
             shape: self.shape.clone(),
-            logical_bytes: size + dev.size,
-            stored_bytes: stored(&ram) + stored(&pages) + stored(&dev),
+            logical_bytes,
+            stored_bytes,
             pause,
             clean: !opts.not_clean,
-        })
+        }
     }
 }
 
