@@ -267,6 +267,11 @@ pub struct ExecSpec {
     /// A free-form label shown by `list_procs`.
     #[serde(default)]
     pub tag: Option<String>,
+    /// Run with this directory (absolute, in the sandbox) as the process's root: a container of its own image
+    /// in a pod's sandbox (docs/kubernetes.md). `user` is then looked up in that root's `/etc/passwd`, `cwd` and
+    /// the program's `PATH` search are resolved inside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
 }
 
 impl ExecSpec {

@@ -214,3 +214,37 @@ fn privileged_net_reset_destroys_established_connections() {
     }
     assert_eq!(c.net_reset(Some("127.0.0.1".parse().unwrap()), &[]).unwrap(), 0);
 }
+
+/// A process with a root of its own (a pod member of another image): it sees that root's files, runs as that
+/// root's user, in a working directory inside it; the agent's own files stay out of its sight.
+#[test]
+fn privileged_exec_with_a_root_of_its_own() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let made = out(
+        &c,
+        "mkdir -p /croot/bin /croot/etc /croot/w && cp /bin/busybox /croot/bin/busybox && \
+         ln -s busybox /croot/bin/sh && ln -s busybox /croot/bin/id && ln -s busybox /croot/bin/cat && \
+         echo 'app:x:1234:4321::/w:/bin/sh' > /croot/etc/passwd && echo mine > /croot/marker && \
+         chmod 777 /croot/w && echo ok",
+    );
+    assert_eq!(made, "ok\n", "{made}");
+    let spec = ExecSpec {
+        root: Some("/croot".into()),
+        user: Some("app".into()),
+        cwd: Some("/w".into()),
+        ..sh("id -u; id -g; pwd; cat /marker; echo $HOME; test -e /etc/clade || echo no-agent-files")
+    };
+    let o = c.run(spec).unwrap();
+    let said = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert_eq!(said, "1234\n4321\n/w\nmine\n/w\nno-agent-files\n");
+    // Control: without the root, the same user does not exist and the marker is elsewhere.
+    let err = c.run(ExecSpec { user: Some("app".into()), ..sh("true") }).unwrap_err().to_string();
+    assert!(err.contains("no user \"app\""), "{err}");
+    assert_eq!(out(&c, "cat /marker 2>/dev/null || echo absent"), "absent\n");
+    let err = c.run(ExecSpec { root: Some("/nowhere".into()), ..sh("true") }).unwrap_err().to_string();
+    assert!(err.contains("/nowhere"), "a missing root is named: {err}");
+}

@@ -299,6 +299,7 @@ impl Host for CladeHost {
             stdin: spec.stdin,
             tag: spec.tag,
             stream: true,
+            root: None,
         };
         let (pid, events) = self.api.proc_start(id, spec).map_err(host_err)?;
         Ok((pid, Self::events(events)))

@@ -369,6 +369,7 @@ async fn proc_start(State(app): State<Arc<App>>, Path(id): Path<String>, Body(re
         stdin: req.stdin,
         tag: req.tag,
         stream: true,
+        root: None,
     };
     let events = blocking(&app, "proc_start", move |a| {
         wake(a, &id)?;

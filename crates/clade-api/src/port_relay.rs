@@ -26,6 +26,7 @@ pub fn connect(api: &Arc<dyn SandboxApi>, id: &str, port: u16) -> HostResult<Tcp
         stdin: true,
         tag: Some(TAG.into()),
         stream: true,
+        root: None,
     };
     let (pid, mut events) = api.proc_start(id, spec).map_err(|e| HostError::Internal(format!("{e:#}")))?;
     // The relay says first whether it reached the port.

@@ -266,6 +266,19 @@ pub trait Sandbox: Send {
     fn thaw(&mut self) -> Result<(), BackendError> {
         Err(BackendError::Unsupported(format!("{:?} sandboxes cannot be frozen yet", self.kind())))
     }
+    /// Show the host directory `host` (a container image's root file system) inside the sandbox as the root
+    /// `name`, for processes started with it as their root (`ExecSpec::root`): a pod's containers of different
+    /// images in one sandbox (docs/kubernetes.md). Returns its path inside. Default: the backend cannot.
+    fn attach_root(&mut self, _name: &str, _host: &std::path::Path) -> Result<String, BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "{:?} sandboxes cannot show a root file system of the host (a pod's containers share the pod's image there)",
+            self.kind()
+        )))
+    }
+    /// Take away a root [`Sandbox::attach_root`] showed; one not shown is not an error.
+    fn detach_root(&mut self, _name: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Why the sandbox ended on its own (its QEMU exited: its status and error text), once it has; `None` while
     /// it runs. Supervisors poll it and record the sandbox as failed with this text. Default: never.
     fn exited(&mut self) -> Option<String> {

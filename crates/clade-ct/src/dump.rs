@@ -114,7 +114,7 @@ fn criu_run(
     let wall = t0.elapsed();
     drop(netns);
     if !out.status.success() {
-        return Err(format!("criu {action} failed ({}): {}", out.status, log_tail(log)));
+        return Err(format!("criu {action} failed ({}): {}", out.status, log_tail_or(log, &out.stderr)));
     }
     Ok(wall)
 }
@@ -195,10 +195,19 @@ fn write_exec(path: &Path, text: &str) -> Result<(), String> {
 
 /// The error lines of a CRIU log (or its last lines), for an error message a user can act on.
 pub fn log_tail(log: &Path) -> String {
+    log_tail_or(log, b"")
+}
+
+/// [`log_tail`], or where CRIU wrote no log (it failed before opening it: a bad option, an image or work
+/// directory it could not open), what it printed on its standard error.
+pub fn log_tail_or(log: &Path, stderr: &[u8]) -> String {
+    let printed = String::from_utf8_lossy(stderr);
+    let printed = printed.trim();
+    let said = if printed.is_empty() { String::new() } else { format!("; it printed: {printed}") };
     let text = match std::fs::read_to_string(log) {
-        Ok(t) if t.trim().is_empty() => return format!("CRIU wrote nothing to its log {}", log.display()),
+        Ok(t) if t.trim().is_empty() => return format!("CRIU wrote nothing to its log {}{said}", log.display()),
         Ok(t) => t,
-        Err(e) => return format!("CRIU left no readable log ({}: {e})", log.display()),
+        Err(e) => return format!("CRIU left no readable log ({}: {e}){said}", log.display()),
     };
     let errs: Vec<&str> = text.lines().filter(|l| l.contains("Error") || l.contains("error")).collect();
     let lines: Vec<&str> =

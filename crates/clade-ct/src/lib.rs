@@ -25,6 +25,7 @@ pub mod lower;
 pub mod net;
 pub mod resources;
 pub mod restore;
+pub mod roots;
 pub mod sandbox;
 pub mod spawn;
 pub mod testroot;

@@ -254,8 +254,13 @@ impl CtPrepared {
             .args(["--tcp-close", "--file-locks", "--network-lock", "skip", "--pidfile"])
             .arg(&pidfile)
             .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
+            .stdout(std::process::Stdio::null());
+        // What CRIU prints before it opens its log (an image or work directory it cannot open) is kept.
+        let stderr_file = run_dir.join("restore.stderr");
+        match std::fs::File::create(&stderr_file) {
+            Ok(f) => cmd.stderr(f),
+            Err(_) => cmd.stderr(std::process::Stdio::null()),
+        };
         if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
             cmd.arg("-v4");
         }
@@ -311,12 +316,22 @@ impl CtPrepared {
                 Ok(())
             });
         }
-        let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
+        let mut out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
+        if !out.success() && !log.exists() {
+            // CRIU ended before it opened its log, so before it touched anything: once (seen in CI, not
+            // reproduced since), it is run again, and what it printed is kept in the log of this run.
+            let said = std::fs::read_to_string(&stderr_file).unwrap_or_default();
+            eprintln!(
+                "clade-ct: criu restore of {} ended before writing its log ({out}): {said}; running it again",
+                self.id
+            );
+            out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
+        }
         drop(netns);
         let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
         res.init = pid;
         if !out.success() || pid.is_none() {
-            let tail = crate::dump::log_tail(&log);
+            let tail = crate::dump::log_tail_or(&log, &std::fs::read(&stderr_file).unwrap_or_default());
             let hint = if tail.contains("Unable to map ANON_VMA: Cannot allocate memory") {
                 " (large PROT_NONE reservations are charged in full by CRIU 4.2: set vm.overcommit_memory=1)"
             } else {

@@ -355,6 +355,20 @@ impl CtSandbox {
         self.compat.get("jail").map(String::as_str) == Some(crate::jail::POLICY)
     }
 
+    /// Refuses a mark while the sandbox shows roots of a pod's containers (crate::roots): they are host mounts
+    /// CRIU cannot take, and a disk-only mark would keep none of them either.
+    fn check_no_roots(&self) -> Result<(), BackendError> {
+        let roots = self.res.init.map(crate::roots::attached).unwrap_or_default();
+        if roots.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Unsupported(format!(
+            "this sandbox shows the root file systems of other images (containers {}): they are mounts of the host, \
+             which a mark cannot keep; delete those containers, or mark a pod whose containers share its image",
+            roots.join(", ")
+        )))
+    }
+
     /// A mark of this sandbox naming `manifests`, plus what any mark records beside its trees: the network
     /// mode and `no_new_privs`.
     pub(crate) fn mark_state(
@@ -491,13 +505,23 @@ impl Sandbox for CtSandbox {
     fn thaw(&mut self) -> Result<(), BackendError> {
         self.set_frozen(false)
     }
+    fn attach_root(&mut self, name: &str, host: &std::path::Path) -> Result<String, BackendError> {
+        let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;
+        crate::roots::attach(init, name, host, self.userns()).map_err(failed)
+    }
+    fn detach_root(&mut self, name: &str) -> Result<(), BackendError> {
+        let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;
+        crate::roots::detach(init, name).map_err(failed)
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        self.check_no_roots()?;
         if opts.disk_only {
             return self.disk_mark(opts);
         }
         self.dump_and_store(opts, true)
     }
     fn suspend(mut self: Box<Self>, opts: &MarkOptions) -> Result<MarkState, BackendError> {
+        self.check_no_roots()?;
         if opts.disk_only {
             return self.disk_suspend(opts);
         }

@@ -124,16 +124,23 @@ fn attach(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
 /// that namespace's map. Only in the caller's mount namespace (callers are in a private one).
 pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io::Result<()> {
     let tree = clone_tree(src, false)?;
+    idmap_tree(&tree, userns, false)?;
+    attach(&tree, target)
+}
+
+/// Idmaps a detached mount tree (from `open_tree`) through `userns` (its mounts below too when `recursive`).
+pub fn idmap_tree(tree: &OwnedFd, userns: BorrowedFd<'_>, recursive: bool) -> std::io::Result<()> {
     let attr =
         MountAttr { attr_set: MOUNT_ATTR_IDMAP, attr_clr: 0, propagation: 0, userns_fd: userns.as_raw_fd() as u64 };
-    // SAFETY: mount_setattr(2) on the detached tree (an fd we own), an empty C string, and an attribute struct
-    // with its size; all live for the call.
+    let flags = libc::AT_EMPTY_PATH | if recursive { libc::AT_RECURSIVE } else { 0 };
+    // SAFETY: mount_setattr(2) on the detached tree (an fd the caller owns), an empty C string, and an attribute
+    // struct with its size; all live for the call.
     let r = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
             tree.as_raw_fd(),
             c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
+            flags,
             &attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
@@ -141,7 +148,7 @@ pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io
     if r < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    attach(&tree, target)
+    Ok(())
 }
 
 /// Binds the working directory's tree onto itself and moves into the copy. Mounts copied into a user

@@ -545,6 +545,18 @@ pub trait SandboxApi: Send + Sync {
 
     /// Continue a sandbox after [`SandboxApi::freeze`].
     fn thaw(&self, sandbox: &str) -> anyhow::Result<()>;
+
+    /// Show the host directory `host` (a container image's root file system) inside a running sandbox as the
+    /// root `name`; returns its path inside, for [`ProcSpec::root`]. A Kubernetes pod's containers of different
+    /// images share the pod's sandbox this way (docs/kubernetes.md); ct only. Only a caller on the sandbox's host
+    /// can name a host directory: the default refuses.
+    fn attach_root(&self, _sandbox: &str, _name: &str, _host: &std::path::Path) -> anyhow::Result<String> {
+        Err(crate::error::invalid("roots of host directories are attached only on the sandbox's own host"))
+    }
+    /// Take away a root [`SandboxApi::attach_root`] showed (one not shown: nothing to do).
+    fn detach_root(&self, _sandbox: &str, _name: &str) -> anyhow::Result<()> {
+        Err(crate::error::invalid("roots of host directories are attached only on the sandbox's own host"))
+    }
 }
 
 #[cfg(test)]

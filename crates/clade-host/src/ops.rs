@@ -461,6 +461,15 @@ impl SandboxApi for Ops {
         self.sup_call(sandbox, &Request::Thaw).map(|_| ())
     }
 
+    fn attach_root(&self, sandbox: &str, name: &str, host: &std::path::Path) -> anyhow::Result<String> {
+        let v = self.sup_call(sandbox, &Request::AttachRoot { name: name.into(), host: host.into() })?;
+        v["path"].as_str().map(str::to_string).ok_or_else(|| anyhow::anyhow!("the supervisor named no path"))
+    }
+
+    fn detach_root(&self, sandbox: &str, name: &str) -> anyhow::Result<()> {
+        self.sup_call(sandbox, &Request::DetachRoot { name: name.into() }).map(|_| ())
+    }
+
     fn make_dir(&self, sandbox: &str, path: &str, owner: Option<FileOwner>) -> anyhow::Result<bool> {
         let v = self.sup_call(sandbox, &Request::Mkdir { path: path.into(), owner })?;
         Ok(v["created"].as_bool().unwrap_or(true))

@@ -5,9 +5,11 @@
 //! starts. containerd's CRI plugin first creates the pod's own container (the "pause" container, [`Role::Pod`]);
 //! its process is nominal here (no pause binary runs: the sandbox itself holds the pod). The pod's sandbox is
 //! forked when the pod's annotations name a mark or template, else from the first container's image, whose
-//! content then is the pod's: a later container of the same image content joins the sandbox; a container of
-//! other content is refused with that reason (one root filesystem per pod, for now). A container outside any
-//! pod (`ctr run`, [`Role::Single`]) has a sandbox of its own.
+//! content then is the pod's: a later container of the same image content runs on the sandbox's own root; a
+//! container of other content gets its image's root file system shown inside the pod's sandbox
+//! (`SandboxApi::attach_root`, ct) and its processes run `chroot`ed there, sharing the pod's network, IPC and
+//! limits (docs/kubernetes.md, "Pods of several images"). A container outside any pod (`ctr run`,
+//! [`Role::Single`]) has a sandbox of its own.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -73,6 +75,9 @@ pub struct Container {
     pub execs: HashMap<String, Proc>,
     /// Paused by containerd (its sandbox frozen).
     pub paused: bool,
+    /// Where its own image's root file system is shown inside the pod's sandbox (a member of another image
+    /// than the pod's); its processes run with it as their root.
+    pub root: Option<String>,
 }
 
 impl Container {
@@ -182,8 +187,9 @@ impl Tasks {
     }
 
     /// The sandbox a pod's container runs in: the pod's, made from this container's image when the pod has
-    /// none yet; refused when the pod's sandbox holds another image's content.
-    fn pod_sandbox(&self, pod_id: &str, b: &Bundle) -> anyhow::Result<String> {
+    /// none yet; with the root inside it where the container's image is not the pod's (its rootfs attached as
+    /// the root named `id`).
+    fn pod_sandbox(&self, pod_id: &str, id: &str, b: &Bundle) -> anyhow::Result<(String, Option<String>)> {
         let (existing, content, named, pod_bundle) = {
             let held = self.lock();
             let pod = held.pods.get(pod_id).ok_or_else(|| {
@@ -193,18 +199,18 @@ impl Tasks {
             (pod.sandbox.clone(), pod.content.clone(), pod.named, pod_bundle)
         };
         if let Some(sandbox) = existing {
-            if !named {
-                let mine = b.content(&self.home)?;
-                if content.as_deref() != Some(mine.as_str()) {
-                    bail!(
-                        "pod {pod_id} runs in one clade sandbox on its first container's image, and this container's \
-                         image has other content: clade runs a pod's containers on one root filesystem (use one image \
-                         per pod, or name a mark or template for the pod with the annotation {})",
-                        bundle::MARK_ANNOTATION
-                    );
-                }
+            if named || content.as_deref() == Some(b.content(&self.home)?.as_str()) {
+                return Ok((sandbox, None));
             }
-            return Ok(sandbox);
+            let root = self.api.attach_root(&sandbox, id, &b.rootfs()).map_err(|e| {
+                e.context(format!(
+                    "container {id} has another image than its pod {pod_id}, whose sandbox would show that image's \
+                     root file system (or name a mark or template for the pod with the annotation {})",
+                    bundle::MARK_ANNOTATION
+                ))
+            })?;
+            log::info!("{}: the image's root is {root} in the pod's sandbox {sandbox}", b.dir.display());
+            return Ok((sandbox, Some(root)));
         }
         let (sandbox, origin) = self.fork(b, pod_bundle.as_deref().unwrap_or(&b.dir))?;
         let mut held = self.lock();
@@ -214,7 +220,7 @@ impl Tasks {
         if let Some(c) = held.containers.get_mut(pod_id) {
             c.sandbox = sandbox.clone();
         }
-        Ok(sandbox)
+        Ok((sandbox, None))
     }
 
     pub fn create_container(&self, req: &api::CreateTaskRequest) -> anyhow::Result<(String, u32)> {
@@ -234,11 +240,12 @@ impl Tasks {
                 self.lock().pods.insert(req.id.clone(), pod);
                 return Ok((ProcSpec::default(), sandbox));
             }
-            let spec = proc_spec(b.process()?, &rootfs)?;
-            let sandbox = match &role {
-                Role::Member(pod) => self.pod_sandbox(pod, &b)?,
-                _ => self.fork(&b, &b.dir)?.0,
+            let mut spec = proc_spec(b.process()?, &rootfs)?;
+            let (sandbox, root) = match &role {
+                Role::Member(pod) => self.pod_sandbox(pod, &req.id, &b)?,
+                _ => (self.fork(&b, &b.dir)?.0, None),
             };
+            spec.root = root;
             Ok::<_, anyhow::Error>((spec, sandbox))
         })();
         let (spec, sandbox) = match started {
@@ -250,10 +257,11 @@ impl Tasks {
                 return Err(e);
             }
         };
+        let root = spec.root.clone();
         let mut init = Proc::created(spec, &req.stdin, &req.stdout, &req.stderr, req.terminal);
         init.nominal = role == Role::Pod;
         let execs = HashMap::new();
-        let c = Container { bundle: b.dir, role, sandbox: sandbox.clone(), mounted, init, execs, paused: false };
+        let c = Container { bundle: b.dir, role, sandbox: sandbox.clone(), mounted, init, execs, paused: false, root };
         self.lock().containers.insert(req.id.clone(), c);
         Ok((sandbox, 0))
     }
@@ -323,6 +331,11 @@ impl Tasks {
                 if c.init.phase == Phase::Running {
                     if let Err(e) = self.api.proc_signal(&c.sandbox, c.init.pid, 9) {
                         log::warn!("kill the process of container {id}: {e:#}");
+                    }
+                }
+                if c.root.is_some() {
+                    if let Err(e) = self.api.detach_root(&c.sandbox, id) {
+                        log::warn!("detach the root of container {id}: {e:#}");
                     }
                 }
                 None

@@ -65,7 +65,8 @@ impl containerd_shim::Task for Service {
             return Err(rpc(Code::ALREADY_EXISTS, format!("exec {} exists", req.exec_id)));
         }
         let rootfs = Bundle::load(&c.bundle).map(|b| b.rootfs()).map_err(failed)?;
-        let spec = proc_spec(&process, &rootfs).map_err(|e| rpc(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        let mut spec = proc_spec(&process, &rootfs).map_err(|e| rpc(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        spec.root = c.root.clone();
         c.execs.insert(req.exec_id.clone(), Proc::created(spec, &req.stdin, &req.stdout, &req.stderr, req.terminal));
         Ok(api::Empty::new())
     }

@@ -46,6 +46,7 @@ impl Procs {
             pty: spec.pty.map(|(rows, cols)| PtySize { rows, cols }),
             stdin: spec.stdin,
             tag: spec.tag.clone(),
+            root: spec.root.clone(),
             ..Default::default()
         };
         let proc = agent.exec(exec)?;

@@ -139,6 +139,16 @@ pub enum Request {
     Freeze,
     /// Continue after `Freeze`.
     Thaw,
+    /// Show the host directory `host` inside the sandbox as the root `name` (a pod member's image,
+    /// `clade_core::backend::Sandbox::attach_root`); answers `{"path": inside}`.
+    AttachRoot {
+        name: String,
+        host: std::path::PathBuf,
+    },
+    /// Take the root `name` away again.
+    DetachRoot {
+        name: String,
+    },
     /// Replace the sandbox's egress rules (`clade_core::backend::EgressRules`); kept for later retakes.
     SetEgress {
         rules: clade_core::backend::EgressRules,
@@ -179,6 +189,9 @@ pub struct ProcSpec {
     /// Answer with a [`StreamEvent`] stream instead of `{"pid": n}`.
     #[serde(default)]
     pub stream: bool,
+    /// A root of its own inside the sandbox (a pod member's image, attached with `AttachRoot`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
 }
 
 /// One line of a process stream.

@@ -453,6 +453,8 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         | Request::Kill
         | Request::Freeze
         | Request::Thaw
+        | Request::AttachRoot { .. }
+        | Request::DetachRoot { .. }
         | Request::SetEgress { .. } => {
             let (resp, end) = {
                 let _g = sup.gate.write();
@@ -838,6 +840,21 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
                 }
                 Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
                 Err(e) => (Response::err(ErrorKind::Internal, format!("freeze: {e}")), None),
+            }
+        }
+        Request::AttachRoot { name, host } => {
+            let sbx = slot.as_mut().expect("checked above");
+            match sbx.attach_root(&name, &host) {
+                Ok(path) => (Response::ok(serde_json::json!({"path": path})), None),
+                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("attach root {name}: {e}")), None),
+            }
+        }
+        Request::DetachRoot { name } => {
+            let sbx = slot.as_mut().expect("checked above");
+            match sbx.detach_root(&name) {
+                Ok(()) => (Response::ok(serde_json::json!({"detached": name})), None),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("detach root {name}: {e}")), None),
             }
         }
         Request::SetEgress { rules } => {

@@ -138,10 +138,38 @@ pub struct Started {
     outs: Vec<(Chan, File)>,
 }
 
-fn resolve_user(name: &str) -> Result<crate::passwd::User, AgentError> {
-    let text = std::fs::read_to_string("/etc/passwd").map_err(|e| AgentError::os("reading /etc/passwd", &e))?;
+/// The user `name` of the `/etc/passwd` under `root` (the sandbox's own: `/`).
+fn resolve_user(root: &std::path::Path, name: &str) -> Result<crate::passwd::User, AgentError> {
+    let path = root.join("etc/passwd");
+    let text = std::fs::read_to_string(&path).map_err(|e| AgentError::os(format!("reading {}", path.display()), &e))?;
     crate::passwd::find(&text, name)
-        .ok_or_else(|| AgentError::BadRequest { detail: format!("no user {name:?} in the sandbox's /etc/passwd") })
+        .ok_or_else(|| AgentError::BadRequest { detail: format!("no user {name:?} in {}", path.display()) })
+}
+
+/// A process with a root of its own (`ExecSpec::root`): after the fork it enters `root`, then `cwd` inside it,
+/// then takes its ids. std would take the ids and the directory before any `pre_exec` hook, and a process that
+/// is no longer root cannot `chroot`, so all of it happens in this one hook.
+fn enter_root(cmd: &mut Command, root: std::path::PathBuf, cwd: std::path::PathBuf, ids: (Option<u32>, Option<u32>)) {
+    use std::os::unix::ffi::OsStrExt;
+    let root = std::ffi::CString::new(root.as_os_str().as_bytes()).unwrap_or_default();
+    let cwd = std::ffi::CString::new(cwd.as_os_str().as_bytes()).unwrap_or_default();
+    // SAFETY: the hook runs in the forked child before exec and only makes system calls (chroot, chdir,
+    // setgroups, setgid, setuid) on C strings made before the fork; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            let check = |r: libc::c_int| if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
+            check(libc::chroot(root.as_ptr()))?;
+            check(libc::chdir(cwd.as_ptr()))?;
+            if let Some(gid) = ids.1 {
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setgid(gid))?;
+            }
+            if let Some(uid) = ids.0 {
+                check(libc::setuid(uid))?;
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Spawns a process as `spec` says.
@@ -154,7 +182,12 @@ pub fn spawn(agent: &Arc<Agent>, conn: &Arc<Conn>, spec: ExecSpec) -> Result<Sta
     }
     let mut cmd = Command::new(prog);
     cmd.args(&spec.argv[1..]);
-    let user = spec.user.as_deref().map(resolve_user).transpose()?;
+    let root = spec.root.as_deref().map(crate::fsops::check_path).transpose()?;
+    if let Some(r) = root.as_ref().filter(|r| !r.is_dir()) {
+        return Err(AgentError::NotFound { path: r.display().to_string() });
+    }
+    let user_root = root.clone().unwrap_or_else(|| "/".into());
+    let user = spec.user.as_deref().map(|u| resolve_user(&user_root, u)).transpose()?;
     if spec.clear_env {
         cmd.env_clear().env("PATH", DEFAULT_PATH);
         cmd.env("HOME", user.as_ref().map(|u| u.dir.to_string_lossy().into_owned()).unwrap_or("/root".into()));
@@ -166,14 +199,20 @@ pub fn spawn(agent: &Arc<Agent>, conn: &Arc<Conn>, spec: ExecSpec) -> Result<Sta
         cmd.env("TERM", "xterm-256color");
     }
     cmd.envs(&spec.env);
-    if let Some(cwd) = &spec.cwd {
-        cmd.current_dir(crate::fsops::check_path(cwd)?);
-    }
-    if let Some(uid) = spec.uid.or(user.as_ref().map(|u| u.uid)) {
-        cmd.uid(uid);
-    }
-    if let Some(gid) = spec.gid.or(user.as_ref().map(|u| u.gid)) {
-        cmd.gid(gid);
+    let cwd = spec.cwd.as_deref().map(crate::fsops::check_path).transpose()?;
+    let (uid, gid) = (spec.uid.or(user.as_ref().map(|u| u.uid)), spec.gid.or(user.as_ref().map(|u| u.gid)));
+    if let Some(root) = root {
+        enter_root(&mut cmd, root, cwd.unwrap_or_else(|| "/".into()), (uid, gid));
+    } else {
+        if let Some(cwd) = cwd {
+            cmd.current_dir(cwd);
+        }
+        if let Some(uid) = uid {
+            cmd.uid(uid);
+        }
+        if let Some(gid) = gid {
+            cmd.gid(gid);
+        }
     }
     let spawn_err = |e: std::io::Error| match e.kind() {
         ErrorKind::NotFound => AgentError::NotFound { path: prog.clone() },

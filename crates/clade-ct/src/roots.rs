@@ -1,0 +1,315 @@
+//! Roots of their own inside a running sandbox: a Kubernetes pod's containers of different images share the
+//! pod's one sandbox (its network, IPC, hostname and memory limit), and each runs on its own image's root file
+//! system (docs/kubernetes.md, "Pods of several images").
+//!
+//! The host attaches the image's root file system (the directory containerd mounted for the container) inside
+//! the sandbox at `/run/clade/roots/<name>`, with the sandbox's own `/proc`, `/dev` and `/sys` bound inside it;
+//! the agent then starts the container's processes `chroot`ed there (`ExecSpec::root`). The rules:
+//! * The sandbox cannot mount (the jail takes CAP_SYS_ADMIN), so the host does it: a short-lived thread gives up
+//!   its share of the process's root and working directory (`unshare(CLONE_FS)`, without which a thread of a
+//!   threaded process cannot join a mount namespace), copies the image's mount tree (`open_tree`), joins the
+//!   sandbox's mount namespace and attaches the copy there (`move_mount`). The supervisor's own mounts and its
+//!   other threads are untouched.
+//! * Jailed, the copy is idmapped first (crate::userns): the image's files, owned by host root on disk, are
+//!   root's inside, and what a container writes lands on disk as host ids, as on runc.
+//! * A root is a host mount CRIU knows nothing of, so a sandbox showing one is not marked (a mark or suspend
+//!   says so); detaching the roots (deleting the containers) makes it markable again.
+//! * A `chroot` keeps a pod's containers apart in their files only: the boundary is the sandbox, as in Kata
+//!   Containers, where a pod's containers share one guest kernel.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+/// Where roots are attached inside a sandbox.
+pub const ROOTS_DIR: &str = "/run/clade/roots";
+
+/// What of the sandbox's own tree each root gets, bound recursively (where the image has the directory).
+const SHARED: [&str; 3] = ["proc", "dev", "sys"];
+
+/// The path inside the sandbox of the root named `name`; refused unless `name` is a plain file name.
+pub fn root_path(name: &str) -> Result<PathBuf, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name != "."
+        && name != ".."
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !ok {
+        return Err(format!(
+            "{name:?} cannot name a root: use 1-128 letters, digits, '-', '_' or '.' (a container id is one)"
+        ));
+    }
+    Ok(Path::new(ROOTS_DIR).join(name))
+}
+
+/// Attaches the host directory `host` inside the sandbox whose init is `init` as the root `name` (idmapped
+/// when `jail`); returns its path inside.
+pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, String> {
+    let target = root_path(name)?;
+    if !host.is_dir() {
+        return Err(format!("{} is not a directory on the host: give the image's root file system", host.display()));
+    }
+    let mnt = open_ns(init)?;
+    let idmap = if jail { Some(crate::userns::mapping_namespace()?) } else { None };
+    let overlay = if jail { overlay_at(host) } else { None };
+    // The overlay is taken over (see `idmapped_overlay`): this namespace's mount of it goes first, and the
+    // new one is attached at `host` in its place.
+    let home = match &overlay {
+        Some(_) => {
+            let ns =
+                std::fs::File::open("/proc/thread-self/ns/mnt").map_err(|e| format!("open my mount namespace: {e}"))?;
+            nix::mount::umount2(host, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(|e| format!("unmount {} to mount it again over idmapped layers: {e}", host.display()))?;
+            Some(ns)
+        }
+        None => None,
+    };
+    // Where an idmapped overlay is put together (jailed, see `idmapped_overlay`): removed once attached.
+    let scratch = std::env::temp_dir().join(format!("clade-root-{}-{name}", std::process::id()));
+    let (name, host, scratch2) = (name.to_string(), host.to_path_buf(), scratch.clone());
+    let done = in_thread(move || {
+        let tree = match (&overlay, idmap, &home) {
+            (Some(o), Some(ns), Some(home)) => {
+                let tree = idmapped_overlay(o, &scratch2, ns)?;
+                let again =
+                    clone_tree(&scratch2.join("root")).map_err(|e| format!("copy the idmapped overlay: {e}"))?;
+                join_ns(home)?;
+                attach_tree(&again, &host)
+                    .map_err(|e| format!("mount the idmapped overlay at {} again: {e}", host.display()))?;
+                tree
+            }
+            (None, Some(ns), _) => {
+                let tree = clone_tree(&host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
+                crate::userns::idmap_tree(&tree, ns, true)
+                    .map_err(|e| format!("idmap {} for the jail's user namespace: {e}", host.display()))?;
+                tree
+            }
+            _ => clone_tree(&host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?,
+        };
+        join_ns(&mnt)?;
+        if target.exists() {
+            return Err(format!("the sandbox already shows a root named {name:?}: detach it first"));
+        }
+        std::fs::create_dir_all(&target).map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
+        attach_tree(&tree, &target).map_err(|e| format!("attach the root at {}: {e}", target.display()))?;
+        for d in SHARED {
+            let inside = target.join(d);
+            if !inside.is_dir() {
+                continue;
+            }
+            let own = clone_tree(&Path::new("/").join(d)).map_err(|e| format!("copy the sandbox's /{d}: {e}"))?;
+            attach_tree(&own, &inside).map_err(|e| format!("bind the sandbox's /{d} at {}: {e}", inside.display()))?;
+        }
+        Ok(target.display().to_string())
+    });
+    let _ = std::fs::remove_dir_all(&scratch);
+    done
+}
+
+/// An overlay mount's layers (containerd's snapshotters mount a container's root file system so).
+#[derive(Debug, PartialEq, Eq)]
+struct Overlay {
+    lower: Vec<PathBuf>,
+    upper: Option<(PathBuf, PathBuf)>,
+}
+
+/// The layers of the overlay mounted at `path` in this process's mount namespace, if one is.
+fn overlay_at(path: &Path) -> Option<Overlay> {
+    let path = path.canonicalize().ok()?;
+    let table = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    // The last entry for the path is the mount on top.
+    let path = path.to_str()?;
+    let line = table.lines().rev().find(|l| l.split(' ').nth(4).map(unescape).as_deref() == Some(path))?;
+    let (_, after) = line.split_once(" - ")?;
+    let mut f = after.splitn(3, ' ');
+    if f.next()? != "overlay" {
+        return None;
+    }
+    parse_overlay(f.nth(1)?)
+}
+
+/// Parses overlay's super options (`lowerdir=a:b,upperdir=u,workdir=w,...`).
+fn parse_overlay(opts: &str) -> Option<Overlay> {
+    let (mut lower, mut upper, mut work) = (Vec::new(), None, None);
+    for o in opts.split(',') {
+        if let Some(v) = o.strip_prefix("lowerdir=") {
+            lower.extend(v.split(':').filter(|l| !l.is_empty()).map(|l| PathBuf::from(unescape(l))));
+        } else if let Some(v) = o.strip_prefix("lowerdir+=") {
+            lower.push(PathBuf::from(unescape(v)));
+        } else if let Some(v) = o.strip_prefix("upperdir=") {
+            upper = Some(PathBuf::from(unescape(v)));
+        } else if let Some(v) = o.strip_prefix("workdir=") {
+            work = Some(PathBuf::from(unescape(v)));
+        }
+    }
+    if lower.is_empty() {
+        return None;
+    }
+    Some(Overlay { lower, upper: upper.zip(work) })
+}
+
+/// A path of the mount table with its octal escapes (`\040` for a space ...) undone.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let oct =
+            b.get(i + 1..i + 4).and_then(|d| std::str::from_utf8(d).ok()).and_then(|d| u8::from_str_radix(d, 8).ok());
+        match oct {
+            Some(c) if b[i] == b'\\' => {
+                out.push(c);
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The overlay `o` mounted again over idmapped copies of its layers, as a detached tree. overlayfs cannot be
+/// idmapped itself but takes idmapped layers (Linux 5.19), and it mounts a second overlay on an upper
+/// directory in use by another only read-only: so the caller unmounts the original first, and mounts this one
+/// where it was (the host then sees the files' owners shifted, their contents the same). This thread takes a
+/// mount namespace of its own,
+/// mounts each layer idmapped under `scratch` (the upper and work directories through their common parent,
+/// since overlayfs wants both on one mount), mounts the overlay there and copies it; the namespace, with those
+/// mounts, ends when the thread leaves it (the overlay keeps its own references to its layers).
+fn idmapped_overlay(o: &Overlay, scratch: &Path, ns: std::os::fd::BorrowedFd<'_>) -> Result<OwnedFd, String> {
+    use nix::mount::{mount, MsFlags};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare a mount namespace: {e}"))?;
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .map_err(|e| format!("make the thread's mounts private: {e}"))?;
+    let dir = |p: PathBuf| match std::fs::create_dir_all(&p) {
+        Ok(()) => Ok(p),
+        Err(e) => Err(format!("create {}: {e}", p.display())),
+    };
+    let idmapped = |src: &Path, at: PathBuf| {
+        crate::userns::idmap_mount(src, &at, ns)
+            .map(|()| at)
+            .map_err(|e| format!("idmap the image layer {} for the jail's user namespace: {e}", src.display()))
+    };
+    let mut lowers = Vec::new();
+    for (n, l) in o.lower.iter().enumerate() {
+        lowers.push(idmapped(l, dir(scratch.join(format!("l{n}")))?)?.display().to_string());
+    }
+    let mut data = format!("lowerdir={}", lowers.join(":"));
+    if let Some((upper, work)) = &o.upper {
+        let parent = upper.parent().filter(|p| work.starts_with(p)).ok_or_else(|| {
+            format!("the overlay's upper {} and work {} have no common parent", upper.display(), work.display())
+        })?;
+        let base = idmapped(parent, dir(scratch.join("u"))?)?;
+        let under = |p: &Path| base.join(p.strip_prefix(parent).unwrap_or(p)).display().to_string();
+        data.push_str(&format!(",upperdir={},workdir={}", under(upper), under(work)));
+    }
+    let root = dir(scratch.join("root"))?;
+    // overlayfs works its upper directory with its mounter's credentials, which an idmapped upper must map:
+    // this thread mounts as the jail's root (fsuid BASE; the file capabilities a change of fsuid drops are
+    // raised again, from the permitted set).
+    nix::unistd::setfsuid(nix::unistd::Uid::from_raw(crate::userns::BASE));
+    nix::unistd::setfsgid(nix::unistd::Gid::from_raw(crate::userns::BASE));
+    for c in caps::read(None, caps::CapSet::Permitted).map_err(|e| format!("read my capabilities: {e}"))? {
+        caps::raise(None, caps::CapSet::Effective, c).map_err(|e| format!("raise {c}: {e}"))?;
+    }
+    mount(Some("overlay"), &root, Some("overlay"), MsFlags::empty(), Some(data.as_str()))
+        .map_err(|e| format!("mount the image's overlay over idmapped layers ({data}): {e}"))?;
+    clone_tree(&root).map_err(|e| format!("copy the idmapped overlay: {e}"))
+}
+
+/// Detaches the root `name` from the sandbox whose init is `init` (its processes still running keep it until
+/// they end); a root not attached is not an error.
+pub fn detach(init: u32, name: &str) -> Result<(), String> {
+    let target = root_path(name)?;
+    let mnt = open_ns(init)?;
+    in_thread(move || {
+        join_ns(&mnt)?;
+        if !target.exists() {
+            return Ok(());
+        }
+        // A lazy unmount takes the whole tree (the bound /proc, /dev and /sys with it).
+        match nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
+            Err(e) => return Err(format!("unmount {} in the sandbox: {e}", target.display())),
+        }
+        let _ = std::fs::remove_dir(&target);
+        Ok(())
+    })
+}
+
+/// The roots attached in the sandbox whose init is `init`, from its mount table.
+pub fn attached(init: u32) -> Vec<String> {
+    let table = std::fs::read_to_string(format!("/proc/{init}/mountinfo")).unwrap_or_default();
+    let prefix = format!("{ROOTS_DIR}/");
+    let mut names: Vec<String> = table
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter_map(|p| p.strip_prefix(&prefix))
+        .filter(|rest| !rest.contains('/'))
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+fn open_ns(init: u32) -> Result<std::fs::File, String> {
+    std::fs::File::open(format!("/proc/{init}/ns/mnt"))
+        .map_err(|e| format!("open the mount namespace of the sandbox's init {init}: {e}"))
+}
+
+/// Runs `f` on a short-lived thread whose root and working directory are its own (`unshare(CLONE_FS)`): it may
+/// then take or join mount namespaces (see the module doc) without touching the process's other threads.
+fn in_thread<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<T, String> {
+    std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS)
+            .map_err(|e| format!("unshare(CLONE_FS) before joining the sandbox: {e}"))?;
+        f()
+    })
+    .join()
+    .map_err(|_| "the thread joining the sandbox panicked".to_string())?
+}
+
+/// Joins the sandbox's mount namespace (on an [`in_thread`] thread).
+fn join_ns(mnt: &std::fs::File) -> Result<(), String> {
+    nix::sched::setns(mnt.as_fd(), nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| format!("join the sandbox's mount namespace: {e}"))
+}
+
+/// A detached recursive copy of the mount tree at `path`.
+fn clone_tree(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags as F;
+    let flags = F::OPEN_TREE_CLONE | F::OPEN_TREE_CLOEXEC | F::AT_RECURSIVE;
+    Ok(rustix::mount::open_tree(rustix::fs::CWD, path, flags)?)
+}
+
+fn attach_tree(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
+    let flags = rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH;
+    Ok(rustix::mount::move_mount(tree, c"", rustix::fs::CWD, target, flags)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    #[test]
+    fn overlay_layers_from_the_mount_table() {
+        let o =
+            super::parse_overlay("rw,lowerdir=/s/2/fs:/s/1/fs,upperdir=/s/3/fs,workdir=/s/3/work,index=off").unwrap();
+        assert_eq!(o.lower, vec![PathBuf::from("/s/2/fs"), PathBuf::from("/s/1/fs")]);
+        assert_eq!(o.upper, Some((PathBuf::from("/s/3/fs"), PathBuf::from("/s/3/work"))));
+        let ro = super::parse_overlay("ro,lowerdir+=/a\\040b,lowerdir+=/c").unwrap();
+        assert_eq!(ro.lower, vec![PathBuf::from("/a b"), PathBuf::from("/c")]);
+        assert_eq!(ro.upper, None);
+        assert!(super::parse_overlay("rw,upperdir=/u,workdir=/w").is_none(), "no lower layer: not usable");
+    }
+
+    #[test]
+    fn a_root_is_named_by_a_plain_file_name() {
+        assert_eq!(super::root_path("abc-1_2.3").unwrap().to_str(), Some("/run/clade/roots/abc-1_2.3"));
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(super::root_path(bad).is_err(), "{bad:?}");
+        }
+    }
+}
