@@ -81,6 +81,20 @@ pub enum BackendError {
     Unsupported(String),
 }
 
+/// What to do to one group of a sandbox's processes ([`Sandbox::proc_group`]): a pod member's, in a sandbox
+/// its pod's other containers share (docs/kubernetes.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupOp {
+    /// Stop them where they stand (containerd's Pause of the one container).
+    Freeze,
+    /// Continue them.
+    Thaw,
+    /// SIGKILL them (the container ended: what its processes left behind goes too, as a pid namespace's end
+    /// takes them on runc).
+    Kill,
+}
+
 /// Where a sandbox's outbound connections may go, enforced by the host (the sandbox cannot change it): IPv4
 /// addresses or CIDR blocks. An address in `allow` is reachable even when `deny` covers it (E2B's rule);
 /// empty lists: every destination its network allows. Loopback is never filtered.
@@ -278,6 +292,15 @@ pub trait Sandbox: Send {
     /// Take away a root [`Sandbox::attach_root`] showed; one not shown is not an error.
     fn detach_root(&mut self, _name: &str) -> Result<(), BackendError> {
         Ok(())
+    }
+    /// Freeze, thaw or kill the group of the sandbox's processes led by `leader` (a pid inside the sandbox):
+    /// those whose process group or session inside is `leader`'s, and their descendants. Answers how many
+    /// processes it touched. Default: the backend cannot.
+    fn proc_group(&mut self, _leader: u32, _op: GroupOp) -> Result<usize, BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "{:?} sandboxes cannot stop a part of their processes (a pod's container pauses with its pod)",
+            self.kind()
+        )))
     }
     /// Why the sandbox ended on its own (its QEMU exited: its status and error text), once it has; `None` while
     /// it runs. Supervisors poll it and record the sandbox as failed with this text. Default: never.

@@ -165,13 +165,59 @@ impl Cgroup {
         self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
-    /// Host pids of every process in the cgroup.
+    /// Host pids of every process in the cgroup (its groups' too: on v2 a process in a group is listed only
+    /// there).
     pub fn pids(&self) -> Vec<u32> {
-        self.dirs
-            .first()
-            .and_then(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
-            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+        let Some(d) = self.dirs.first() else { return Vec::new() };
+        let mut pids = procs_of(d);
+        if self.v2 {
+            for g in subdirs(d) {
+                pids.extend(procs_of(&g));
+            }
+        }
+        pids
+    }
+
+    /// The directory of the group `name` inside the sandbox's cgroup where it can be frozen on its own: v2's
+    /// one directory, or v1's freezer hierarchy (none without it).
+    fn group_dir(&self, name: &str) -> Option<PathBuf> {
+        let ok = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        let parent = if self.v2 { self.dirs.first().map(PathBuf::as_path) } else { self.dir_of("freezer") };
+        parent.filter(|_| ok).map(|p| p.join(name))
+    }
+
+    /// Moves the processes `pids` (host pids, of this cgroup) into its group `name` (made on first use) and
+    /// freezes (`true`) or thaws the group: a part of the sandbox stopped while the rest runs (a pod member's
+    /// processes, containerd's Pause of one container). A process moved into a frozen group freezes.
+    pub fn freeze_group(&self, name: &str, pids: &[u32], frozen: bool) -> Result<(), String> {
+        let dir = self.group_dir(name).ok_or_else(|| {
+            format!("no group {name:?} can be frozen here (a name of letters, digits, '-', '_'; v1 needs the freezer)")
+        })?;
+        if frozen {
+            match std::fs::create_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(format!("create cgroup {}: {e}", dir.display())),
+            }
+            for p in pids {
+                // A process that ended meanwhile is not an error.
+                let _ = write(&dir, "cgroup.procs", &p.to_string());
+            }
+        } else if !dir.is_dir() {
+            return Ok(());
+        }
+        freeze_dir(&dir, self.v2, frozen)
+    }
+
+    /// Stop (`true`) or continue (`false`) every process inside where it stands, and wait (up to 5 s) until the
+    /// kernel says it is done: v2's `cgroup.freeze` and `cgroup.events`, v1's `freezer.state`.
+    pub fn freeze(&self, frozen: bool) -> Result<(), String> {
+        let dir = if self.v2 {
+            self.dirs.first().map(PathBuf::as_path).ok_or("no cgroup")?
+        } else {
+            self.dir_of("freezer").ok_or("no v1 freezer hierarchy on this host (/sys/fs/cgroup/freezer)")?
+        };
+        freeze_dir(dir, self.v2, frozen)
     }
 
     /// Bytes charged to the cgroup now.
@@ -185,31 +231,6 @@ impl Cgroup {
         std::fs::read_to_string(self.dir_of(controller)?.join(file)).ok().map(|s| s.trim().to_string())
     }
 
-    /// Stop (`true`) or continue (`false`) every process inside where it stands, and wait (up to 5 s) until the
-    /// kernel says it is done: v2's `cgroup.freeze` and `cgroup.events`, v1's `freezer.state`.
-    pub fn freeze(&self, frozen: bool) -> Result<(), String> {
-        let (dir, file, want) = if self.v2 {
-            let d = self.dirs.first().map(PathBuf::as_path).ok_or("no cgroup")?;
-            write(d, "cgroup.freeze", if frozen { "1" } else { "0" })?;
-            (d, "cgroup.events", if frozen { "frozen 1" } else { "frozen 0" })
-        } else {
-            let d = self.dir_of("freezer").ok_or("no v1 freezer hierarchy on this host (/sys/fs/cgroup/freezer)")?;
-            write(d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })?;
-            (d, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })
-        };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let now = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
-            if now.lines().any(|l| l.trim() == want) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(format!("{}: not {want} after 5 s ({})", dir.join(file).display(), now.trim()));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
     /// Kill what is left inside and remove every directory (each tried for up to 5 s); the errors of those
     /// that stayed. A frozen cgroup is thawed first (v1 holds a frozen process's SIGKILL until it thaws).
     pub fn remove(&self) -> Result<(), String> {
@@ -218,6 +239,17 @@ impl Cgroup {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut errors = Vec::new();
         for dir in &self.dirs {
+            // Groups first (crate::cgroup::Cgroup::freeze_group): a cgroup with children cannot be removed.
+            for g in subdirs(dir) {
+                let _ = freeze_dir(&g, self.v2, false);
+                for p in procs_of(&g) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
+                }
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while std::fs::remove_dir(&g).is_err() && g.is_dir() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
             loop {
                 for p in self.pids() {
                     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
@@ -242,6 +274,43 @@ impl Cgroup {
         } else {
             Err(errors.join("; "))
         }
+    }
+}
+
+/// The processes listed in one cgroup directory.
+fn procs_of(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// The child cgroups of a cgroup directory.
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// Freezes or thaws one cgroup directory and waits (up to 5 s) until the kernel says it is done: v2's
+/// `cgroup.freeze` and `cgroup.events`, v1's `freezer.state`.
+fn freeze_dir(dir: &Path, v2: bool, frozen: bool) -> Result<(), String> {
+    let (file, want) = if v2 {
+        write(dir, "cgroup.freeze", if frozen { "1" } else { "0" })?;
+        ("cgroup.events", if frozen { "frozen 1" } else { "frozen 0" })
+    } else {
+        write(dir, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })?;
+        ("freezer.state", if frozen { "FROZEN" } else { "THAWED" })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        if now.lines().any(|l| l.trim() == want) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{}: not {want} after 5 s ({})", dir.join(file).display(), now.trim()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

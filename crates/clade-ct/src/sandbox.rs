@@ -513,6 +513,43 @@ impl Sandbox for CtSandbox {
         let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;
         crate::roots::detach(init, name).map_err(failed)
     }
+    fn proc_group(&mut self, leader: u32, op: clade_core::backend::GroupOp) -> Result<usize, BackendError> {
+        use clade_core::backend::GroupOp;
+        if leader <= 1 {
+            return Err(BackendError::Unsupported(format!(
+                "{leader} leads no group of processes: give a pid the agent started"
+            )));
+        }
+        let cg =
+            self.res.cgroup.as_ref().ok_or_else(|| BackendError::Unsupported("this sandbox has no cgroup".into()))?;
+        let name = format!("g{leader}");
+        match op {
+            GroupOp::Freeze => {
+                // Twice: what a member forked while the first ones were moved is caught the second time (a
+                // child of a frozen process is born frozen).
+                let mut n = 0;
+                for _ in 0..2 {
+                    let members = crate::groups::members(&cg.pids(), leader);
+                    n = members.len();
+                    cg.freeze_group(&name, &members, true).map_err(failed)?;
+                }
+                Ok(n)
+            }
+            GroupOp::Thaw => {
+                cg.freeze_group(&name, &[], false).map_err(failed)?;
+                Ok(crate::groups::members(&cg.pids(), leader).len())
+            }
+            GroupOp::Kill => {
+                let members = crate::groups::members(&cg.pids(), leader);
+                for p in &members {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p as i32), nix::sys::signal::SIGKILL);
+                }
+                // A frozen group holds its SIGKILLs until it thaws (v1).
+                let _ = cg.freeze_group(&name, &[], false);
+                Ok(members.len())
+            }
+        }
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         self.check_no_roots()?;
         if opts.disk_only {

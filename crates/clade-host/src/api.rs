@@ -553,6 +553,12 @@ pub trait SandboxApi: Send + Sync {
     fn attach_root(&self, _sandbox: &str, _name: &str, _host: &std::path::Path) -> anyhow::Result<String> {
         Err(crate::error::invalid("roots of host directories are attached only on the sandbox's own host"))
     }
+    /// Freeze, thaw or kill the group of processes led by `leader`, a process started in the sandbox (its
+    /// process group and session, and their descendants): a pod's container paused, resumed or ended while its
+    /// pod's other containers go on (docs/kubernetes.md). Answers how many processes it touched; ct only.
+    fn proc_group(&self, _sandbox: &str, _leader: u32, _op: clade_core::backend::GroupOp) -> anyhow::Result<usize> {
+        Err(crate::error::invalid("this API cannot stop a part of a sandbox's processes"))
+    }
     /// Take away a root [`SandboxApi::attach_root`] showed (one not shown: nothing to do).
     fn detach_root(&self, _sandbox: &str, _name: &str) -> anyhow::Result<()> {
         Err(crate::error::invalid("roots of host directories are attached only on the sandbox's own host"))

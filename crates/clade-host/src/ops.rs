@@ -466,6 +466,11 @@ impl SandboxApi for Ops {
         v["path"].as_str().map(str::to_string).ok_or_else(|| anyhow::anyhow!("the supervisor named no path"))
     }
 
+    fn proc_group(&self, sandbox: &str, leader: u32, op: clade_core::backend::GroupOp) -> anyhow::Result<usize> {
+        let v = self.sup_call(sandbox, &Request::ProcGroup { leader, group_op: op })?;
+        Ok(v["processes"].as_u64().unwrap_or(0) as usize)
+    }
+
     fn detach_root(&self, sandbox: &str, name: &str) -> anyhow::Result<()> {
         self.sup_call(sandbox, &Request::DetachRoot { name: name.into() }).map(|_| ())
     }

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail};
-use clade_core::backend::BackendKind;
+use clade_core::backend::{BackendKind, GroupOp};
 use clade_core::CladeHome;
 use clade_host::api::{ForkRequest, ProcSpec, SandboxApi};
 use containerd_shim::api;
@@ -308,10 +308,25 @@ impl Tasks {
 
     pub fn exited(&self, id: &str, exec_id: &str, pid: u32, status: u32) {
         let at = Timestamp::now();
-        if let Some(p) = self.lock().containers.get_mut(id).and_then(|c| c.proc(exec_id).ok()) {
-            p.phase = Phase::Stopped;
-            p.exit_status = status;
-            p.exited_at = Some(at.clone());
+        let mut member_of = None;
+        if let Some(c) = self.lock().containers.get_mut(id) {
+            if exec_id.is_empty() && matches!(c.role, Role::Member(_)) {
+                member_of = Some(c.sandbox.clone());
+            }
+            if let Ok(p) = c.proc(exec_id) {
+                p.phase = Phase::Stopped;
+                p.exit_status = status;
+                p.exited_at = Some(at.clone());
+            }
+        }
+        // A pod member's process ended: what it left running in the pod's sandbox ends too, as the end of a
+        // container's pid namespace takes them on runc.
+        if let Some(sandbox) = member_of {
+            match self.api.proc_group(&sandbox, pid, GroupOp::Kill) {
+                Ok(0) => {}
+                Ok(n) => log::info!("container {id} ended: {n} of its processes left in the pod's sandbox killed"),
+                Err(e) => log::warn!("end what container {id} left in its pod's sandbox: {e:#}"),
+            }
         }
         self.changed.notify_all();
         let exec = if exec_id.is_empty() { id } else { exec_id };
@@ -329,7 +344,8 @@ impl Tasks {
             Role::Pod => self.lock().pods.remove(id).and_then(|p| p.sandbox),
             Role::Member(_) => {
                 if c.init.phase == Phase::Running {
-                    if let Err(e) = self.api.proc_signal(&c.sandbox, c.init.pid, 9) {
+                    let group = self.api.proc_group(&c.sandbox, c.init.pid, GroupOp::Kill);
+                    if let Err(e) = group.or_else(|_| self.api.proc_signal(&c.sandbox, c.init.pid, 9).map(|()| 1)) {
                         log::warn!("kill the process of container {id}: {e:#}");
                     }
                 }

@@ -15,6 +15,7 @@ use oci_spec::runtime::Process;
 
 use crate::bundle::{Bundle, Role};
 use crate::state::{failed, proc_spec, rpc, Phase, Proc, Tasks};
+use clade_core::backend::GroupOp;
 
 /// What ttrpc serves: the shared service.
 pub struct Service(pub Arc<Tasks>);
@@ -96,15 +97,16 @@ impl containerd_shim::Task for Service {
     }
 
     fn kill(&self, _: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
-        let (sandbox, pid, phase, nominal) = {
+        let (sandbox, pid, phase, nominal, member) = {
             let mut held = self.0.lock();
             let c = held
                 .containers
                 .get_mut(&req.id)
                 .ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
             let sandbox = c.sandbox.clone();
+            let member = matches!(c.role, Role::Member(_)) && req.exec_id.is_empty();
             let p = c.proc(&req.exec_id)?;
-            (sandbox, p.pid, p.phase, p.nominal)
+            (sandbox, p.pid, p.phase, p.nominal, member)
         };
         match phase {
             Phase::Stopped => Err(rpc(Code::NOT_FOUND, "process already finished")),
@@ -113,10 +115,25 @@ impl containerd_shim::Task for Service {
                 self.0.exited(&req.id, &req.exec_id, 0, 128 + req.signal);
                 Ok(api::Empty::new())
             }
-            _ => {
-                self.0.api.proc_signal(&sandbox, pid, req.signal as i32).map_err(failed)?;
+            // A pod member's SIGKILL, or a signal to all its processes, goes to its whole group in the pod's
+            // sandbox (SandboxApi::proc_group), as to a runc container's cgroup.
+            _ if member && (req.all || req.signal == 9) => {
+                self.0.api.proc_group(&sandbox, pid, GroupOp::Kill).map_err(failed)?;
                 Ok(api::Empty::new())
             }
+            _ => match self.0.api.proc_signal(&sandbox, pid, req.signal as i32) {
+                Ok(()) => Ok(api::Empty::new()),
+                // It ended and its exit is on the way (the agent reports it once its output closed, or 2 s on
+                // where a child it left holds the output): what a member left goes, the rest is containerd's
+                // "already finished".
+                Err(e) if format!("{e:#}").contains("No such process") => {
+                    if member {
+                        let _ = self.0.api.proc_group(&sandbox, pid, GroupOp::Kill);
+                    }
+                    Err(rpc(Code::NOT_FOUND, "process already finished"))
+                }
+                Err(e) => Err(failed(e)),
+            },
         }
     }
 
@@ -258,19 +275,21 @@ impl Service {
         sandbox.ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))
     }
 
-    /// Pause (freeze) or resume (thaw) a container's sandbox; a pod member alone is refused (its sandbox is its
-    /// pod's, shared with the other containers).
+    /// Pause (freeze) or resume (thaw) a container: its sandbox, or for a pod member (whose sandbox its pod's
+    /// other containers share) the group of processes its own process leads (`SandboxApi::proc_group`).
     fn freeze(&self, id: &str, frozen: bool) -> TtrpcResult<()> {
-        let (sandbox, role) = {
+        let (sandbox, role, init) = {
             let held = self.0.lock();
             let c = held.containers.get(id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))?;
-            (c.sandbox.clone(), c.role.clone())
+            (c.sandbox.clone(), c.role.clone(), (c.init.phase == Phase::Running).then_some(c.init.pid))
         };
         if let Role::Member(pod) = role {
-            let msg = format!("container {id} shares pod {pod}'s sandbox with its other containers: pause the pod's sandbox container");
-            return Err(rpc(Code::UNIMPLEMENTED, msg));
-        }
-        if !sandbox.is_empty() {
+            let leader = init.ok_or_else(|| {
+                rpc(Code::FAILED_PRECONDITION, format!("container {id} of pod {pod} runs no process to pause"))
+            })?;
+            let op = if frozen { GroupOp::Freeze } else { GroupOp::Thaw };
+            self.0.api.proc_group(&sandbox, leader, op).map_err(failed)?;
+        } else if !sandbox.is_empty() {
             let done = if frozen { self.0.api.freeze(&sandbox) } else { self.0.api.thaw(&sandbox) };
             done.map_err(failed)?;
         }

@@ -3,7 +3,8 @@
 //! clade sandbox (ContainerStats reports its CPU time and memory) and its containers are process groups in it:
 //! two containers of one image share its files, a
 //! container of another image runs on its own image's files in the same sandbox (its hostname, its processes)
-//! and keeps the sandbox from being marked until it is removed; a pod annotated with a mark starts with the mark's
+//! and keeps the sandbox from being marked until it is removed; one container of a pod pauses and resumes
+//! alone, and ends with what it started; a pod annotated with a mark starts with the mark's
 //! state; a shim killed mid-pod leaves nothing once the pod is removed; an image clade cannot use fails
 //! CreateContainer with a clear error.
 
@@ -171,6 +172,65 @@ fn guest_cri_a_pod_from_a_mark_and_failures() {
     let lonely = cri.create(&pod, &config, "app", "clade.test/lonely:latest", &["/app"]).expect("CreateContainer");
     let err = cri.try_start(&lonely).expect_err("an image without /bin, /usr or /etc cannot start");
     assert!(err.message().contains("no /bin, /usr or /etc"), "{}", err.message());
+    cri.stop_and_remove(&pod);
+    assert!(c.sandboxes().is_empty());
+}
+
+/// A loop counting into `/tmp/tick`, with a child of its own counting into `/tmp/bg`.
+const TICKER: &str = "(j=0; while :; do j=$((j+1)); echo $j > /tmp/bg; sleep 0.05; done) & \
+                      i=0; while :; do i=$((i+1)); echo $i > /tmp/tick; sleep 0.05; done";
+
+/// Both counters, read from another container of the pod, 0.4 s apart: whether each moved.
+fn moved(cri: &mut Cri, from: &str) -> (bool, bool) {
+    let read = |cri: &mut Cri| cri.exec_sync(from, &["cat", "/tmp/tick", "/tmp/bg"]).1;
+    let before = read(cri);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    let after = read(cri);
+    let pair = |s: &str| s.lines().map(str::to_string).collect::<Vec<_>>();
+    let (b, a) = (pair(&before), pair(&after));
+    assert_eq!((b.len(), a.len()), (2, 2), "both counters: {before:?} {after:?}");
+    (b[0] != a[0], b[1] != a[1])
+}
+
+/// containerd's Pause of one container of a pod stops its processes (a child it started included) while the
+/// pod's other container runs on; Resume continues them; when the container ends, what it started ends too.
+#[test]
+fn guest_cri_one_container_of_a_pod_pauses_and_ends_with_what_it_started() {
+    let Some((c, mut cri)) = setup() else { return };
+    let config = Cri::pod_config("pausing", &[]);
+    let pod = cri.run_pod(&config).expect("RunPodSandbox");
+    let other = cri.create(&pod, &config, "other", BUSYBOX, &["sleep", "1000"]).expect("CreateContainer");
+    cri.start(&other);
+    let ticker = cri.create(&pod, &config, "ticker", BUSYBOX, &["sh", "-c", TICKER]).expect("CreateContainer");
+    cri.start(&ticker);
+    let t0 = Instant::now();
+    while cri.exec_sync(&other, &["cat", "/tmp/tick", "/tmp/bg"]).0 != 0 {
+        assert!(t0.elapsed().as_secs() < 10, "the ticker did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(moved(&mut cri, &other), (true, true), "control: both count while running");
+
+    let out = c.ctr_ns("k8s.io", &["task", "pause", &ticker]);
+    assert!(out.status.success(), "ctr task pause: {}\n{}", String::from_utf8_lossy(&out.stderr), c.log_tail());
+    assert_eq!(moved(&mut cri, &other), (false, false), "paused: neither the container nor its child counts");
+    assert_eq!(cri.exec_sync(&other, &["true"]).0, 0, "the pod's other container still answers");
+    let ls = c.ctr_ns("k8s.io", &["task", "ls"]);
+    let line = String::from_utf8_lossy(&ls.stdout).lines().find(|l| l.starts_with(&ticker)).map(str::to_string);
+    assert!(line.as_deref().is_some_and(|l| l.contains("PAUSED")), "containerd shows it paused: {line:?}");
+
+    let out = c.ctr_ns("k8s.io", &["task", "resume", &ticker]);
+    assert!(out.status.success(), "ctr task resume: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(moved(&mut cri, &other), (true, true), "resumed: both count again");
+
+    // StopContainer: its process ends, and the child it left in the pod's sandbox with it.
+    let stop = StopContainerRequest { container_id: ticker.clone(), timeout: 2 };
+    cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer");
+    assert_eq!(cri.status(&ticker).state, ContainerState::ContainerExited as i32);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(moved(&mut cri, &other), (false, false), "nothing of the stopped container counts on");
+    let (_, left, _) = cri.exec_sync(&other, &["sh", "-c", "ps -o args | busybox grep -c '^sh -c (j=0' || true"]);
+    assert_eq!(left.trim(), "0", "no process of the stopped container is left");
+    assert_eq!(cri.exec_sync(&other, &["true"]).0, 0, "the pod goes on");
     cri.stop_and_remove(&pod);
     assert!(c.sandboxes().is_empty());
 }

@@ -149,6 +149,12 @@ pub enum Request {
     DetachRoot {
         name: String,
     },
+    /// Freeze, thaw or kill the processes led by `leader` (`clade_core::backend::Sandbox::proc_group`);
+    /// answers `{"processes": n}`.
+    ProcGroup {
+        leader: u32,
+        group_op: clade_core::backend::GroupOp,
+    },
     /// Replace the sandbox's egress rules (`clade_core::backend::EgressRules`); kept for later retakes.
     SetEgress {
         rules: clade_core::backend::EgressRules,

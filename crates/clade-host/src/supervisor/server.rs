@@ -455,6 +455,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         | Request::Thaw
         | Request::AttachRoot { .. }
         | Request::DetachRoot { .. }
+        | Request::ProcGroup { .. }
         | Request::SetEgress { .. } => {
             let (resp, end) = {
                 let _g = sup.gate.write();
@@ -855,6 +856,14 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
             match sbx.detach_root(&name) {
                 Ok(()) => (Response::ok(serde_json::json!({"detached": name})), None),
                 Err(e) => (Response::err(ErrorKind::Internal, format!("detach root {name}: {e}")), None),
+            }
+        }
+        Request::ProcGroup { leader, group_op: op } => {
+            let sbx = slot.as_mut().expect("checked above");
+            match sbx.proc_group(leader, op) {
+                Ok(n) => (Response::ok(serde_json::json!({"processes": n})), None),
+                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+                Err(e) => (Response::err(ErrorKind::Internal, format!("{op:?} the group of {leader}: {e}")), None),
             }
         }
         Request::SetEgress { rules } => {
