@@ -289,6 +289,14 @@ pub trait Sandbox: Send {
             self.kind()
         )))
     }
+    /// Bind the host file or directory `host` at the absolute path `inside` of the sandbox (a Kubernetes
+    /// volume: docs/kubernetes.md), read-only if asked. Default: the backend cannot.
+    fn bind(&mut self, _host: &std::path::Path, _inside: &str, _readonly: bool) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "{:?} sandboxes cannot mount a host directory (a volume) inside",
+            self.kind()
+        )))
+    }
     /// Take away a root [`Sandbox::attach_root`] showed; one not shown is not an error.
     fn detach_root(&mut self, _name: &str) -> Result<(), BackendError> {
         Ok(())

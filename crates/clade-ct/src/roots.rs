@@ -105,6 +105,54 @@ pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, 
     done
 }
 
+/// Binds the host file or directory `host` at the absolute path `inside` of the sandbox whose init is `init`
+/// (a Kubernetes volume of a container: docs/kubernetes.md), read-only if asked, idmapped when `jail` so its
+/// files' owners are the same inside as on the host (host root is root inside). Where the file system cannot be
+/// idmapped the bind is made as it is (its files then belong to `nobody` inside). The mount point is made if
+/// missing.
+pub fn bind(init: u32, host: &Path, inside: &str, readonly: bool, jail: bool) -> Result<(), String> {
+    let target = PathBuf::from(inside);
+    let plain = inside.starts_with('/')
+        && !inside.contains('\0')
+        && !target.components().any(|c| c == std::path::Component::ParentDir)
+        && target.parent().is_some();
+    if !plain {
+        return Err(format!("{inside:?} is no absolute path without '..' to mount a volume on"));
+    }
+    let meta = std::fs::metadata(host).map_err(|e| format!("the volume's source {}: {e}", host.display()))?;
+    let mnt = open_ns(init)?;
+    let tree = clone_tree(host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
+    if jail {
+        let ns = crate::userns::mapping_namespace()?;
+        if let Err(e) = crate::userns::idmap_tree(&tree, ns, true) {
+            eprintln!(
+                "clade-ct: {} cannot be idmapped ({e}): bound as it is, its files owned by nobody inside",
+                host.display()
+            );
+        }
+    }
+    if readonly {
+        crate::userns::set_readonly(&tree).map_err(|e| format!("make the volume {} read-only: {e}", host.display()))?;
+    }
+    in_thread(move || {
+        join_ns(&mnt)?;
+        if jail {
+            // The mount point may be in a root shown idmapped (crate::roots::attach), and is root's inside.
+            as_jail_root()?;
+        }
+        if meta.is_dir() {
+            std::fs::create_dir_all(&target).map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
+        } else if !target.exists() {
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| format!("create {} in the sandbox: {e}", parent.display()))?;
+            }
+            std::fs::write(&target, b"").map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
+        }
+        attach_tree(&tree, &target).map_err(|e| format!("mount the volume at {}: {e}", target.display()))
+    })
+}
+
 /// An overlay mount's layers (containerd's snapshotters mount a container's root file system so).
 #[derive(Debug, PartialEq, Eq)]
 struct Overlay {
@@ -205,14 +253,8 @@ fn idmapped_overlay(o: &Overlay, scratch: &Path, ns: std::os::fd::BorrowedFd<'_>
         data.push_str(&format!(",upperdir={},workdir={}", under(upper), under(work)));
     }
     let root = dir(scratch.join("root"))?;
-    // overlayfs works its upper directory with its mounter's credentials, which an idmapped upper must map:
-    // this thread mounts as the jail's root (fsuid BASE; the file capabilities a change of fsuid drops are
-    // raised again, from the permitted set).
-    nix::unistd::setfsuid(nix::unistd::Uid::from_raw(crate::userns::BASE));
-    nix::unistd::setfsgid(nix::unistd::Gid::from_raw(crate::userns::BASE));
-    for c in caps::read(None, caps::CapSet::Permitted).map_err(|e| format!("read my capabilities: {e}"))? {
-        caps::raise(None, caps::CapSet::Effective, c).map_err(|e| format!("raise {c}: {e}"))?;
-    }
+    // overlayfs works its upper directory with its mounter's credentials, which an idmapped upper must map.
+    as_jail_root()?;
     mount(Some("overlay"), &root, Some("overlay"), MsFlags::empty(), Some(data.as_str()))
         .map_err(|e| format!("mount the image's overlay over idmapped layers ({data}): {e}"))?;
     clone_tree(&root).map_err(|e| format!("copy the idmapped overlay: {e}"))
@@ -257,6 +299,18 @@ pub fn attached(init: u32) -> Vec<String> {
 fn open_ns(init: u32) -> Result<std::fs::File, String> {
     std::fs::File::open(format!("/proc/{init}/ns/mnt"))
         .map_err(|e| format!("open the mount namespace of the sandbox's init {init}: {e}"))
+}
+
+/// Makes this thread's file system ids the jail's root (fsuid and fsgid BASE), as files made through an idmapped
+/// mount must be (host root has no id there); the file capabilities a change of fsuid drops are raised again,
+/// from the permitted set. For an [`in_thread`] thread only: credentials are a thread's own.
+fn as_jail_root() -> Result<(), String> {
+    nix::unistd::setfsuid(nix::unistd::Uid::from_raw(crate::userns::BASE));
+    nix::unistd::setfsgid(nix::unistd::Gid::from_raw(crate::userns::BASE));
+    for c in caps::read(None, caps::CapSet::Permitted).map_err(|e| format!("read my capabilities: {e}"))? {
+        caps::raise(None, caps::CapSet::Effective, c).map_err(|e| format!("raise {c}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Runs `f` on a short-lived thread whose root and working directory are its own (`unshare(CLONE_FS)`): it may

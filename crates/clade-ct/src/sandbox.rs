@@ -355,17 +355,25 @@ impl CtSandbox {
         self.compat.get("jail").map(String::as_str) == Some(crate::jail::POLICY)
     }
 
-    /// Refuses a mark while the sandbox shows roots of a pod's containers (crate::roots): they are host mounts
-    /// CRIU cannot take, and a disk-only mark would keep none of them either.
+    /// Refuses a mark while the sandbox shows roots of a pod's containers or volumes (crate::roots): they are
+    /// host mounts CRIU cannot take, and a disk-only mark would keep none of them either.
     fn check_no_roots(&self) -> Result<(), BackendError> {
         let roots = self.res.init.map(crate::roots::attached).unwrap_or_default();
-        if roots.is_empty() {
+        let binds = std::fs::read_to_string(self.res.run_dir.join("binds")).unwrap_or_default();
+        let mut what = Vec::new();
+        if !roots.is_empty() {
+            what.push(format!("the root file systems of other images, for containers {}", roots.join(", ")));
+        }
+        if !binds.trim().is_empty() {
+            what.push(format!("volumes at {}", binds.lines().collect::<Vec<_>>().join(", ")));
+        }
+        if what.is_empty() {
             return Ok(());
         }
         Err(BackendError::Unsupported(format!(
-            "this sandbox shows the root file systems of other images (containers {}): they are mounts of the host, \
-             which a mark cannot keep; delete those containers, or mark a pod whose containers share its image",
-            roots.join(", ")
+            "this sandbox has mounts of the host inside ({}), which a mark cannot keep: remove those containers, \
+             or mark a pod whose containers share its image and have no volumes",
+            what.join("; ")
         )))
     }
 
@@ -508,6 +516,15 @@ impl Sandbox for CtSandbox {
     fn attach_root(&mut self, name: &str, host: &std::path::Path) -> Result<String, BackendError> {
         let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;
         crate::roots::attach(init, name, host, self.userns()).map_err(failed)
+    }
+    fn bind(&mut self, host: &std::path::Path, inside: &str, readonly: bool) -> Result<(), BackendError> {
+        let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;
+        crate::roots::bind(init, host, inside, readonly, self.userns()).map_err(failed)?;
+        // Remembered for check_no_roots (a mark cannot hold a host mount).
+        let list = self.res.run_dir.join("binds");
+        let mut all = std::fs::read_to_string(&list).unwrap_or_default();
+        all.push_str(&format!("{inside}\n"));
+        std::fs::write(&list, all).map_err(|e| failed(format!("write {}: {e}", list.display())))
     }
     fn detach_root(&mut self, name: &str) -> Result<(), BackendError> {
         let init = self.res.init.ok_or_else(|| failed("the sandbox has no init process".into()))?;

@@ -132,6 +132,16 @@ pub fn idmap_mount(src: &Path, target: &Path, userns: BorrowedFd<'_>) -> std::io
 pub fn idmap_tree(tree: &OwnedFd, userns: BorrowedFd<'_>, recursive: bool) -> std::io::Result<()> {
     let attr =
         MountAttr { attr_set: MOUNT_ATTR_IDMAP, attr_clr: 0, propagation: 0, userns_fd: userns.as_raw_fd() as u64 };
+    set_attr(tree, &attr, recursive)
+}
+
+/// Makes a detached mount tree read-only, its mounts below too.
+pub fn set_readonly(tree: &OwnedFd) -> std::io::Result<()> {
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    set_attr(tree, &MountAttr { attr_set: MOUNT_ATTR_RDONLY, attr_clr: 0, propagation: 0, userns_fd: 0 }, true)
+}
+
+fn set_attr(tree: &OwnedFd, attr: &MountAttr, recursive: bool) -> std::io::Result<()> {
     let flags = libc::AT_EMPTY_PATH | if recursive { libc::AT_RECURSIVE } else { 0 };
     // SAFETY: mount_setattr(2) on the detached tree (an fd the caller owns), an empty C string, and an attribute
     // struct with its size; all live for the call.
@@ -141,7 +151,7 @@ pub fn idmap_tree(tree: &OwnedFd, userns: BorrowedFd<'_>, recursive: bool) -> st
             tree.as_raw_fd(),
             c"".as_ptr(),
             flags,
-            &attr as *const MountAttr,
+            attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
     };

@@ -559,6 +559,11 @@ pub trait SandboxApi: Send + Sync {
     fn proc_group(&self, _sandbox: &str, _leader: u32, _op: clade_core::backend::GroupOp) -> anyhow::Result<usize> {
         Err(crate::error::invalid("this API cannot stop a part of a sandbox's processes"))
     }
+    /// Bind the host file or directory `host` at the absolute path `inside` of a running sandbox, read-only if
+    /// asked: a Kubernetes volume (docs/kubernetes.md); ct only, and only from the sandbox's own host.
+    fn bind(&self, _sandbox: &str, _host: &std::path::Path, _inside: &str, _readonly: bool) -> anyhow::Result<()> {
+        Err(crate::error::invalid("host directories are mounted only on the sandbox's own host"))
+    }
     /// Take away a root [`SandboxApi::attach_root`] showed (one not shown: nothing to do).
     fn detach_root(&self, _sandbox: &str, _name: &str) -> anyhow::Result<()> {
         Err(crate::error::invalid("roots of host directories are attached only on the sandbox's own host"))

@@ -471,6 +471,10 @@ impl SandboxApi for Ops {
         Ok(v["processes"].as_u64().unwrap_or(0) as usize)
     }
 
+    fn bind(&self, sandbox: &str, host: &std::path::Path, inside: &str, readonly: bool) -> anyhow::Result<()> {
+        self.sup_call(sandbox, &Request::Bind { host: host.into(), inside: inside.into(), readonly }).map(|_| ())
+    }
+
     fn detach_root(&self, sandbox: &str, name: &str) -> anyhow::Result<()> {
         self.sup_call(sandbox, &Request::DetachRoot { name: name.into() }).map(|_| ())
     }

@@ -9,8 +9,9 @@
 //!    (`oci-<16 hex digits of its tree hash>`), booted cold once and marked as its base; every later container
 //!    of the same image content is forked from that base instead of cold-started.
 //!
-//! The OCI spec's namespaces, mounts, capabilities and seccomp profile are not applied: the sandbox is clade's
-//! own jail (docs/jail.md), which is stricter than what an image asks for, and the same for every image.
+//! The OCI spec's namespaces, capabilities and seccomp profile are not applied: the sandbox is clade's own jail
+//! (docs/security.md), which is stricter than what an image asks for, and the same for every image. Its bind
+//! mounts of host paths (volumes) are made inside the sandbox ([`Bundle::volumes`]).
 
 use std::path::{Path, PathBuf};
 
@@ -108,6 +109,42 @@ impl Bundle {
             Some("vm") => Ok(BackendKind::Vm),
             Some(other) => bail!("annotation {BACKEND_ANNOTATION}={other:?}: clade's backends are ct and vm"),
         }
+    }
+}
+
+/// A bind mount of the OCI spec the shim makes inside the sandbox: a Kubernetes volume (emptyDir, configMap,
+/// secret, hostPath, a projected token), or `ctr run --mount`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Volume {
+    pub source: PathBuf,
+    pub destination: String,
+    pub readonly: bool,
+}
+
+/// What the sandbox provides itself, so the spec's mounts there are left out: its own `/proc`, `/dev` and `/sys`,
+/// and the files its network and identity write (the CRI plugin's `/etc/hosts`, `/etc/hostname` and
+/// `/etc/resolv.conf` describe the node's network namespace, not the sandbox's: docs/kubernetes.md).
+const SANDBOX_OWN: [&str; 6] = ["/proc", "/dev", "/sys", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"];
+
+impl Bundle {
+    /// The spec's bind mounts of host paths, less those the sandbox provides itself.
+    pub fn volumes(&self) -> Vec<Volume> {
+        let mounts = self.spec.mounts().clone().unwrap_or_default();
+        mounts
+            .iter()
+            .filter_map(|m| {
+                let opts = m.options().clone().unwrap_or_default();
+                let bind = m.typ().as_deref() == Some("bind") || opts.iter().any(|o| o == "bind" || o == "rbind");
+                let source = m.source().clone()?;
+                let destination = m.destination().display().to_string();
+                let own = SANDBOX_OWN.iter().any(|o| Path::new(&destination).starts_with(o));
+                (bind && source.is_absolute() && !own).then(|| Volume {
+                    source,
+                    destination,
+                    readonly: opts.iter().any(|o| o == "ro"),
+                })
+            })
+            .collect()
     }
 }
 
@@ -349,6 +386,32 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         let err = t(empty.path()).unwrap_err().to_string();
         assert!(err.contains("no /bin, /usr or /etc"), "{err}");
+    }
+
+    #[test]
+    fn volumes_are_the_specs_bind_mounts_less_what_the_sandbox_provides() {
+        let d = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {"args": ["sh"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+            "root": {"path": "rootfs"},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev/shm", "type": "bind", "source": "/run/shm", "options": ["rbind"]},
+                {"destination": "/etc/hosts", "type": "bind", "source": "/var/lib/x/hosts", "options": ["rbind", "ro"]},
+                {"destination": "/data", "type": "bind", "source": "/var/lib/kubelet/pods/p/volumes/d", "options": ["rbind", "rw"]},
+                {"destination": "/conf/app.conf", "source": "/srv/app.conf", "options": ["rbind", "ro"]},
+                {"destination": "/rel", "type": "bind", "source": "relative", "options": ["bind"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}
+            ]
+        });
+        std::fs::write(d.path().join("config.json"), config.to_string()).unwrap();
+        let b = Bundle::load(d.path()).unwrap();
+        let v = |s: &str, d: &str, readonly| Volume { source: s.into(), destination: d.into(), readonly };
+        assert_eq!(
+            b.volumes(),
+            vec![v("/var/lib/kubelet/pods/p/volumes/d", "/data", false), v("/srv/app.conf", "/conf/app.conf", true)]
+        );
     }
 
     #[test]

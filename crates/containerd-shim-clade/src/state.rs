@@ -245,6 +245,21 @@ impl Tasks {
                 Role::Member(pod) => self.pod_sandbox(pod, &req.id, &b)?,
                 _ => (self.fork(&b, &b.dir)?.0, None),
             };
+            // The spec's volumes, under the container's own root where it has one.
+            for v in b.volumes() {
+                let inside = match &root {
+                    Some(r) => format!("{r}{}", v.destination),
+                    None => v.destination.clone(),
+                };
+                self.api.bind(&sandbox, &v.source, &inside, v.readonly).map_err(|e| {
+                    e.context(format!(
+                        "mount the volume {} at {} of container {}",
+                        v.source.display(),
+                        v.destination,
+                        req.id
+                    ))
+                })?;
+            }
             spec.root = root;
             Ok::<_, anyhow::Error>((spec, sandbox))
         })();

@@ -366,10 +366,33 @@ impl Cri {
         image: &str,
         cmd: &[&str],
     ) -> Result<String, tonic::Status> {
+        self.create_mounted(pod, config, name, image, cmd, &[])
+    }
+
+    /// CreateContainer with volumes: (host path, container path, read-only), as a kubelet passes them.
+    pub fn create_mounted(
+        &mut self,
+        pod: &str,
+        config: &PodSandboxConfig,
+        name: &str,
+        image: &str,
+        cmd: &[&str],
+        volumes: &[(&Path, &str, bool)],
+    ) -> Result<String, tonic::Status> {
+        let mounts = volumes
+            .iter()
+            .map(|(host, inside, readonly)| Mount {
+                container_path: inside.to_string(),
+                host_path: host.display().to_string(),
+                readonly: *readonly,
+                ..Default::default()
+            })
+            .collect();
         let container = ContainerConfig {
             metadata: Some(ContainerMetadata { name: name.into(), attempt: 0 }),
             image: Some(ImageSpec { image: image.into(), ..Default::default() }),
             command: cmd.iter().map(|s| s.to_string()).collect(),
+            mounts,
             ..Default::default()
         };
         let req = CreateContainerRequest {

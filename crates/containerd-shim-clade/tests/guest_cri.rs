@@ -38,6 +38,19 @@ fn setup() -> Option<(Containerd, Cri)> {
     Some((c, cri))
 }
 
+/// `clade mark` of the one pod's sandbox (with `args`), through clade itself: whether it marked, what it said.
+fn mark_pod(c: &Containerd, args: &[&str]) -> (bool, String) {
+    let sandbox = c.sandboxes()[0]["id"].as_str().unwrap().to_string();
+    let clade = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
+    let out = std::process::Command::new(clade)
+        .args(["mark", &sandbox])
+        .args(args)
+        .env("CLADE_HOME", c.home.path())
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 const LOOP: &[&str] = &["sh", "-c", "echo $HOSTNAME > /tmp/first; while :; do sleep 0.1; done"];
 
 #[test]
@@ -90,12 +103,8 @@ fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     let (_, seen, _) = cri.exec_sync(&first, &["sh", "-c", "ps -o args | busybox grep -c '^sleep 1000$'"]);
     assert_eq!(seen.trim(), "2", "the pod's processes see each other (one sandbox): {seen}");
     assert_eq!(c.sandboxes().len(), 1, "still one sandbox for the pod");
-    let sandbox = c.sandboxes()[0]["id"].as_str().unwrap().to_string();
-    let clade = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
-    let mark =
-        std::process::Command::new(&clade).args(["mark", &sandbox]).env("CLADE_HOME", c.home.path()).output().unwrap();
-    let said = String::from_utf8_lossy(&mark.stderr);
-    assert!(!mark.status.success() && said.contains("root file systems of other images"), "clade mark: {said}");
+    let (marked, said) = mark_pod(&c, &[]);
+    assert!(!marked && said.contains("root file systems of other images"), "clade mark: {said}");
     let stop = StopContainerRequest { container_id: third.clone(), timeout: 2 };
     cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer of the third");
     let remove = RemoveContainerRequest { container_id: third.clone() };
@@ -131,14 +140,8 @@ fn guest_cri_a_pod_from_a_mark_and_failures() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     assert_eq!(cri.status(&ctr).exit_code, 0);
-    let sandbox = c.sandboxes()[0]["id"].as_str().unwrap().to_string();
-    let clade = std::path::Path::new(env!("CARGO_BIN_EXE_containerd-shim-clade-v2")).with_file_name("clade");
-    let out = std::process::Command::new(clade)
-        .args(["mark", &sandbox, "--label", "warm-pod"])
-        .env("CLADE_HOME", c.home.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "clade mark: {}", String::from_utf8_lossy(&out.stderr));
+    let (marked, said) = mark_pod(&c, &["--label", "warm-pod"]);
+    assert!(marked, "clade mark: {said}");
     cri.stop_and_remove(&pod);
 
     // A pod annotated with the mark starts from it: its container sees the mark's state.
@@ -233,4 +236,53 @@ fn guest_cri_one_container_of_a_pod_pauses_and_ends_with_what_it_started() {
     assert_eq!(cri.exec_sync(&other, &["true"]).0, 0, "the pod goes on");
     cri.stop_and_remove(&pod);
     assert!(c.sandboxes().is_empty());
+}
+
+/// A kubelet's volumes: host directories and files mounted into a pod's containers (read-only where asked),
+/// one directory shared by a container on the pod's image and a sidecar of another image (under its own root);
+/// what they write is the host's, owned as on the host; a pod with volumes is not marked.
+#[test]
+fn guest_cri_volumes_mount_host_paths_into_a_pods_containers() {
+    use std::os::unix::fs::MetadataExt;
+    let Some((c, mut cri)) = setup() else { return };
+    let vol = c.dir.path().join("vol");
+    std::fs::create_dir(&vol).unwrap();
+    std::fs::write(vol.join("from-host"), "host\n").unwrap();
+    let conf = c.dir.path().join("app.conf");
+    std::fs::write(&conf, "conf\n").unwrap();
+    let config = Cri::pod_config("volumes", &[]);
+    let pod = cri.run_pod(&config).expect("RunPodSandbox");
+    let app = cri
+        .create_mounted(
+            &pod,
+            &config,
+            "app",
+            BUSYBOX,
+            &["sleep", "1000"],
+            &[(&vol, "/data", false), (&conf, "/etc/app.conf", true)],
+        )
+        .expect("CreateContainer");
+    cri.try_start(&app).unwrap_or_else(|e| panic!("StartContainer with volumes: {e}\n{}", c.log_tail()));
+    let side = cri
+        .create_mounted(&pod, &config, "side", OTHER, &["sleep", "1000"], &[(&vol, "/shared", false)])
+        .expect("CreateContainer");
+    cri.try_start(&side).unwrap_or_else(|e| panic!("StartContainer of the sidecar: {e}\n{}", c.log_tail()));
+
+    let (code, out, err) = cri.exec_sync(&app, &["cat", "/data/from-host", "/etc/app.conf"]);
+    assert_eq!((code, out.as_str()), (0, "host\nconf\n"), "the host's files inside: {err}");
+    assert_eq!(cri.exec_sync(&app, &["sh", "-c", "echo app > /data/by-app"]).0, 0);
+    assert_eq!(std::fs::read_to_string(vol.join("by-app")).unwrap(), "app\n", "written through to the host");
+    assert_eq!(std::fs::metadata(vol.join("by-app")).unwrap().uid(), 0, "owned by root on the host, as on runc");
+    let (code, out, _) = cri.exec_sync(&side, &["cat", "/shared/by-app", "/etc/flavour"]);
+    assert_eq!((code, out.as_str()), (0, "app\nother\n"), "the sidecar, on its own image, shares the volume");
+    let (code, _, err) = cri.exec_sync(&app, &["sh", "-c", "echo x > /etc/app.conf"]);
+    assert!(code != 0 && err.contains("Read-only"), "a read-only volume: {code} {err}");
+    assert_eq!(std::fs::read_to_string(&conf).unwrap(), "conf\n");
+    assert_ne!(cri.exec_sync(&side, &["sh", "-c", "test -e /data"]).0, 0, "control: the sidecar has no /data");
+
+    let (marked, said) = mark_pod(&c, &[]);
+    assert!(!marked && said.contains("volumes at /data"), "clade mark: {said}");
+    cri.stop_and_remove(&pod);
+    assert!(c.sandboxes().is_empty());
+    assert_eq!(std::fs::read_to_string(vol.join("by-app")).unwrap(), "app\n", "the volume outlives the pod");
 }

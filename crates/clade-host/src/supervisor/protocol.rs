@@ -145,6 +145,13 @@ pub enum Request {
         name: String,
         host: std::path::PathBuf,
     },
+    /// Bind the host file or directory `host` at `inside` (a volume, `clade_core::backend::Sandbox::bind`).
+    Bind {
+        host: std::path::PathBuf,
+        inside: String,
+        #[serde(default)]
+        readonly: bool,
+    },
     /// Take the root `name` away again.
     DetachRoot {
         name: String,

@@ -456,6 +456,7 @@ fn handle(sup: &Supervisor, stream: UnixStream) {
         | Request::AttachRoot { .. }
         | Request::DetachRoot { .. }
         | Request::ProcGroup { .. }
+        | Request::Bind { .. }
         | Request::SetEgress { .. } => {
             let (resp, end) = {
                 let _g = sup.gate.write();
@@ -856,6 +857,16 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
             match sbx.detach_root(&name) {
                 Ok(()) => (Response::ok(serde_json::json!({"detached": name})), None),
                 Err(e) => (Response::err(ErrorKind::Internal, format!("detach root {name}: {e}")), None),
+            }
+        }
+        Request::Bind { host, inside, readonly } => {
+            let sbx = slot.as_mut().expect("checked above");
+            match sbx.bind(&host, &inside, readonly) {
+                Ok(()) => (Response::ok(serde_json::json!({"mounted": inside})), None),
+                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+                Err(e) => {
+                    (Response::err(ErrorKind::Internal, format!("mount {} at {inside}: {e}", host.display())), None)
+                }
             }
         }
         Request::ProcGroup { leader, group_op: op } => {
