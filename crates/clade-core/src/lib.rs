@@ -14,6 +14,7 @@ pub mod footprint;
 pub mod home;
 pub mod host;
 pub mod hygiene;
+pub mod procgroup;
 pub mod sandbox_net;
 pub mod time;
 

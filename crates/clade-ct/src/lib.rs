@@ -18,7 +18,6 @@ pub mod criu;
 pub mod disk;
 pub mod dump;
 pub mod footprint;
-pub mod groups;
 pub mod inroot;
 pub mod jail;
 pub mod jail_audit;

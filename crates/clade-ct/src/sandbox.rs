@@ -546,7 +546,7 @@ impl Sandbox for CtSandbox {
                 // child of a frozen process is born frozen).
                 let mut n = 0;
                 for _ in 0..2 {
-                    let members = crate::groups::members(&cg.pids(), leader);
+                    let members = clade_core::procgroup::members(&cg.pids(), leader);
                     n = members.len();
                     cg.freeze_group(&name, &members, true).map_err(failed)?;
                 }
@@ -554,10 +554,10 @@ impl Sandbox for CtSandbox {
             }
             GroupOp::Thaw => {
                 cg.freeze_group(&name, &[], false).map_err(failed)?;
-                Ok(crate::groups::members(&cg.pids(), leader).len())
+                Ok(clade_core::procgroup::members(&cg.pids(), leader).len())
             }
             GroupOp::Kill => {
-                let members = crate::groups::members(&cg.pids(), leader);
+                let members = clade_core::procgroup::members(&cg.pids(), leader);
                 for p in &members {
                     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p as i32), nix::sys::signal::SIGKILL);
                 }

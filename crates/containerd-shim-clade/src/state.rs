@@ -81,6 +81,16 @@ pub struct Container {
 }
 
 impl Container {
+    /// The pids (inside the sandbox) of its running processes, its init's and its execs': each leads a group
+    /// of processes in the sandbox (`SandboxApi::proc_group`), which together are the container's.
+    pub fn leaders(&self) -> Vec<u32> {
+        std::iter::once(&self.init)
+            .chain(self.execs.values())
+            .filter(|p| p.phase == Phase::Running && !p.nominal && p.pid > 0)
+            .map(|p| p.pid)
+            .collect()
+    }
+
     pub fn proc(&mut self, exec_id: &str) -> TtrpcResult<&mut Proc> {
         if exec_id.is_empty() {
             return Ok(&mut self.init);
@@ -325,22 +335,24 @@ impl Tasks {
         let at = Timestamp::now();
         let mut member_of = None;
         if let Some(c) = self.lock().containers.get_mut(id) {
-            if exec_id.is_empty() && matches!(c.role, Role::Member(_)) {
-                member_of = Some(c.sandbox.clone());
-            }
             if let Ok(p) = c.proc(exec_id) {
                 p.phase = Phase::Stopped;
                 p.exit_status = status;
                 p.exited_at = Some(at.clone());
             }
+            if exec_id.is_empty() && matches!(c.role, Role::Member(_)) {
+                member_of = Some((c.sandbox.clone(), c.leaders()));
+            }
         }
-        // A pod member's process ended: what it left running in the pod's sandbox ends too, as the end of a
-        // container's pid namespace takes them on runc.
-        if let Some(sandbox) = member_of {
-            match self.api.proc_group(&sandbox, pid, GroupOp::Kill) {
-                Ok(0) => {}
-                Ok(n) => log::info!("container {id} ended: {n} of its processes left in the pod's sandbox killed"),
-                Err(e) => log::warn!("end what container {id} left in its pod's sandbox: {e:#}"),
+        // A pod member's process ended: what it left running in the pod's sandbox ends too, its execs included,
+        // as the end of a container's pid namespace takes them on runc.
+        if let Some((sandbox, execs)) = member_of {
+            for leader in std::iter::once(pid).chain(execs) {
+                match self.api.proc_group(&sandbox, leader, GroupOp::Kill) {
+                    Ok(0) => {}
+                    Ok(n) => log::info!("container {id} ended: {n} of its processes left in the pod's sandbox killed"),
+                    Err(e) => log::warn!("end what container {id} left in its pod's sandbox: {e:#}"),
+                }
             }
         }
         self.changed.notify_all();

@@ -237,12 +237,21 @@ impl containerd_shim::Task for Service {
     }
 
     fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
-        let sandbox = self.sandbox_of(&req.id)?;
+        let (sandbox, member_leaders) = {
+            let held = self.0.lock();
+            let c =
+                held.containers.get(&req.id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {}", req.id)))?;
+            (c.sandbox.clone(), matches!(c.role, Role::Member(_)).then(|| c.leaders()))
+        };
         if sandbox.is_empty() {
             return Err(rpc(Code::FAILED_PRECONDITION, format!("container {} has no sandbox yet", req.id)));
         }
         let live = self.0.api.get(&sandbox).map_err(failed)?.live.unwrap_or_default();
-        let stats = crate::stats::metrics(&live).map_err(failed)?;
+        let stats = match member_leaders {
+            Some(leaders) => crate::stats::member_metrics(&live.pids, &leaders),
+            None => crate::stats::metrics(&live),
+        }
+        .map_err(failed)?;
         Ok(api::StatsResponse { stats: Some(stats).into(), ..Default::default() })
     }
 
@@ -278,17 +287,22 @@ impl Service {
     /// Pause (freeze) or resume (thaw) a container: its sandbox, or for a pod member (whose sandbox its pod's
     /// other containers share) the group of processes its own process leads (`SandboxApi::proc_group`).
     fn freeze(&self, id: &str, frozen: bool) -> TtrpcResult<()> {
-        let (sandbox, role, init) = {
+        let (sandbox, role, leaders) = {
             let held = self.0.lock();
             let c = held.containers.get(id).ok_or_else(|| rpc(Code::NOT_FOUND, format!("no container {id}")))?;
-            (c.sandbox.clone(), c.role.clone(), (c.init.phase == Phase::Running).then_some(c.init.pid))
+            (c.sandbox.clone(), c.role.clone(), c.leaders())
         };
         if let Role::Member(pod) = role {
-            let leader = init.ok_or_else(|| {
-                rpc(Code::FAILED_PRECONDITION, format!("container {id} of pod {pod} runs no process to pause"))
-            })?;
+            if leaders.is_empty() {
+                return Err(rpc(
+                    Code::FAILED_PRECONDITION,
+                    format!("container {id} of pod {pod} runs no process to pause"),
+                ));
+            }
             let op = if frozen { GroupOp::Freeze } else { GroupOp::Thaw };
-            self.0.api.proc_group(&sandbox, leader, op).map_err(failed)?;
+            for leader in leaders {
+                self.0.api.proc_group(&sandbox, leader, op).map_err(failed)?;
+            }
         } else if !sandbox.is_empty() {
             let done = if frozen { self.0.api.freeze(&sandbox) } else { self.0.api.thaw(&sandbox) };
             done.map_err(failed)?;

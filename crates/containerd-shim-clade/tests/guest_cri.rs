@@ -71,7 +71,8 @@ fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     let busy = "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done";
     assert_eq!(cri.exec_sync(&first, &["sh", "-c", busy]).0, 0);
     let (cpu_ns, working_set) = cri.stats(&first);
-    assert!(cpu_ns > 0 && working_set > 1 << 20, "ContainerStats: cpu {cpu_ns} ns, working set {working_set} B");
+    // A member's figures are its own processes' (below): what ExecSync ran and ended is not among them.
+    assert!(working_set > 0, "ContainerStats: cpu {cpu_ns} ns, working set {working_set} B");
     let st = cri.status(&first);
     assert_eq!(st.state, ContainerState::ContainerRunning as i32, "{st:?}");
     assert_eq!(c.sandboxes().len(), 1, "one sandbox for the pod");
@@ -82,6 +83,21 @@ fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     let (code, out, _) = cri.exec_sync(&second, &["sh", "-c", "test -s /tmp/first && echo shared"]);
     assert_eq!((code, out.as_str()), (0, "shared\n"), "the pod's containers share one sandbox");
     assert_eq!(c.sandboxes().len(), 1, "still one sandbox for two containers");
+
+    // Each member reports its own processes' figures, not the pod's: one holding ~2 MB, one a bare sleep.
+    let hog = "x=$(busybox seq 1 300000); echo ready > /tmp/hog; while :; do sleep 1; done";
+    let hog = cri.create(&pod, &config, "hog", BUSYBOX, &["sh", "-c", hog]).expect("the hog container");
+    cri.start(&hog);
+    let t0 = Instant::now();
+    while cri.exec_sync(&first, &["cat", "/tmp/hog"]).0 != 0 {
+        assert!(t0.elapsed().as_secs() < 20, "the hog did not fill its memory");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let ((hog_cpu, hog_ws), (_, small_ws)) = (cri.stats(&hog), cri.stats(&second));
+    assert!(hog_ws > 1 << 20 && hog_ws > 4 * small_ws, "ContainerStats per member: {hog_ws} B vs {small_ws} B");
+    assert!(hog_cpu > 0, "the hog's CPU time");
+    let stop = StopContainerRequest { container_id: hog.clone(), timeout: 2 };
+    cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer of the hog");
 
     // A container of another image runs in the same sandbox on its own image's files.
     let t0 = Instant::now();

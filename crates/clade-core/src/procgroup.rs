@@ -1,5 +1,5 @@
 //! Groups of a sandbox's processes: a Kubernetes pod's containers share the pod's one sandbox
-//! (docs/kubernetes.md), and containerd pauses, resumes and ends them one at a time.
+//! (docs/kubernetes.md), and containerd pauses, resumes, ends and measures them one at a time.
 //!
 //! A group is what one process the agent started (its leader) and its descendants make: the agent gives every
 //! process a process group of its own (a session, with a terminal), which its children inherit, so the group is
