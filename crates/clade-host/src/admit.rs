@@ -10,7 +10,9 @@
 //! QEMU kept busy since it was last asked (at least a second before) or since it started, not its shape's
 //! vCPUs: an idle sibling costs what it uses (docs/scale.md, "Admission"). New sandboxes count what their running
 //! siblings measure (the median), else their shape. A fork counts only the siblings its mark's warm pool
-//! cannot hand out: pool members already run. Every sandbox also holds tasks (processes and threads, from
+//! cannot hand out: pool members already run, and are counted among what runs ([`pool_members`]: their memory
+//! cgroup's charge on ct, the mark's estimate on vm), waiting or still restoring, though no ledger names them
+//! yet; `clade pool fill` asks admission for the members it adds. Every sandbox also holds tasks (processes and threads, from
 //! one PID space the kernel caps): its supervisor's threads plus a ct sandbox's pids cgroup count or a vm's
 //! QEMU threads, measured the same way; a new one counts its siblings' median, else
 //! [`clade_core::admission::TASKS_ESTIMATE`].
@@ -123,7 +125,54 @@ pub fn running(engine: &Engine) -> anyhow::Result<Vec<Running>> {
             tasks: sup_tasks + tasks,
         });
     }
+    out.extend(pool_members(engine));
     Ok(out)
+}
+
+/// Every warm-pool member on this host (`$CLADE_HOME/run/pool/<mark>/`), waiting or still restoring, as what
+/// runs: it holds its memory and tasks though no ledger record names it until a fork claims it. A waiting ct
+/// member is measured by its memory and pids cgroups (named by its sandbox id); a vm member, and a member still
+/// restoring, counts its mark's estimate. Paused, it keeps no vCPU busy, and admission never suspends it.
+pub fn pool_members(engine: &Engine) -> Vec<Running> {
+    use crate::supervisor::pool;
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(engine.home.run_dir().join("pool")) else { return out };
+    for e in rd.flatten() {
+        let mark_id = e.file_name().to_string_lossy().into_owned();
+        let (ready, starting) = pool::members(&engine.home, &mark_id);
+        if ready.is_empty() && starting == 0 {
+            continue;
+        }
+        let Ok(mark) = engine.ledger().mark(&MarkId::new(mark_id.clone())) else { continue };
+        let fp = crate::backends::footprint(from_ledger(mark.backend));
+        let shape_bytes = engine.mark_state(&mark).map(|s| u64::from(s.shape.memory_mib) << 20).unwrap_or(512 << 20);
+        let (estimate, base_bytes) = fp.memory_estimate(mark.logical_bytes, shape_bytes);
+        let member = |id: String, charged: Option<u64>, tasks: Option<u64>| {
+            let (rss, base, shared) = match charged {
+                Some(m) => (m, None, 0),
+                None => (estimate + base_bytes, (base_bytes > 0).then(|| mark_id.clone()), base_bytes),
+            };
+            Running {
+                id,
+                vcpus: 0.0,
+                rss_bytes: rss,
+                pss_bytes: rss.saturating_sub(shared),
+                base,
+                shared_base_bytes: shared,
+                last_active_ms: 0,
+                suspendable: false,
+                tasks: tasks.unwrap_or(clade_core::admission::TASKS_ESTIMATE),
+            }
+        };
+        for sock in &ready {
+            let Some(id) = sock.file_stem().and_then(|s| s.to_str()) else { continue };
+            out.push(member(format!("pool:{id}"), fp.charged_memory(id), fp.charged_tasks(id)));
+        }
+        for n in 0..starting {
+            out.push(member(format!("pool:{mark_id}:starting-{n}"), None, None));
+        }
+    }
+    out
 }
 
 /// What `count` new sandboxes restored from `mark` will need: their siblings' measured private memory and busy

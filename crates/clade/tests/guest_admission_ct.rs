@@ -71,3 +71,63 @@ fn guest_admission_ct_refuses_past_capacity_and_makes_room() {
         ok(h, &[], &["kill", id, "--json"]);
     }
 }
+
+/// Warm-pool members hold memory before any fork claims them: admission counts them among what runs (a fork
+/// from another mark is refused while they wait, admitted once the pool is drained), and `clade pool fill`
+/// asks admission for the members it adds.
+#[test]
+fn guest_admission_ct_counts_pool_members() {
+    let Some(t) = common::ct_home("clade-admit-pool") else { return };
+    let h = t.path();
+    let fork1 = |env: &[(&str, &str)]| -> (i32, String, String) {
+        common::clade_with(h, env, &["fork", "ctbox", "--backend", "ct", "--json"])
+    };
+    // A mark whose sandboxes hold ~24 MiB: a detached pipeline keeping dd's buffer.
+    let (_, out, _) = fork1(&[]);
+    let s = serde_json::from_str::<serde_json::Value>(&out).unwrap()["sandboxes"][0]["sandbox"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let hold = "(dd if=/dev/zero bs=24M count=1 | sleep 100000) >/dev/null 2>&1 </dev/null &";
+    ok(h, &[], &["exec", &s, "--json", "--", "sh", "-c", hold]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let big = ok(h, &[], &["mark", &s, "--label", "big", "--json"]);
+    let big = big["id"].as_str().or(big["mark"].as_str()).unwrap().to_string();
+    ok(h, &[], &["kill", &s, "--json"]);
+    let fill = ok(h, &[], &["pool", "fill", "big", "--size", "2", "--backend", "ct", "--json"]);
+    assert_eq!(fill["ready"], 2, "{fill}");
+    let members: Vec<String> = std::fs::read_dir(h.join("run/pool").join(&big))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".sock").map(str::to_string))
+        .collect();
+    assert_eq!(members.len(), 2, "{members:?}");
+    let pooled: u64 = members.iter().map(|m| charge(m)).sum();
+    // One small sibling of ctbox running: what a new one is estimated at.
+    let (code, out, err) = fork1(&[]);
+    assert_eq!(code, 0, "{err}");
+    let x = serde_json::from_str::<serde_json::Value>(&out).unwrap()["sandboxes"][0]["sandbox"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cap = ((charge(&x) + pooled / 2) >> 20).to_string();
+    eprintln!("pool members charged {pooled} bytes, the sibling {}; capacity {cap} MiB", charge(&x));
+    assert!(pooled > 40 << 20, "the members hold what their mark held: {pooled}");
+    let env = [("CLADE_CAPACITY_MEMORY_MIB", cap.as_str()), ("CLADE_ADMIT_RESERVE_MIB", "0")];
+    let (code, out, err) = fork1(&env);
+    assert_eq!(code, 5, "the waiting members fill the host: a fork must be refused: {err}{out}");
+    assert!(err.contains("memory: needs"), "{err}");
+    let (code, _, err) = common::clade_with(h, &env, &["pool", "fill", "big", "--size", "4", "--backend", "ct"]);
+    assert_eq!(code, 5, "a pool fill past capacity is refused: {err}");
+    // Control: the pool drained, the same fork fits.
+    ok(h, &[], &["pool", "drain", "big", "--backend", "ct", "--json"]);
+    let (code, out, err) = fork1(&env);
+    assert_eq!(code, 0, "without the pool's members it fits: {err}{out}");
+    let y = serde_json::from_str::<serde_json::Value>(&out).unwrap()["sandboxes"][0]["sandbox"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for id in [&x, &y] {
+        ok(h, &[], &["kill", id, "--json"]);
+    }
+}

@@ -53,6 +53,12 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                      fork it directly, or pool a whole mark of a sandbox booted from it"
                 );
             }
+            // The members it adds run and hold memory like sandboxes: admission says whether they fit.
+            let (ready, starting) = pool::members(&home, m);
+            let adding = size.saturating_sub(ready.len() + starting) as u32;
+            clade_host::admit::admit(&engine, &mark, adding, false, &|id| {
+                anyhow::bail!("a pool fill does not suspend sandboxes ({id})")
+            })?;
             pool::set_size(&home, m, size)?;
             let start = Instant::now();
             let started = pool::refill(&home, m)?;
