@@ -331,6 +331,14 @@ impl AgentClient {
         self.done(Request::Signal { pid, signal }, "signal")
     }
 
+    /// Sends `signal` to the group of processes `leader` leads (`Request::SignalGroup`): how many it reached.
+    pub fn signal_group(&self, leader: u32, signal: i32) -> Result<u32> {
+        match self.call(&Request::SignalGroup { leader, signal })? {
+            Reply::Signalled { processes } => Ok(processes),
+            other => Err(unexpected("signal_group", other)),
+        }
+    }
+
     /// Writes bytes to a process's stdin (the process must have been started with `stdin: true` or a PTY).
     pub fn write_stdin(&self, pid: u32, data: &[u8]) -> Result<()> {
         for chunk in data.chunks(DATA_CHUNK) {

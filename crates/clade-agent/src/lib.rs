@@ -10,6 +10,7 @@
 pub mod client;
 #[allow(unsafe_code)]
 pub mod netif;
+pub mod procgroup;
 pub mod proto;
 pub mod wire;
 

@@ -28,6 +28,14 @@ pub enum Request {
         /// Signal number (e.g. 15).
         signal: i32,
     },
+    /// Sends a signal to every process of the group `leader` leads: those whose process group or session is
+    /// `leader`'s, and their descendants (`crate::procgroup`; a pod member's processes, docs/kubernetes.md).
+    SignalGroup {
+        /// The pid of a process the agent started.
+        leader: u32,
+        /// Signal number (19 SIGSTOP, 18 SIGCONT, 9 SIGKILL).
+        signal: i32,
+    },
     /// Resizes a process's PTY.
     Resize {
         /// Process id.
@@ -397,6 +405,11 @@ pub enum Reply {
         /// a mark of a ct sandbox (an inotify descriptor cannot be checkpointed).
         #[serde(default)]
         lost: bool,
+    },
+    /// To `signal_group`.
+    Signalled {
+        /// Processes signalled.
+        processes: u32,
     },
     /// To operations with nothing to report.
     Done,

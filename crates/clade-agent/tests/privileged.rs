@@ -248,3 +248,40 @@ fn privileged_exec_with_a_root_of_its_own() {
     let err = c.run(ExecSpec { root: Some("/nowhere".into()), ..sh("true") }).unwrap_err().to_string();
     assert!(err.contains("/nowhere"), "a missing root is named: {err}");
 }
+
+/// `signal_group`: a process the agent started, a child it forked and a grandchild with a session of its own
+/// are stopped, continued and killed together; another process of the sandbox is not touched.
+#[test]
+fn privileged_signal_group_reaches_a_process_and_its_descendants() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let count = |f: &str| -> String { out(&c, &format!("cat /tmp/{f} 2>/dev/null || echo none")) };
+    let other = c.exec(sh("i=0; while :; do i=$((i+1)); echo $i > /tmp/other; sleep 0.05; done")).unwrap();
+    let leader = c
+        .exec(sh("setsid sh -c 'j=0; while :; do j=$((j+1)); echo $j > /tmp/deep; sleep 0.05; done' & \
+                  i=0; while :; do i=$((i+1)); echo $i > /tmp/mine; sleep 0.05; done"))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    let moved = |f: &str| {
+        let before = count(f);
+        std::thread::sleep(Duration::from_millis(300));
+        before != count(f)
+    };
+    assert!(moved("mine") && moved("deep") && moved("other"), "control: all three count");
+    let stopped = c.signal_group(leader.pid, 19).unwrap();
+    assert!(stopped >= 2, "the leader, its child and the grandchild's tree: {stopped}");
+    assert!(!moved("mine") && !moved("deep"), "stopped: the leader and the grandchild with its own session");
+    assert!(moved("other"), "another process goes on");
+    c.signal_group(leader.pid, 18).unwrap();
+    assert!(moved("mine") && moved("deep"), "continued");
+    c.signal_group(leader.pid, 9).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!moved("mine") && !moved("deep"), "killed, descendants included");
+    assert!(moved("other"));
+    let err = c.signal_group(1, 9).unwrap_err().to_string();
+    assert!(err.contains("leads no group"), "{err}");
+    other.signal(9).unwrap();
+}

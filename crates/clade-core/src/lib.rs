@@ -14,7 +14,7 @@ pub mod footprint;
 pub mod home;
 pub mod host;
 pub mod hygiene;
-pub mod procgroup;
+pub use clade_agent::procgroup;
 pub mod sandbox_net;
 pub mod time;
 

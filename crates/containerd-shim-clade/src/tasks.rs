@@ -117,8 +117,10 @@ impl containerd_shim::Task for Service {
             }
             // A pod member's SIGKILL, or a signal to all its processes, goes to its whole group in the pod's
             // sandbox (SandboxApi::proc_group), as to a runc container's cgroup.
-            _ if member && (req.all || req.signal == 9) => {
-                self.0.api.proc_group(&sandbox, pid, GroupOp::Kill).map_err(failed)?;
+            _ if member
+                && (req.all || req.signal == 9)
+                && self.0.api.proc_group(&sandbox, pid, GroupOp::Kill).is_ok() =>
+            {
                 Ok(api::Empty::new())
             }
             _ => match self.0.api.proc_signal(&sandbox, pid, req.signal as i32) {

@@ -96,6 +96,21 @@ impl Sandbox for VmSandbox {
     fn pids(&self) -> Vec<u32> {
         self.qemu_pid().into_iter().collect()
     }
+    /// Inside the guest, by the agent: the group is stopped and continued by signals (SIGSTOP, SIGCONT), as the
+    /// host cannot reach a guest's cgroups; its processes see a stop as a job-control stop.
+    fn proc_group(&mut self, leader: u32, op: clade_core::backend::GroupOp) -> Result<usize, BackendError> {
+        use clade_core::backend::GroupOp;
+        let signal = match op {
+            GroupOp::Freeze => nix::sys::signal::Signal::SIGSTOP as i32,
+            GroupOp::Thaw => nix::sys::signal::Signal::SIGCONT as i32,
+            GroupOp::Kill => nix::sys::signal::Signal::SIGKILL as i32,
+        };
+        let n = self
+            .agent
+            .signal_group(leader, signal)
+            .map_err(|e| BackendError::Failed(format!("{op:?} the group of {leader}: {e}")))?;
+        Ok(n as usize)
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         if opts.disk_only {
             return self.disk_mark(opts, false);

@@ -253,6 +253,9 @@ fn dispatch(
         }
         Request::CloseStdin { pid } => conn.reply(id, &guarded(|| agent.procs.close_stdin(pid))),
         Request::Signal { pid, signal } => conn.reply(id, &guarded(|| agent.procs.signal(pid, signal))),
+        Request::SignalGroup { leader, signal } => {
+            conn.reply(id, &guarded(|| agent.procs.signal_group(leader, signal)))
+        }
         Request::Resize { pid, rows, cols } => conn.reply(id, &guarded(|| agent.procs.resize(pid, rows, cols))),
         Request::ListProcs => conn.reply(id, &guarded(|| Ok(Reply::Procs { procs: agent.procs.list() }))),
         Request::Wait { pid } => task(conn, id, move || a.procs.wait(pid)),

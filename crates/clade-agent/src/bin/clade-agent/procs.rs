@@ -120,6 +120,30 @@ impl Procs {
         Ok(Reply::Done)
     }
 
+    /// Sends `signal` to every process of the group `leader` leads (`clade_agent::procgroup`), as this agent's
+    /// `/proc` lists them; never the agent itself. The leader may have ended: what it left in its process
+    /// group is still its group.
+    pub fn signal_group(&self, leader: u32, signal: i32) -> Response {
+        if leader <= 1 {
+            return Err(AgentError::BadRequest { detail: format!("{leader} leads no group of processes") });
+        }
+        let sig = nix::sys::signal::Signal::try_from(signal)
+            .map_err(|_| AgentError::BadRequest { detail: format!("{signal} is not a signal number") })?;
+        let all: Vec<u32> = std::fs::read_dir("/proc")
+            .map_err(|e| AgentError::os("reading /proc", &e))?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        let me = std::process::id();
+        let members: Vec<u32> =
+            clade_agent::procgroup::members(&all, leader).into_iter().filter(|p| *p != me && *p > 1).collect();
+        for p in &members {
+            // One that ended meanwhile is not an error.
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p as i32), sig);
+        }
+        Ok(Reply::Signalled { processes: members.len() as u32 })
+    }
+
     pub fn resize(&self, pid: u32, rows: u16, cols: u16) -> Response {
         let e = self.get(pid)?;
         let Some(m) = &e.master else {

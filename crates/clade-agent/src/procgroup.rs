@@ -7,6 +7,10 @@
 //! those (a child that made a session of its own). It is read from `/proc` at each use, so nothing has to be
 //! joined when a process starts; a daemon that left both (double fork and `setsid`) and was re-parented to the
 //! agent is not found, as it is not by `kill` of a process group.
+//!
+//! The same rule serves the host (a ct sandbox's processes seen in the host's `/proc`, frozen by cgroup) and
+//! the agent (its own `/proc`, a vm guest's processes stopped by signals): ids and parents are read in one
+//! `/proc`, so they agree.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -28,7 +32,8 @@ fn parse_status(text: &str) -> Option<Seen> {
     Some(Seen { pid: last("NSpid:")?, pgid: last("NSpgid:")?, sid: last("NSsid:")?, ppid: last("PPid:")? })
 }
 
-/// The host pids, among `pids` (the sandbox's), of the group led by `leader` (a pid inside the sandbox).
+/// The pids, among `pids` (the sandbox's, as the reader's `/proc` numbers them), of the group led by `leader`
+/// (a pid inside the sandbox).
 pub fn members(pids: &[u32], leader: u32) -> Vec<u32> {
     let seen: BTreeMap<u32, Seen> = pids
         .iter()
