@@ -5,7 +5,7 @@
 mod common;
 
 use clade_agent::proto::ExecSpec;
-use clade_core::backend::{Backend, MarkOptions, Sandbox, Shape, TemplateImage};
+use clade_core::backend::{Backend, MarkOptions, Sandbox};
 use clade_core::hygiene;
 use common::*;
 
@@ -28,15 +28,7 @@ const SLEEPER: &str = "for p in /proc/[0-9]*; do busybox tr '\\0' ' ' < $p/cmdli
 #[test]
 fn guest_vm_disk_only_marks_boot_cold() {
     let Some(e) = vm_env("clade-vmdisk-") else { return };
-    let image = TemplateImage {
-        name: "busybox-disk".into(),
-        hash: "test".into(),
-        rootfs: e.work.path().join("root"),
-        disk_manifest: Some(e.disk.clone()),
-        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-        egress: false,
-        no_new_privs: true,
-    };
+    let image = e.busybox_image("busybox-disk");
     let mut cold = e.backend.cold_start(&image, &ident("cold")).expect("cold start");
     let boot = sh(cold.as_ref(), BOOT_ID);
     assert_eq!(boot.len(), 36, "{boot}");

@@ -5,7 +5,7 @@
 mod common;
 
 use clade_agent::proto::ExecSpec;
-use clade_core::backend::{Backend, GroupOp, Sandbox, Shape, TemplateImage};
+use clade_core::backend::{Backend, GroupOp, Sandbox};
 use common::*;
 
 fn sh(script: &str) -> ExecSpec {
@@ -29,15 +29,7 @@ const COUNT: &str = "i=0; while :; do i=$((i+1)); echo $i > /tmp/F; sleep 0.1; d
 #[test]
 fn guest_vm_proc_group_stops_and_kills_one_group() {
     let Some(e) = vm_env("clade-vmgroup-") else { return };
-    let image = TemplateImage {
-        name: "busybox-group".into(),
-        hash: "test".into(),
-        rootfs: e.work.path().join("root"),
-        disk_manifest: Some(e.disk.clone()),
-        shape: Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
-        egress: false,
-        no_new_privs: true,
-    };
+    let image = e.busybox_image("busybox-group");
     let id = clade_core::hygiene::new_identity(&format!("g{}", std::process::id()), 1);
     let mut s = e.backend.cold_start(&image, &id).expect("cold start");
     let other = s.agent().exec(sh(&COUNT.replace('F', "other"))).expect("the other process");

@@ -48,6 +48,22 @@ pub struct VmEnv {
     pub disk: String,
 }
 
+impl VmEnv {
+    /// The busybox test root as a template image (256 MiB, one vCPU, no network).
+    #[allow(dead_code)]
+    pub fn busybox_image(&self, name: &str) -> clade_core::backend::TemplateImage {
+        clade_core::backend::TemplateImage {
+            name: name.into(),
+            hash: "test".into(),
+            rootfs: self.work.path().join("root"),
+            disk_manifest: Some(self.disk.clone()),
+            shape: clade_core::backend::Shape { memory_mib: 256, vcpus: 1, disk_gib: 1 },
+            egress: false,
+            no_new_privs: true,
+        }
+    }
+}
+
 pub fn vm_env(prefix: &str) -> Option<VmEnv> {
     let Some(agent) = agent_binary() else {
         eprintln!("skip: no built clade-agent (cargo build --workspace)");
