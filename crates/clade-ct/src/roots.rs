@@ -14,6 +14,9 @@
 //!   root's inside, and what a container writes lands on disk as host ids, as on runc.
 //! * A root is a host mount CRIU knows nothing of, so a sandbox showing one is not marked (a mark or suspend
 //!   says so); detaching the roots (deleting the containers) makes it markable again.
+//! * Every path inside the sandbox is reached without following a symbolic link ([`mount_point`]): the
+//!   sandbox's files are its own, and a host thread that followed them could be made to mount or create files
+//!   wherever the sandbox chose.
 //! * A `chroot` keeps a pod's containers apart in their files only: the boundary is the sandbox, as in Kata
 //!   Containers, where a pod's containers share one guest kernel.
 
@@ -86,18 +89,17 @@ pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, 
             _ => clone_tree(&host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?,
         };
         join_ns(&mnt)?;
-        if target.exists() {
+        if std::fs::symlink_metadata(&target).is_ok() {
             return Err(format!("the sandbox already shows a root named {name:?}: detach it first"));
         }
-        std::fs::create_dir_all(&target).map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
-        attach_tree(&tree, &target).map_err(|e| format!("attach the root at {}: {e}", target.display()))?;
+        let at = mount_point(&target, true)?;
+        attach_at(&tree, &at).map_err(|e| format!("attach the root at {}: {e}", target.display()))?;
         for d in SHARED {
             let inside = target.join(d);
-            if !inside.is_dir() {
-                continue;
-            }
+            // What the image has there, as a directory and without a symbolic link on the way.
+            let Ok(at) = open_beneath(&inside) else { continue };
             let own = clone_tree(&Path::new("/").join(d)).map_err(|e| format!("copy the sandbox's /{d}: {e}"))?;
-            attach_tree(&own, &inside).map_err(|e| format!("bind the sandbox's /{d} at {}: {e}", inside.display()))?;
+            attach_at(&own, &at).map_err(|e| format!("bind the sandbox's /{d} at {}: {e}", inside.display()))?;
         }
         Ok(target.display().to_string())
     });
@@ -140,16 +142,8 @@ pub fn bind(init: u32, host: &Path, inside: &str, readonly: bool, jail: bool) ->
             // The mount point may be in a root shown idmapped (crate::roots::attach), and is root's inside.
             as_jail_root()?;
         }
-        if meta.is_dir() {
-            std::fs::create_dir_all(&target).map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
-        } else if !target.exists() {
-            if let Some(parent) = target.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| format!("create {} in the sandbox: {e}", parent.display()))?;
-            }
-            std::fs::write(&target, b"").map_err(|e| format!("create {} in the sandbox: {e}", target.display()))?;
-        }
-        attach_tree(&tree, &target).map_err(|e| format!("mount the volume at {}: {e}", target.display()))
+        let at = mount_point(&target, meta.is_dir())?;
+        attach_at(&tree, &at).map_err(|e| format!("mount the volume at {}: {e}", target.display()))
     })
 }
 
@@ -267,11 +261,12 @@ pub fn detach(init: u32, name: &str) -> Result<(), String> {
     let mnt = open_ns(init)?;
     in_thread(move || {
         join_ns(&mnt)?;
-        if !target.exists() {
+        if std::fs::symlink_metadata(&target).is_err() {
             return Ok(());
         }
         // A lazy unmount takes the whole tree (the bound /proc, /dev and /sys with it).
-        match nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH) {
+        let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
+        match nix::mount::umount2(&target, flags) {
             Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
             Err(e) => return Err(format!("unmount {} in the sandbox: {e}", target.display())),
         }
@@ -329,6 +324,73 @@ fn in_thread<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Send + '
 fn join_ns(mnt: &std::fs::File) -> Result<(), String> {
     nix::sched::setns(mnt.as_fd(), nix::sched::CloneFlags::CLONE_NEWNS)
         .map_err(|e| format!("join the sandbox's mount namespace: {e}"))
+}
+
+/// The resolution every path inside a sandbox gets here: no symbolic link, magic (`/proc/PID/root`) or not.
+/// The sandbox's own files could otherwise steer a host thread, which may mount and create files anywhere in
+/// the sandbox's mount namespace, to a place the sandbox chose (a volume's mount point in an image made a link).
+fn no_links() -> rustix::fs::ResolveFlags {
+    rustix::fs::ResolveFlags::NO_SYMLINKS | rustix::fs::ResolveFlags::NO_MAGICLINKS
+}
+
+/// An `O_PATH` handle on the directory `path` (absolute, in this thread's mount namespace), refused where a
+/// component is a symbolic link or missing.
+fn open_beneath(path: &Path) -> Result<OwnedFd, String> {
+    use rustix::fs::{openat2, Mode, OFlags, CWD};
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    openat2(CWD, path, flags, Mode::empty(), no_links()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// An `O_PATH` handle on `path` (absolute, in this thread's mount namespace) to mount on, made where missing: its
+/// parents as directories, itself a directory or (`dir` false) an empty file. No symbolic link is followed
+/// anywhere on the way: one is refused, naming it.
+fn mount_point(path: &Path, dir: bool) -> Result<OwnedFd, String> {
+    use rustix::fs::{mkdirat, openat2, Mode, OFlags, CWD};
+    let named = |e: rustix::io::Errno, what: &str| match e {
+        rustix::io::Errno::LOOP | rustix::io::Errno::XDEV => format!(
+            "{} in the sandbox: a symbolic link on the way ({what}); mount points are not reached through links",
+            path.display()
+        ),
+        e => format!("{} in the sandbox ({what}): {e}", path.display()),
+    };
+    let opath = OFlags::PATH | OFlags::CLOEXEC;
+    let mut cur = openat2(CWD, "/", opath | OFlags::DIRECTORY, Mode::empty(), no_links()).map_err(|e| named(e, "/"))?;
+    let parts: Vec<&std::ffi::OsStr> = path
+        .components()
+        .filter_map(|c| match c {
+            std::path::Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    for (i, part) in parts.iter().enumerate() {
+        let what = part.to_string_lossy();
+        if i + 1 == parts.len() && !dir {
+            let made = openat2(
+                &cur,
+                *part,
+                OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o644),
+                no_links(),
+            );
+            drop(made.map_err(|e| named(e, &what))?);
+            return openat2(&cur, *part, opath, Mode::empty(), no_links()).map_err(|e| named(e, &what));
+        }
+        let next = match openat2(&cur, *part, opath | OFlags::DIRECTORY, Mode::empty(), no_links()) {
+            Err(rustix::io::Errno::NOENT) => {
+                mkdirat(&cur, *part, Mode::from_raw_mode(0o755)).map_err(|e| named(e, &what))?;
+                openat2(&cur, *part, opath | OFlags::DIRECTORY, Mode::empty(), no_links())
+            }
+            other => other,
+        };
+        cur = next.map_err(|e| named(e, &what))?;
+    }
+    Ok(cur)
+}
+
+/// Attaches a detached tree on the mount point `at` (an `O_PATH` handle).
+fn attach_at(tree: &OwnedFd, at: &OwnedFd) -> std::io::Result<()> {
+    use rustix::mount::MoveMountFlags as F;
+    Ok(rustix::mount::move_mount(tree, c"", at, c"", F::MOVE_MOUNT_F_EMPTY_PATH | F::MOVE_MOUNT_T_EMPTY_PATH)?)
 }
 
 /// A detached recursive copy of the mount tree at `path`.

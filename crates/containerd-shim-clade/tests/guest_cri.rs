@@ -296,6 +296,29 @@ fn guest_cri_volumes_mount_host_paths_into_a_pods_containers() {
     assert_eq!(std::fs::read_to_string(&conf).unwrap(), "conf\n");
     assert_ne!(cri.exec_sync(&side, &["sh", "-c", "test -e /data"]).0, 0, "control: the sidecar has no /data");
 
+    // A mount point the image made a symbolic link is refused, not followed (the host mounts it, and the link
+    // is the image's; it points at the sandbox's /etc here).
+    let mut linked = busybox_rootfs();
+    linked.push(Entry::Link("vol", "/etc"));
+    import_k8s(&c, "clade.test/linked:latest", &linked, &["/bin/sh"]);
+    let bad = cri
+        .create_mounted(
+            &pod,
+            &config,
+            "linked",
+            "clade.test/linked:latest",
+            &["sleep", "1000"],
+            &[(&vol, "/vol", false)],
+        )
+        .expect("CreateContainer records it");
+    let err = cri.try_start(&bad).expect_err("a volume on a symbolic link");
+    assert!(err.message().contains("symbolic link"), "{}", err.message());
+    assert_ne!(
+        cri.exec_sync(&app, &["sh", "-c", "test -e /etc/from-host"]).0,
+        0,
+        "nothing was mounted on the pod's /etc"
+    );
+
     let (marked, said) = mark_pod(&c, &[]);
     assert!(!marked && said.contains("volumes at /data"), "clade mark: {said}");
     cri.stop_and_remove(&pod);
