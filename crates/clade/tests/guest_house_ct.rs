@@ -121,6 +121,11 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     let qemu = format!("{}/qemu", rundir.display());
     let mut orphan = Command::new("bash").args(["-c", &format!("exec -a {qemu} sleep 300")]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(200));
+    // And a group of its processes frozen inside its cgroup (a pod member paused when the supervisor died).
+    let group = Path::new("/sys/fs/cgroup/freezer/clade").join(&sbx).join("g5");
+    let frozen = std::fs::create_dir_all(&group).is_ok()
+        && std::fs::write(group.join("cgroup.procs"), orphan.id().to_string()).is_ok()
+        && std::fs::write(group.join("freezer.state"), "FROZEN").is_ok();
     let env = [("CLADE_AUDIT_SETTLE_MS", "0")];
     let (code, out, err) = common::clade_with(h, &env, &["audit", "--json"]);
     assert_eq!(code, 1, "leftovers found: {err}{out}");
@@ -133,9 +138,17 @@ fn guest_house_ct_gc_conflict_crash_and_audit() {
     }
     let (code, out, err) = common::clade_with(h, &env, &["audit", "--fix", "--json"]);
     assert_eq!(code, 0, "all fixed: {err}{out}");
-    let status = orphan.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = orphan.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the orphan (frozen: {frozen}) was not killed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(!status.success(), "the orphan was killed");
     assert!(!rundir.exists() && !cg.exists());
+    assert!(!group.parent().unwrap().exists(), "the frozen group and its cgroup are gone");
     let (code, out, _) = common::clade_with(h, &env, &["audit"]);
     assert_eq!(code, 0, "clean after --fix: {out}");
 }
