@@ -261,14 +261,27 @@ impl Tasks {
                     Some(r) => format!("{r}{}", v.destination),
                     None => v.destination.clone(),
                 };
-                self.api.bind(&sandbox, &v.source, &inside, v.readonly).map_err(|e| {
-                    e.context(format!(
-                        "mount the volume {} at {} of container {}",
-                        v.source.display(),
-                        v.destination,
-                        req.id
-                    ))
-                })?;
+                match self.api.bind(&sandbox, &v.source, &inside, v.readonly) {
+                    Ok(()) => {}
+                    // A backend that cannot mount a host path (vm: its guest cannot see one) runs the container
+                    // without it, as every pod there has a service-account token volume (docs/kubernetes.md).
+                    Err(e) if clade_host::error::kind(&e) == clade_core::ErrorKind::Invalid => {
+                        log::warn!(
+                            "container {}: volume {} not mounted at {}: {e:#}",
+                            req.id,
+                            v.source.display(),
+                            v.destination
+                        )
+                    }
+                    Err(e) => {
+                        return Err(e.context(format!(
+                            "mount the volume {} at {} of container {}",
+                            v.source.display(),
+                            v.destination,
+                            req.id
+                        )))
+                    }
+                }
             }
             spec.root = root;
             Ok::<_, anyhow::Error>((spec, sandbox))

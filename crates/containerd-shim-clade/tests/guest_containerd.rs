@@ -214,8 +214,14 @@ fn guest_ctr_runs_an_image_on_the_vm_backend() {
     let Some(c) = Containerd::start(config, &bin, None, &[("CLADE_SHIM_BACKEND", "vm")]) else { return };
     import(&c, IMAGE, &busybox_rootfs());
     let t0 = Instant::now();
-    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, IMAGE, "guest", "sleep", "1000"]);
+    // A volume a vm guest cannot see (every Kubernetes pod has a token volume): the container runs without it.
+    let vol = c.dir.path().join("vol");
+    std::fs::create_dir(&vol).unwrap();
+    let mount = format!("type=bind,src={},dst=/data,options=rbind:ro", vol.display());
+    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, "--mount", &mount, IMAGE, "guest", "sleep", "1000"]);
     eprintln!("vm: first container (template disk, cold boot, base mark, fork) in {:?}", t0.elapsed());
+    let (code, _, _) = out(&c.ctr(&["task", "exec", "--exec-id", "v", "guest", "sh", "-c", "test -e /data"]));
+    assert_ne!(code, 0, "no volume inside a vm guest");
     let sandboxes = c.sandboxes();
     assert_eq!(sandboxes.len(), 1);
     assert_eq!(sandboxes[0]["backend"], "vm", "{sandboxes:?}");
