@@ -35,11 +35,19 @@ fn parse_status(text: &str) -> Option<Seen> {
 /// The pids, among `pids` (the sandbox's, as the reader's `/proc` numbers them), of the group led by `leader`
 /// (a pid inside the sandbox).
 pub fn members(pids: &[u32], leader: u32) -> Vec<u32> {
+    members_of(pids, &[leader])
+}
+
+/// The pids of the groups `leaders` lead (a container's process and its execs), `/proc` read once.
+pub fn members_of(pids: &[u32], leaders: &[u32]) -> Vec<u32> {
     let seen: BTreeMap<u32, Seen> = pids
         .iter()
         .filter_map(|&p| Some((p, parse_status(&std::fs::read_to_string(format!("/proc/{p}/status")).ok()?)?)))
         .collect();
-    group_of(&seen, leader)
+    let mut all: Vec<u32> = leaders.iter().flat_map(|l| group_of(&seen, *l)).collect();
+    all.sort_unstable();
+    all.dedup();
+    all
 }
 
 fn group_of(seen: &BTreeMap<u32, Seen>, leader: u32) -> Vec<u32> {

@@ -239,17 +239,7 @@ impl Cgroup {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut errors = Vec::new();
         for dir in &self.dirs {
-            // Groups first (crate::cgroup::Cgroup::freeze_group): a cgroup with children cannot be removed.
-            for g in subdirs(dir) {
-                let _ = freeze_dir(&g, self.v2, false);
-                for p in procs_of(&g) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
-                }
-                let deadline = Instant::now() + Duration::from_secs(5);
-                while std::fs::remove_dir(&g).is_err() && g.is_dir() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
+            remove_groups(dir);
             loop {
                 for p in self.pids() {
                     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
@@ -273,6 +263,25 @@ impl Cgroup {
             Ok(())
         } else {
             Err(errors.join("; "))
+        }
+    }
+}
+
+/// Takes down the groups inside a sandbox's cgroup directory (`Cgroup::freeze_group`; a cgroup with children
+/// cannot be removed): each thawed (v1 holds a frozen process's SIGKILL until it thaws), its processes killed,
+/// its directory removed (tried for up to 5 s). For [`Cgroup::remove`] and for the cleanup of what a dead
+/// supervisor left, which has only the directory.
+pub fn remove_groups(dir: &Path) {
+    for g in subdirs(dir) {
+        // Whichever of v1's and v2's files the group has.
+        let _ = std::fs::write(g.join("freezer.state"), "THAWED");
+        let _ = std::fs::write(g.join("cgroup.freeze"), "0");
+        for p in procs_of(&g) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), nix::sys::signal::SIGKILL);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(&g).is_err() && g.is_dir() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }

@@ -21,6 +21,8 @@
 //!   Containers, where a pod's containers share one guest kernel.
 
 use std::os::fd::{AsFd, OwnedFd};
+
+use crate::userns::{attach as attach_tree, clone_tree};
 use std::path::{Path, PathBuf};
 
 /// Where roots are attached inside a sandbox.
@@ -74,19 +76,20 @@ pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, 
             (Some(o), Some(ns), Some(home)) => {
                 let tree = idmapped_overlay(o, &scratch2, ns)?;
                 let again =
-                    clone_tree(&scratch2.join("root")).map_err(|e| format!("copy the idmapped overlay: {e}"))?;
+                    clone_tree(&scratch2.join("root"), true).map_err(|e| format!("copy the idmapped overlay: {e}"))?;
                 join_ns(home)?;
                 attach_tree(&again, &host)
                     .map_err(|e| format!("mount the idmapped overlay at {} again: {e}", host.display()))?;
                 tree
             }
             (None, Some(ns), _) => {
-                let tree = clone_tree(&host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
+                let tree =
+                    clone_tree(&host, true).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
                 crate::userns::idmap_tree(&tree, ns, true)
                     .map_err(|e| format!("idmap {} for the jail's user namespace: {e}", host.display()))?;
                 tree
             }
-            _ => clone_tree(&host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?,
+            _ => clone_tree(&host, true).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?,
         };
         join_ns(&mnt)?;
         if std::fs::symlink_metadata(&target).is_ok() {
@@ -98,7 +101,7 @@ pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, 
             let inside = target.join(d);
             // What the image has there, as a directory and without a symbolic link on the way.
             let Ok(at) = open_beneath(&inside) else { continue };
-            let own = clone_tree(&Path::new("/").join(d)).map_err(|e| format!("copy the sandbox's /{d}: {e}"))?;
+            let own = clone_tree(&Path::new("/").join(d), true).map_err(|e| format!("copy the sandbox's /{d}: {e}"))?;
             attach_at(&own, &at).map_err(|e| format!("bind the sandbox's /{d} at {}: {e}", inside.display()))?;
         }
         Ok(target.display().to_string())
@@ -123,7 +126,7 @@ pub fn bind(init: u32, host: &Path, inside: &str, readonly: bool, jail: bool) ->
     }
     let meta = std::fs::metadata(host).map_err(|e| format!("the volume's source {}: {e}", host.display()))?;
     let mnt = open_ns(init)?;
-    let tree = clone_tree(host).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
+    let tree = clone_tree(host, true).map_err(|e| format!("copy the mount tree of {}: {e}", host.display()))?;
     if jail {
         let ns = crate::userns::mapping_namespace()?;
         if let Err(e) = crate::userns::idmap_tree(&tree, ns, true) {
@@ -251,7 +254,7 @@ fn idmapped_overlay(o: &Overlay, scratch: &Path, ns: std::os::fd::BorrowedFd<'_>
     as_jail_root()?;
     mount(Some("overlay"), &root, Some("overlay"), MsFlags::empty(), Some(data.as_str()))
         .map_err(|e| format!("mount the image's overlay over idmapped layers ({data}): {e}"))?;
-    clone_tree(&root).map_err(|e| format!("copy the idmapped overlay: {e}"))
+    clone_tree(&root, true).map_err(|e| format!("copy the idmapped overlay: {e}"))
 }
 
 /// Detaches the root `name` from the sandbox whose init is `init` (its processes still running keep it until
@@ -391,18 +394,6 @@ fn mount_point(path: &Path, dir: bool) -> Result<OwnedFd, String> {
 fn attach_at(tree: &OwnedFd, at: &OwnedFd) -> std::io::Result<()> {
     use rustix::mount::MoveMountFlags as F;
     Ok(rustix::mount::move_mount(tree, c"", at, c"", F::MOVE_MOUNT_F_EMPTY_PATH | F::MOVE_MOUNT_T_EMPTY_PATH)?)
-}
-
-/// A detached recursive copy of the mount tree at `path`.
-fn clone_tree(path: &Path) -> std::io::Result<OwnedFd> {
-    use rustix::mount::OpenTreeFlags as F;
-    let flags = F::OPEN_TREE_CLONE | F::OPEN_TREE_CLOEXEC | F::AT_RECURSIVE;
-    Ok(rustix::mount::open_tree(rustix::fs::CWD, path, flags)?)
-}
-
-fn attach_tree(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
-    let flags = rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH;
-    Ok(rustix::mount::move_mount(tree, c"", rustix::fs::CWD, target, flags)?)
 }
 
 #[cfg(test)]

@@ -105,7 +105,7 @@ struct MountAttr {
 }
 
 /// A detached copy of the mount tree at `path` (open_tree with OPEN_TREE_CLONE), recursive or not.
-fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
+pub(crate) fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
     use rustix::mount::OpenTreeFlags as F;
     let mut flags = F::OPEN_TREE_CLONE | F::OPEN_TREE_CLOEXEC;
     if recursive {
@@ -115,7 +115,7 @@ fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
 }
 
 /// Attaches a detached tree at `target`.
-fn attach(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
+pub(crate) fn attach(tree: &OwnedFd, target: &Path) -> std::io::Result<()> {
     let flags = rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH;
     Ok(rustix::mount::move_mount(tree, c"", rustix::fs::CWD, target, flags)?)
 }

@@ -252,15 +252,8 @@ fn settled(p: &Path) -> bool {
 
 /// Kill what is left in a cgroup, then remove it (a cgroup directory is removed with rmdir, never recursively).
 fn remove_cgroup(cg: &Path) -> bool {
-    // Its child groups first (a pod member's processes, frozen by containerd's Pause:
-    // `clade_core::cgroup::Cgroup::freeze_group`), thawed so their SIGKILLs land (v1 holds them while frozen).
-    for child in std::fs::read_dir(cg).into_iter().flatten().flatten() {
-        if child.file_type().is_ok_and(|t| t.is_dir()) {
-            let _ = std::fs::write(child.path().join("freezer.state"), "THAWED");
-            let _ = std::fs::write(child.path().join("cgroup.freeze"), "0");
-            remove_cgroup(&child.path());
-        }
-    }
+    // Its groups first (a pod member frozen by containerd's Pause when the supervisor died).
+    clade_core::cgroup::remove_groups(cg);
     for pid in std::fs::read_to_string(cg.join("cgroup.procs")).unwrap_or_default().lines() {
         if let Ok(pid) = pid.trim().parse::<u32>() {
             signal(pid, nix::sys::signal::Signal::SIGKILL);

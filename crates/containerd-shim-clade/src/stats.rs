@@ -22,9 +22,7 @@ pub fn metrics(live: &LiveFacts) -> anyhow::Result<Any> {
 /// The metrics of a pod member: the processes of the groups `leaders` (pids inside the sandbox) lead, among the
 /// sandbox's host processes `pids`, their memory as PSS and RSS.
 pub fn member_metrics(pids: &[u32], leaders: &[u32]) -> anyhow::Result<Any> {
-    let mut mine: Vec<u32> = leaders.iter().flat_map(|l| clade_core::procgroup::members(pids, *l)).collect();
-    mine.sort_unstable();
-    mine.dedup();
+    let mine = clade_core::procgroup::members_of(pids, leaders);
     let (pss, rss) =
         mine.iter().filter_map(|p| clade_core::host::pss_rss(*p)).fold((0, 0), |(a, b), (pss, rss)| (a + pss, b + rss));
     encode(&mine, pss, rss)

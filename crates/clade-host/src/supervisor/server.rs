@@ -835,64 +835,54 @@ fn exclusive(sup: &Supervisor, req: Request) -> (Response, Option<End>) {
         Request::Freeze | Request::Thaw => {
             let freeze = matches!(req, Request::Freeze);
             let sbx = slot.as_mut().expect("checked above");
-            match if freeze { sbx.freeze() } else { sbx.thaw() } {
-                Ok(()) => {
-                    sup.frozen.store(freeze, Ordering::SeqCst);
-                    (Response::ok(serde_json::json!({"frozen": freeze})), None)
-                }
-                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
-                Err(e) => (Response::err(ErrorKind::Internal, format!("freeze: {e}")), None),
-            }
+            let done = if freeze { sbx.freeze() } else { sbx.thaw() };
+            answer(done, "freeze".into(), |()| {
+                sup.frozen.store(freeze, Ordering::SeqCst);
+                serde_json::json!({"frozen": freeze})
+            })
         }
         Request::AttachRoot { name, host } => {
-            let sbx = slot.as_mut().expect("checked above");
-            match sbx.attach_root(&name, &host) {
-                Ok(path) => (Response::ok(serde_json::json!({"path": path})), None),
-                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
-                Err(e) => (Response::err(ErrorKind::Internal, format!("attach root {name}: {e}")), None),
-            }
+            let done = slot.as_mut().expect("checked above").attach_root(&name, &host);
+            answer(done, format!("attach root {name}"), |path| serde_json::json!({"path": path}))
         }
         Request::DetachRoot { name } => {
-            let sbx = slot.as_mut().expect("checked above");
-            match sbx.detach_root(&name) {
-                Ok(()) => (Response::ok(serde_json::json!({"detached": name})), None),
-                Err(e) => (Response::err(ErrorKind::Internal, format!("detach root {name}: {e}")), None),
-            }
+            let done = slot.as_mut().expect("checked above").detach_root(&name);
+            answer(done, format!("detach root {name}"), |()| serde_json::json!({"detached": name}))
         }
         Request::Bind { host, inside, readonly } => {
-            let sbx = slot.as_mut().expect("checked above");
-            match sbx.bind(&host, &inside, readonly) {
-                Ok(()) => (Response::ok(serde_json::json!({"mounted": inside})), None),
-                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
-                Err(e) => {
-                    (Response::err(ErrorKind::Internal, format!("mount {} at {inside}: {e}", host.display())), None)
-                }
-            }
+            let done = slot.as_mut().expect("checked above").bind(&host, &inside, readonly);
+            answer(done, format!("mount {} at {inside}", host.display()), |()| serde_json::json!({"mounted": inside}))
         }
         Request::ProcGroup { leader, group_op: op } => {
-            let sbx = slot.as_mut().expect("checked above");
-            match sbx.proc_group(leader, op) {
-                Ok(n) => (Response::ok(serde_json::json!({"processes": n})), None),
-                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
-                Err(e) => (Response::err(ErrorKind::Internal, format!("{op:?} the group of {leader}: {e}")), None),
-            }
+            let done = slot.as_mut().expect("checked above").proc_group(leader, op);
+            answer(done, format!("{op:?} the group of {leader}"), |n| serde_json::json!({"processes": n}))
         }
         Request::SetEgress { rules } => {
-            let sbx = slot.as_mut().expect("checked above");
-            match sbx.set_egress_rules(&rules) {
-                Ok(()) => {
-                    *sup.egress.lock() = rules.clone();
-                    (Response::ok(serde_json::to_value(&rules).unwrap_or_default()), None)
-                }
-                Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
-                Err(e) => (Response::err(ErrorKind::Internal, format!("egress rules: {e}")), None),
-            }
+            let done = slot.as_mut().expect("checked above").set_egress_rules(&rules);
+            answer(done, "egress rules".into(), |()| {
+                *sup.egress.lock() = rules.clone();
+                serde_json::to_value(&rules).unwrap_or_default()
+            })
         }
         Request::Kill => {
             sup.procs.forget_all("the sandbox was killed");
             (Response::ok(serde_json::json!({"killed": sup.id.as_str()})), Some(End::Killed))
         }
         _ => (Response::err(ErrorKind::Invalid, "this op cannot be served here"), None),
+    }
+}
+
+/// The answer to a backend operation on the sandbox: `ok`'s body, a refusal the backend explains (`Unsupported`:
+/// invalid for this sandbox), or a failure of `what`.
+fn answer<T>(
+    done: Result<T, BackendError>,
+    what: String,
+    ok: impl FnOnce(T) -> serde_json::Value,
+) -> (Response, Option<End>) {
+    match done {
+        Ok(v) => (Response::ok(ok(v)), None),
+        Err(e @ BackendError::Unsupported(_)) => (Response::err(ErrorKind::Invalid, e.to_string()), None),
+        Err(e) => (Response::err(ErrorKind::Internal, format!("{what}: {e}")), None),
     }
 }
 
