@@ -298,12 +298,11 @@ impl CtPrepared {
         unsafe {
             cmd.pre_exec(move || {
                 if let Some(fd) = netns_fd {
-                    // Jailed, CRIU joins the namespace; otherwise it inherits it (dup2 clears close-on-exec on
-                    // the new descriptor).
+                    // Jailed, CRIU joins the namespace; otherwise it inherits it on INHERIT_FD.
                     let r = if join_netns {
                         libc::setns(fd, libc::CLONE_NEWNET)
                     } else {
-                        libc::dup2(fd, crate::net::INHERIT_FD).min(0)
+                        inherit_as(fd, crate::net::INHERIT_FD)
                     };
                     if r < 0 {
                         return Err(std::io::Error::last_os_error());
@@ -316,17 +315,7 @@ impl CtPrepared {
                 Ok(())
             });
         }
-        let mut out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
-        if !out.success() && !log.exists() {
-            // CRIU ended before it opened its log, so before it touched anything: once (seen in CI, not
-            // reproduced since), it is run again, and what it printed is kept in the log of this run.
-            let said = std::fs::read_to_string(&stderr_file).unwrap_or_default();
-            eprintln!(
-                "clade-ct: criu restore of {} ended before writing its log ({out}): {said}; running it again",
-                self.id
-            );
-            out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
-        }
+        let out = cmd.status().map_err(|e| failed(format!("run {}: {e}", self.criu.display())))?;
         drop(netns);
         let pid: Option<u32> = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok());
         res.init = pid;
@@ -373,6 +362,20 @@ impl CtPrepared {
             startup: t0.elapsed(),
             phases,
         })
+    }
+}
+
+/// Makes `fd` open as `target` across exec; 0, or -1 with errno set. dup2 clears close-on-exec on the new
+/// descriptor but does nothing at all when `fd` already is `target` (seen in CI as CRIU's `Can't fstat inherit fd
+/// 10`), so then the flag is cleared by hand. Only system calls: it runs between fork and exec.
+fn inherit_as(fd: libc::c_int, target: libc::c_int) -> libc::c_int {
+    // SAFETY: fcntl and dup2 on plain integers touch no memory of this process.
+    unsafe {
+        if fd == target {
+            libc::fcntl(fd, libc::F_SETFD, 0).min(0)
+        } else {
+            libc::dup2(fd, target).min(0)
+        }
     }
 }
 
@@ -540,4 +543,43 @@ fn start_lazy_pages(
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+
+    /// Whether a child made with `setup` between fork and exec sees `target` open.
+    fn child_sees(target: i32, setup: fn(i32, i32) -> i32, fd: i32) -> bool {
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.arg("-c").arg(format!("test -e /proc/self/fd/{target}"));
+        // SAFETY: the hook only makes the fcntl/dup2 system calls of `setup` on plain integers.
+        unsafe {
+            cmd.pre_exec(move || if setup(fd, target) < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) });
+        }
+        cmd.status().expect("run sh").success()
+    }
+
+    #[test]
+    fn a_descriptor_already_on_the_inherited_number_stays_open_across_exec() {
+        // A close-on-exec file on exactly the number the child must inherit (as File::open gives), made with
+        // dup3 on a number no other test uses.
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let target = 777;
+        // SAFETY: dup3 onto a number this test owns; the OwnedFd closes it at the end.
+        let on_target = unsafe { libc::dup3(file.as_raw_fd(), target, libc::O_CLOEXEC) };
+        assert_eq!(on_target, target);
+        // SAFETY: on_target was just made by dup3 and nothing else owns it.
+        let _owned = unsafe { OwnedFd::from_raw_fd(on_target) };
+        assert!(child_sees(target, super::inherit_as, target), "inherit_as keeps it open");
+        // Control: dup2 alone leaves it close-on-exec, so the child does not have it (the CI failure).
+        fn dup2_only(fd: i32, target: i32) -> i32 {
+            // SAFETY: dup2 on plain integers.
+            unsafe { libc::dup2(fd, target).min(0) }
+        }
+        assert!(!child_sees(target, dup2_only, target), "the control must see the descriptor lost");
+        // From another number, inherit_as moves it.
+        assert!(child_sees(778, super::inherit_as, file.as_raw_fd()));
+    }
 }
