@@ -12,7 +12,7 @@ use clade_core::CladeHome;
 use clade_host::Ops;
 use serde_json::json;
 
-use super::{emit, exec_all, fork, fork_from_pool, host_pss_kib, kill_all};
+use super::{emit, exec_all, fork, fork_from_pool, host_pids, kill_all, new_pss_kib};
 use crate::{median, percentile, Figure};
 
 /// The vm base of `template`, built when missing.
@@ -57,7 +57,7 @@ pub(super) fn vm_figures(
     );
 
     // 5: n idle siblings, admission on.
-    let pss0 = host_pss_kib();
+    let before = host_pids();
     let mut ids = Vec::new();
     let mut batches = Vec::new();
     while ids.len() < n as usize {
@@ -70,7 +70,7 @@ pub(super) fn vm_figures(
     }
     // Let the guests settle (their first idle ticks), then measure as admission does.
     std::thread::sleep(std::time::Duration::from_secs(5));
-    let pss = host_pss_kib().saturating_sub(pss0);
+    let pss = new_pss_kib(&before);
     let measured = clade_host::admit::running(&ops.engine)?;
     let busy: f64 = measured.iter().map(|r| r.vcpus).sum();
     let tasks: u64 = measured.iter().map(|r| r.tasks).sum();

@@ -85,6 +85,7 @@ pub fn clade_exe() -> anyhow::Result<PathBuf> {
 /// The supervisor process itself (`clade supervise`): open the mark's backend, then serve the sandbox until it
 /// ends, or (`pool`) prepare a restore of the mark and wait in its warm pool.
 pub fn run_process(sandbox: &str, mark: &str, generation: u64, pool: bool) -> anyhow::Result<()> {
+    spawner::forget_lean_malloc();
     let home = CladeHome::from_env();
     let engine = Engine::open(&home)?;
     let mark = engine.ledger().mark(&MarkId::new(mark.to_string()))?;
@@ -103,7 +104,7 @@ pub fn spawn_detached(home: &CladeHome, args: &[&str], log: std::fs::File) -> an
     use anyhow::Context;
     use std::os::unix::process::CommandExt;
     let exe = clade_exe()?;
-    let mut child = std::process::Command::new(exe)
+    let mut child = spawner::lean_malloc(&mut std::process::Command::new(exe))
         .arg("supervise")
         .args(args)
         .env("CLADE_HOME", home.root())
