@@ -519,6 +519,16 @@ impl AgentClient {
         self.done(Request::Chmod { path: path.into(), mode }, "chmod")
     }
 
+    /// Creates a symbolic link at `path` pointing at `target`.
+    pub fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        self.done(Request::Symlink { target: target.into(), path: path.into() }, "symlink")
+    }
+
+    /// Mounts `source` at `path` (`Request::Mount`), read-only when asked.
+    pub fn mount(&self, path: &str, source: MountSource, readonly: bool) -> Result<()> {
+        self.done(Request::Mount { path: path.into(), source, readonly }, "mount")
+    }
+
     /// Makes the sandbox a distinct machine after a restore or fork.
     pub fn set_identity(&self, id: Identity) -> Result<IdentityReport> {
         match self.call_for(&Request::SetIdentity(id), "set_identity", self.inner.timeout)? {

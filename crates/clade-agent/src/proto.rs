@@ -117,6 +117,25 @@ pub enum Request {
         /// Permission bits.
         mode: u32,
     },
+    /// `symlink(2)`: a link at `path` pointing at `target` (a Kubernetes configMap volume is made of them).
+    Symlink {
+        /// What the link points at (as written, not checked).
+        target: String,
+        /// Absolute path of the new link.
+        path: String,
+    },
+    /// Mounts `source` at `path` (an existing directory, or an existing file for a bind of a file), read-only when
+    /// asked: a vm guest's copy of a Kubernetes volume (docs/kubernetes.md). It needs the right to mount, which
+    /// a vm guest's agent has and a jailed ct sandbox's has not (that one answers with the error).
+    Mount {
+        /// Absolute path mounted on.
+        path: String,
+        /// What is mounted there.
+        source: MountSource,
+        /// Read-only.
+        #[serde(default)]
+        readonly: bool,
+    },
     /// Makes a restored sibling a distinct machine: replies [`Reply::Identity`].
     SetIdentity(Identity),
     /// Runs `/etc/clade/pre-mark.d/*` in name order, just before the sandbox is marked, with
@@ -343,6 +362,19 @@ pub enum ReadyTarget {
     File {
         /// Absolute path.
         path: String,
+    },
+}
+
+/// What [`Request::Mount`] mounts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MountSource {
+    /// A new, empty tmpfs.
+    Tmpfs,
+    /// Another path of the same machine (`mount --bind`).
+    Bind {
+        /// Absolute path of what is shown.
+        from: String,
     },
 }
 

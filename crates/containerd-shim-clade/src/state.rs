@@ -263,8 +263,9 @@ impl Tasks {
                 };
                 match self.api.bind(&sandbox, &v.source, &inside, v.readonly) {
                     Ok(()) => {}
-                    // A backend that cannot mount a host path (vm: its guest cannot see one) runs the container
-                    // without it, as every pod there has a service-account token volume (docs/kubernetes.md).
+                    // A sandbox that cannot show a host path (a vm base whose agent is too old to mount its copy)
+                    // runs the container without it, as every pod has a service-account token volume
+                    // (docs/kubernetes.md).
                     Err(e) if clade_host::error::kind(&e) == clade_core::ErrorKind::Invalid => {
                         log::warn!(
                             "container {}: volume {} not mounted at {}: {e:#}",

@@ -214,14 +214,45 @@ fn guest_ctr_runs_an_image_on_the_vm_backend() {
     let Some(c) = Containerd::start(config, &bin, None, &[("CLADE_SHIM_BACKEND", "vm")]) else { return };
     import(&c, IMAGE, &busybox_rootfs());
     let t0 = Instant::now();
-    // A volume a vm guest cannot see (every Kubernetes pod has a token volume): the container runs without it.
+    // Volumes: a guest cannot see the host's, so they are copied in (clade-vm's volumes.rs): a read-only
+    // directory with a nested file, its mode and a symbolic link (a configMap's shape), and a writable file.
     let vol = c.dir.path().join("vol");
-    std::fs::create_dir(&vol).unwrap();
-    let mount = format!("type=bind,src={},dst=/data,options=rbind:ro", vol.display());
-    c.ctr_ok(&["run", "-d", "--runtime", RUNTIME, "--mount", &mount, IMAGE, "guest", "sleep", "1000"]);
+    std::fs::create_dir_all(vol.join("sub")).unwrap();
+    std::fs::write(vol.join("conf"), "from the host\n").unwrap();
+    std::fs::write(vol.join("sub/deep"), "deep\n").unwrap();
+    std::fs::set_permissions(vol.join("sub/deep"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink("conf", vol.join("link")).unwrap();
+    let file = c.dir.path().join("app.conf");
+    std::fs::write(&file, "setting=1\n").unwrap();
+    let dir_mount = format!("type=bind,src={},dst=/data,options=rbind:ro", vol.display());
+    let file_mount = format!("type=bind,src={},dst=/etc/app.conf,options=rbind:rw", file.display());
+    c.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        RUNTIME,
+        "--mount",
+        &dir_mount,
+        "--mount",
+        &file_mount,
+        IMAGE,
+        "guest",
+        "sleep",
+        "1000",
+    ]);
     eprintln!("vm: first container (template disk, cold boot, base mark, fork) in {:?}", t0.elapsed());
-    let (code, _, _) = out(&c.ctr(&["task", "exec", "--exec-id", "v", "guest", "sh", "-c", "test -e /data"]));
-    assert_ne!(code, 0, "no volume inside a vm guest");
+    let sh = |id: &str, script: &str| out(&c.ctr(&["task", "exec", "--exec-id", id, "guest", "sh", "-c", script]));
+    let (code, stdout, stderr) = sh("v1", "cat /data/conf /data/link /data/sub/deep; ls -l /data/sub/deep");
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.starts_with("from the host\nfrom the host\ndeep\n-rw-------"),
+        "the tree, its link and modes: {stdout}"
+    );
+    let (code, _, _) = sh("v2", "touch /data/new");
+    assert_ne!(code, 0, "a read-only volume takes no write");
+    let (code, stdout, stderr) = sh("v3", "echo setting=2 >> /etc/app.conf && cat /etc/app.conf");
+    assert_eq!((code, stdout.as_str()), (0, "setting=1\nsetting=2\n"), "a writable volume takes writes: {stderr}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "setting=1\n", "a copy: the host's file stays as it was");
     let sandboxes = c.sandboxes();
     assert_eq!(sandboxes.len(), 1);
     assert_eq!(sandboxes[0]["backend"], "vm", "{sandboxes:?}");

@@ -27,6 +27,7 @@ mod mark;
 mod restore;
 mod run_dir;
 mod sandbox;
+mod volumes;
 
 pub use mark::MarkStats;
 pub use restore::VmPrepared;

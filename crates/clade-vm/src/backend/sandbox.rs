@@ -111,6 +111,10 @@ impl Sandbox for VmSandbox {
             .map_err(|e| BackendError::Failed(format!("{op:?} the group of {leader}: {e}")))?;
         Ok(n as usize)
     }
+    /// A copy of the host's file or directory, mounted in the guest (`volumes.rs`): a guest cannot see the host.
+    fn bind(&mut self, host: &Path, inside: &str, readonly: bool) -> Result<(), BackendError> {
+        super::volumes::copy_in(&self.agent, host, inside, readonly)
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         if opts.disk_only {
             return self.disk_mark(opts, false);

@@ -275,6 +275,10 @@ fn dispatch(
         Request::Remove { path, recursive } => task(conn, id, move || fsops::remove(&path, recursive)),
         Request::Rename { from, to } => conn.reply(id, &guarded(|| fsops::rename(&from, &to))),
         Request::Chmod { path, mode } => conn.reply(id, &guarded(|| fsops::chmod(&path, mode))),
+        Request::Symlink { target, path } => conn.reply(id, &guarded(|| fsops::symlink(&target, &path))),
+        Request::Mount { path, source, readonly } => {
+            conn.reply(id, &guarded(|| fsops::mount(&path, &source, readonly)))
+        }
         Request::SetIdentity(ident) => task(conn, id, move || Ok(Reply::Identity(sys::set_identity(&a, &ident)))),
         Request::WatchStart { path, recursive } => task(conn, id, move || a.watches.start(&path, recursive)),
         Request::WatchEvents { watch, wait_ms } => task(conn, id, move || a.watches.events(watch, wait_ms)),

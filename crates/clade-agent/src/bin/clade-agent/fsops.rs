@@ -3,7 +3,7 @@
 
 use crate::conn::Conn;
 use clade_agent::wire::{encode_header, Chan, Kind, DATA_CHUNK};
-use clade_agent::{AgentError, DirEntry, FileOwner, FileStat, FileType, Reply, Response, WriteOptions};
+use clade_agent::{AgentError, DirEntry, FileOwner, FileStat, FileType, MountSource, Reply, Response, WriteOptions};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
@@ -325,6 +325,43 @@ pub fn rename(from: &str, to: &str) -> Response {
 pub fn chmod(path: &str, mode: u32) -> Response {
     let p = check_path(path)?;
     fs::set_permissions(&p, fs::Permissions::from_mode(mode & 0o7777)).map_err(|e| io_err("chmod", &p, &e))?;
+    Ok(Reply::Done)
+}
+
+pub fn symlink(target: &str, path: &str) -> Response {
+    let p = check_path(path)?;
+    std::os::unix::fs::symlink(target, &p).map_err(|e| io_err("symlink", &p, &e))?;
+    Ok(Reply::Done)
+}
+
+/// `Request::Mount`: a tmpfs or a bind at `path`, then (read-only) a remount of that mount alone read-only.
+pub fn mount(path: &str, source: &MountSource, readonly: bool) -> Response {
+    use nix::mount::{mount, MsFlags};
+    let p = check_path(path)?;
+    let failed = |what: &str, e: nix::Error| AgentError::os(format!("{what} at {}", p.display()), &e.into());
+    let bind = match source {
+        MountSource::Tmpfs => {
+            let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+            mount(Some("tmpfs"), &p, Some("tmpfs"), flags, Some("mode=0755")).map_err(|e| failed("mount tmpfs", e))?;
+            false
+        }
+        MountSource::Bind { from } => {
+            let f = check_path(from)?;
+            mount(Some(&f), &p, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(|e| failed("bind", e))?;
+            true
+        }
+    };
+    if readonly {
+        let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        if bind {
+            flags |= MsFlags::MS_BIND;
+        }
+        if let Err(e) = mount(None::<&str>, &p, None::<&str>, flags, None::<&str>) {
+            // Nothing half-made: what was mounted goes again.
+            let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+            return Err(failed("remount read-only", e));
+        }
+    }
     Ok(Reply::Done)
 }
 
