@@ -529,6 +529,11 @@ impl AgentClient {
         self.done(Request::Mount { path: path.into(), source, readonly }, "mount")
     }
 
+    /// Detaches the mount at `path` and those below it (`Request::Unmount`).
+    pub fn unmount(&self, path: &str) -> Result<()> {
+        self.done(Request::Unmount { path: path.into() }, "unmount")
+    }
+
     /// Makes the sandbox a distinct machine after a restore or fork.
     pub fn set_identity(&self, id: Identity) -> Result<IdentityReport> {
         match self.call_for(&Request::SetIdentity(id), "set_identity", self.inner.timeout)? {

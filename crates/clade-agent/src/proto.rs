@@ -136,6 +136,12 @@ pub enum Request {
         #[serde(default)]
         readonly: bool,
     },
+    /// Detaches the mount at `path` and every mount below it (`umount2(MNT_DETACH)`), as
+    /// [`Request::Mount`] needs the right to.
+    Unmount {
+        /// Absolute path of the mount.
+        path: String,
+    },
     /// Makes a restored sibling a distinct machine: replies [`Reply::Identity`].
     SetIdentity(Identity),
     /// Runs `/etc/clade/pre-mark.d/*` in name order, just before the sandbox is marked, with
@@ -371,7 +377,7 @@ pub enum ReadyTarget {
 pub enum MountSource {
     /// A new, empty tmpfs.
     Tmpfs,
-    /// Another path of the same machine (`mount --bind`).
+    /// Another path of the same machine with the mounts below it (`mount --rbind`).
     Bind {
         /// Absolute path of what is shown.
         from: String,
@@ -789,5 +795,18 @@ mod tests {
         assert_eq!(v["owner"]["uid"], 1000);
         assert_eq!(v["xattrs"]["user.k"], "v");
         assert!(v.get("opts").is_none());
+    }
+
+    #[test]
+    fn mount_requests_have_the_documented_shape() {
+        // docs/agent.md: `source` is "tmpfs" or {"bind": {"from"}}; `readonly` defaults to false.
+        let bind = r#"{"op":"mount","path":"/v","source":{"bind":{"from":"/run/clade/volumes/1-0"}},"readonly":true}"#;
+        let r: Request = serde_json::from_str(bind).unwrap();
+        let want = MountSource::Bind { from: "/run/clade/volumes/1-0".into() };
+        assert_eq!(r, Request::Mount { path: "/v".into(), source: want, readonly: true });
+        let r: Request = serde_json::from_str(r#"{"op":"mount","path":"/v","source":"tmpfs"}"#).unwrap();
+        assert_eq!(r, Request::Mount { path: "/v".into(), source: MountSource::Tmpfs, readonly: false });
+        let r: Request = serde_json::from_str(r#"{"op":"unmount","path":"/v"}"#).unwrap();
+        assert_eq!(r, Request::Unmount { path: "/v".into() });
     }
 }

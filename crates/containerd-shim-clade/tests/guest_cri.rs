@@ -325,3 +325,58 @@ fn guest_cri_volumes_mount_host_paths_into_a_pods_containers() {
     assert!(c.sandboxes().is_empty());
     assert_eq!(std::fs::read_to_string(vol.join("by-app")).unwrap(), "app\n", "the volume outlives the pod");
 }
+
+/// A pod on the vm backend (annotation `clade.dev/backend: vm`) with a container of another image: the image's
+/// root is copied into the guest (clade-vm's volumes.rs) and the member runs `chroot`ed there, sharing the
+/// guest's hostname, `/proc` and processes; the sandbox marks with it (the copy is guest memory); RemoveContainer
+/// takes it away.
+#[test]
+fn guest_cri_vm_pod_of_two_images() {
+    if !common::real_home().join("kernel/current/vmlinux").exists() {
+        eprintln!("skip: no guest kernel (run ./x setup)");
+        return;
+    }
+    let Some((c, mut cri)) = setup() else { return };
+    let config = Cri::pod_config("vmpod", &[("clade.dev/backend", "vm")]);
+    let pod = cri.run_pod(&config).unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", c.log_tail()));
+    let first = cri.create(&pod, &config, "first", BUSYBOX, LOOP).expect("CreateContainer");
+    cri.start(&first);
+    assert_eq!(cri.exec_sync(&first, &["cat", "/etc/flavour"]).1, "busybox\n");
+    assert_eq!(c.sandboxes()[0]["backend"], "vm", "{:?}", c.sandboxes());
+    // Control: nothing is under the roots before a member of another image comes.
+    let roots =
+        |cri: &mut Cri| cri.exec_sync(&first, &["sh", "-c", "busybox grep -c /run/clade/roots /proc/mounts || true"]).1;
+    assert_eq!(roots(&mut cri).trim(), "0");
+
+    let t0 = Instant::now();
+    let other = cri
+        .create(&pod, &config, "other", OTHER, &["sh", "-c", "echo mine > /tmp/other; exec sleep 1000"])
+        .unwrap_or_else(|e| panic!("CreateContainer of another image on vm: {e}\n{}", c.log_tail()));
+    cri.start(&other);
+    let (code, out, err) = cri.exec_sync(&other, &["cat", "/etc/flavour"]);
+    assert_eq!((code, out.as_str()), (0, "other\n"), "its own image's files: {err}\n{}", c.log_tail());
+    eprintln!("vm: CreateContainer + StartContainer + first ExecSync of another image: {:?}", t0.elapsed());
+    assert_eq!(cri.exec_sync(&first, &["cat", "/etc/flavour"]).1, "busybox\n", "the first keeps its own");
+    let look = "i=0; while [ ! -s /tmp/other ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+                ls /tmp; hostname; test -e /proc/self/status && echo proc";
+    let hostname = cri.exec_sync(&first, &["hostname"]).1;
+    assert_eq!(cri.exec_sync(&other, &["sh", "-c", look]).1, format!("other\n{hostname}proc\n"));
+    assert_ne!(cri.exec_sync(&first, &["sh", "-c", "test -e /tmp/other"]).0, 0, "its /tmp is its own");
+    let (_, seen, _) = cri.exec_sync(&first, &["sh", "-c", "ps -o args | busybox grep -c '^sleep 1000$'"]);
+    assert_eq!(seen.trim(), "1", "the guest's processes include the member's: {seen}");
+    let mounted: usize = roots(&mut cri).trim().parse().unwrap_or(0);
+    assert!(mounted >= 4, "its root and the guest's /proc, /dev and /sys in it: {mounted} mounts");
+    assert_eq!(c.sandboxes().len(), 1, "one sandbox for the pod");
+    // Unlike ct (a CRIU image cannot hold a host mount), the guest marks with the copy: it is guest memory.
+    let (marked, said) = mark_pod(&c, &[]);
+    assert!(marked, "clade mark of a vm pod showing another image's root: {said}");
+    assert_eq!(cri.exec_sync(&other, &["cat", "/etc/flavour"]).1, "other\n", "it runs on after the mark");
+
+    let stop = StopContainerRequest { container_id: other.clone(), timeout: 2 };
+    cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer");
+    let remove = RemoveContainerRequest { container_id: other.clone() };
+    cri.rt.block_on(cri.client.remove_container(remove)).expect("RemoveContainer");
+    assert_eq!(roots(&mut cri).trim(), "0", "its root is gone once it is removed");
+    cri.stop_and_remove(&pod);
+    assert!(c.sandboxes().is_empty(), "{:?}", c.sandboxes());
+}

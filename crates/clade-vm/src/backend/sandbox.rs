@@ -115,6 +115,13 @@ impl Sandbox for VmSandbox {
     fn bind(&mut self, host: &Path, inside: &str, readonly: bool) -> Result<(), BackendError> {
         super::volumes::copy_in(&self.agent, host, inside, readonly)
     }
+    /// A copy of the image's root in the guest (`volumes.rs`); the agent starts the member's processes in it.
+    fn attach_root(&mut self, name: &str, host: &Path) -> Result<String, BackendError> {
+        super::volumes::attach_root(&self.agent, name, host)
+    }
+    fn detach_root(&mut self, name: &str) -> Result<(), BackendError> {
+        super::volumes::detach_root(&self.agent, name)
+    }
     fn mark(&mut self, opts: &MarkOptions) -> Result<MarkState, BackendError> {
         if opts.disk_only {
             return self.disk_mark(opts, false);

@@ -1,32 +1,38 @@
-//! A Kubernetes volume in a vm guest (`Sandbox::bind`), **copied in**.
+//! Host files in a vm guest, **copied in**: a Kubernetes volume (`Sandbox::bind`) and a pod member's image root
+//! (`Sandbox::attach_root`).
 //!
 //! A guest sees none of the host's file systems. Sharing one live would need a virtio-fs or 9p device in the
 //! machine from its base's first boot, and QEMU refuses to migrate (so clade could not mark) while a 9p
-//! export is mounted. So the volume's files are copied in when its container is created, as Kata Containers
-//! does with `shared_fs = none`:
+//! export is mounted. So the files are copied in when the container is created, as Kata Containers does with
+//! `shared_fs = none` for volumes:
 //!
-//! 1. a new tmpfs at `/run/clade/volumes/<n>` in the guest gets the host tree through the agent: directories,
-//!    regular files and symbolic links, with their permission bits (anything else, a socket or a device, is
-//!    left out);
-//! 2. that tmpfs (or the one file in it, for a volume that is a file) is bind-mounted at the container's path,
-//!    read-only where the spec says so.
+//! 1. a new tmpfs in the guest gets the host tree through the agent: directories, regular files and symbolic
+//!    links, with their permission bits and owners (anything else, a socket or a device, is left out);
+//! 2. a volume's tmpfs at `/run/clade/volumes/<n>` (or the one file in it, for a volume that is a file) is
+//!    bind-mounted at the container's path, read-only where the spec says so; a root's tmpfs at
+//!    `/run/clade/roots/<name>` gets the guest's `/proc`, `/dev` and `/sys` bound in, and the agent starts the
+//!    container's processes `chroot`ed there (`ExecSpec::root`), as on ct.
 //!
 //! What the container writes there stays in the guest; what changes on the host afterwards is not seen (an
-//! updated configMap). A mark keeps the copies with the rest of the guest, so a sibling has them too. A volume
-//! over [`MAX_BYTES`] is refused with that limit in the message; an agent too old to mount answers with an
-//! unknown request, which is reported as unsupported (the shim then runs the container without the volume).
+//! updated configMap). A mark keeps the copies with the rest of the guest, so a sibling has them too. A tree
+//! over [`MAX_BYTES`] is refused with that limit in the message (it would live in the guest's memory); an agent
+//! too old to mount answers with an unknown request, which is reported as unsupported (the shim then runs the
+//! container without the volume).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use clade_agent::client::{AgentClient, ClientError};
-use clade_agent::{AgentError, MountSource};
+use clade_agent::{AgentError, FileOwner, MountSource, WriteOptions};
 use clade_core::backend::BackendError;
 
-/// Where the copies are mounted in the guest.
+/// Where the copies of volumes are mounted in the guest.
 const VOLUMES: &str = "/run/clade/volumes";
 
-/// The most a volume may hold to be copied into a guest's memory (tmpfs).
+/// Where the copies of image roots are mounted in the guest (the same place as on ct).
+const ROOTS: &str = "/run/clade/roots";
+
+/// The most a volume or an image root may hold to be copied into a guest's memory (tmpfs).
 pub const MAX_BYTES: u64 = 64 << 20;
 
 /// Copies of this process: a stage name is `<pid>-<n>`, distinct from a sibling's inherited ones.
@@ -34,31 +40,14 @@ static COPIES: AtomicU64 = AtomicU64::new(0);
 
 /// Copy the host file or directory `host` into the guest and mount it at `inside` (see the module's doc).
 pub(super) fn copy_in(agent: &AgentClient, host: &Path, inside: &str, readonly: bool) -> Result<(), BackendError> {
-    let top = std::fs::metadata(host).map_err(|e| {
-        BackendError::Unsupported(format!("the volume {} cannot be read on the host: {e}", host.display()))
-    })?;
-    let bytes =
-        tree_bytes(host).map_err(|e| BackendError::Failed(format!("read the volume {}: {e}", host.display())))?;
-    if bytes > MAX_BYTES {
-        return Err(BackendError::Failed(format!(
-            "the volume {} holds {} MiB; a vm guest gets a volume as a copy in its memory, at most {} MiB: use \
-             the ct backend for it (annotation clade.dev/backend: ct)",
-            host.display(),
-            bytes >> 20,
-            MAX_BYTES >> 20
-        )));
-    }
+    let top = check_size(host, "volume")?;
     let stage = format!("{VOLUMES}/{}-{}", std::process::id(), COPIES.fetch_add(1, Ordering::Relaxed));
-    let guest = |what: &str, e: ClientError| mount_error(what, &stage, e);
-    agent.mkdir_p(&stage, Some(0o755)).map_err(|e| guest("mkdir", e))?;
-    agent.mount(&stage, MountSource::Tmpfs, false).map_err(|e| guest("mount a tmpfs", e))?;
+    fill_tmpfs(agent, host, &top, &stage)?;
     let shown = if top.is_dir() {
-        copy_tree(agent, host, &stage)?;
-        agent.chmod(&stage, top_mode(&top)).map_err(|e| guest("chmod", e))?;
         stage.clone()
     } else {
         let file = format!("{stage}/file");
-        copy_file(agent, host, &file, top_mode(&top))?;
+        copy_file(agent, host, &file, &top)?;
         file
     };
     // The mount point: a directory, or for a file an empty file where none is.
@@ -73,19 +62,96 @@ pub(super) fn copy_in(agent: &AgentClient, host: &Path, inside: &str, readonly: 
     agent.mount(inside, MountSource::Bind { from: shown }, readonly).map_err(|e| target("bind", e))
 }
 
+/// Copy the image root `host` into the guest as the root `name` (see the module's doc): its path inside.
+pub(super) fn attach_root(agent: &AgentClient, name: &str, host: &Path) -> Result<String, BackendError> {
+    if !is_root_name(name) {
+        return Err(BackendError::Unsupported(format!("{name:?} cannot name a root (one path component)")));
+    }
+    let top = check_size(host, "image root")?;
+    let root = format!("{ROOTS}/{name}");
+    if let Err(e) = fill_tmpfs(agent, host, &top, &root) {
+        let _ = agent.unmount(&root);
+        return Err(e);
+    }
+    for shared in ["proc", "dev", "sys"] {
+        let at = format!("{root}/{shared}");
+        let bound = agent
+            .mkdir_p(&at, Some(0o555))
+            .and_then(|()| agent.mount(&at, MountSource::Bind { from: format!("/{shared}") }, false));
+        if let Err(e) = bound {
+            let _ = agent.unmount(&root);
+            return Err(mount_error("bind", &at, e));
+        }
+    }
+    Ok(root)
+}
+
+/// Take away a root [`attach_root`] made, its binds with it; one not there is not an error.
+pub(super) fn detach_root(agent: &AgentClient, name: &str) -> Result<(), BackendError> {
+    let root = format!("{ROOTS}/{name}");
+    if !is_root_name(name) || agent.stat(&root).is_err() {
+        return Ok(());
+    }
+    agent.unmount(&root).map_err(|e| mount_error("unmount", &root, e))?;
+    let _ = agent.remove(&root, false);
+    Ok(())
+}
+
+fn is_root_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains('/') && !name.starts_with('.')
+}
+
+/// The host tree's metadata, once its size is checked against [`MAX_BYTES`] (`what`: "volume", "image root").
+fn check_size(host: &Path, what: &str) -> Result<std::fs::Metadata, BackendError> {
+    let top = std::fs::metadata(host).map_err(|e| {
+        BackendError::Unsupported(format!("the {what} {} cannot be read on the host: {e}", host.display()))
+    })?;
+    let bytes =
+        tree_bytes(host).map_err(|e| BackendError::Failed(format!("read the {what} {}: {e}", host.display())))?;
+    if bytes > MAX_BYTES {
+        return Err(BackendError::Failed(format!(
+            "the {what} {} holds {} MiB; a vm guest gets it as a copy in its memory, at most {} MiB: use the ct \
+             backend for it (annotation clade.dev/backend: ct)",
+            host.display(),
+            bytes >> 20,
+            MAX_BYTES >> 20
+        )));
+    }
+    Ok(top)
+}
+
+/// A new tmpfs at `at` in the guest, holding a copy of the host directory `host` (a file's copy is made by the
+/// caller).
+fn fill_tmpfs(agent: &AgentClient, host: &Path, top: &std::fs::Metadata, at: &str) -> Result<(), BackendError> {
+    let guest = |what: &str, e: ClientError| mount_error(what, at, e);
+    agent.mkdir_p(at, Some(0o755)).map_err(|e| guest("mkdir", e))?;
+    agent.mount(at, MountSource::Tmpfs, false).map_err(|e| guest("mount a tmpfs", e))?;
+    if top.is_dir() {
+        copy_tree(agent, host, at)?;
+        agent.chmod(at, top_mode(top)).map_err(|e| guest("chmod", e))?;
+    }
+    Ok(())
+}
+
 /// A refusal of the guest's agent: unsupported where the agent does not know the request (a base built before
 /// it could mount), else a failure naming the step.
 fn mount_error(what: &str, path: &str, e: ClientError) -> BackendError {
     match e {
         ClientError::Agent(AgentError::UnknownOp { .. }) => BackendError::Unsupported(format!(
-            "the guest's agent cannot mount a volume (a base built before it could: build the base again): {e}"
+            "the guest's agent cannot mount a copy (a base built before it could: build the base again): {e}"
         )),
-        e => BackendError::Failed(format!("copy a volume into the guest: {what} {path}: {e}")),
+        e => BackendError::Failed(format!("copy into the guest: {what} {path}: {e}")),
     }
 }
 
 fn top_mode(m: &std::fs::Metadata) -> u32 {
     std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777
+}
+
+/// The owner of a copy: the host file's, where it is not root's (the default).
+fn owner(m: &std::fs::Metadata) -> Option<FileOwner> {
+    use std::os::unix::fs::MetadataExt;
+    (m.uid() != 0 || m.gid() != 0).then(|| FileOwner { uid: m.uid(), gid: m.gid() })
 }
 
 /// The bytes of the regular files under `p` (symbolic links not followed below the top).
@@ -108,7 +174,7 @@ fn tree_bytes(p: &Path) -> std::io::Result<u64> {
 }
 
 fn copy_tree(agent: &AgentClient, host: &Path, guest: &str) -> Result<(), BackendError> {
-    let read = |e: std::io::Error| BackendError::Failed(format!("read the volume {}: {e}", host.display()));
+    let read = |e: std::io::Error| BackendError::Failed(format!("read {}: {e}", host.display()));
     for e in std::fs::read_dir(host).map_err(read)? {
         let e = e.map_err(read)?;
         let (from, name) = (e.path(), e.file_name());
@@ -122,19 +188,20 @@ fn copy_tree(agent: &AgentClient, host: &Path, guest: &str) -> Result<(), Backen
             let target = std::fs::read_link(&from).map_err(read)?;
             agent.symlink(&target.to_string_lossy(), &to).map_err(|e| fail("symlink", e))?;
         } else if m.is_dir() {
-            agent.mkdir_p(&to, Some(top_mode(&m))).map_err(|e| fail("mkdir", e))?;
+            agent.mkdir_p_owned(&to, Some(top_mode(&m)), owner(&m)).map_err(|e| fail("mkdir", e))?;
             copy_tree(agent, &from, &to)?;
             agent.chmod(&to, top_mode(&m)).map_err(|e| fail("chmod", e))?;
         } else if m.is_file() {
-            copy_file(agent, &from, &to, top_mode(&m))?;
+            copy_file(agent, &from, &to, &m)?;
         }
     }
     Ok(())
 }
 
-fn copy_file(agent: &AgentClient, from: &Path, to: &str, mode: u32) -> Result<(), BackendError> {
+fn copy_file(agent: &AgentClient, from: &Path, to: &str, m: &std::fs::Metadata) -> Result<(), BackendError> {
     let mut f = std::fs::File::open(from)
-        .map_err(|e| BackendError::Failed(format!("read the volume's file {}: {e}", from.display())))?;
-    agent.write_file(to, &mut f, Some(mode), false).map_err(|e| mount_error("write", to, e))?;
+        .map_err(|e| BackendError::Failed(format!("read the file {}: {e}", from.display())))?;
+    let opts = WriteOptions { mode: Some(top_mode(m)), owner: owner(m), ..WriteOptions::default() };
+    agent.write_file_with(to, &mut f, &opts, false).map_err(|e| mount_error("write", to, e))?;
     Ok(())
 }

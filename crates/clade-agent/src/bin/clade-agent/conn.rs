@@ -279,6 +279,7 @@ fn dispatch(
         Request::Mount { path, source, readonly } => {
             conn.reply(id, &guarded(|| fsops::mount(&path, &source, readonly)))
         }
+        Request::Unmount { path } => conn.reply(id, &guarded(|| fsops::unmount(&path))),
         Request::SetIdentity(ident) => task(conn, id, move || Ok(Reply::Identity(sys::set_identity(&a, &ident)))),
         Request::WatchStart { path, recursive } => task(conn, id, move || a.watches.start(&path, recursive)),
         Request::WatchEvents { watch, wait_ms } => task(conn, id, move || a.watches.events(watch, wait_ms)),

@@ -347,7 +347,8 @@ pub fn mount(path: &str, source: &MountSource, readonly: bool) -> Response {
         }
         MountSource::Bind { from } => {
             let f = check_path(from)?;
-            mount(Some(&f), &p, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(|e| failed("bind", e))?;
+            let flags = MsFlags::MS_BIND | MsFlags::MS_REC;
+            mount(Some(&f), &p, None::<&str>, flags, None::<&str>).map_err(|e| failed("bind", e))?;
             true
         }
     };
@@ -362,6 +363,14 @@ pub fn mount(path: &str, source: &MountSource, readonly: bool) -> Response {
             return Err(failed("remount read-only", e));
         }
     }
+    Ok(Reply::Done)
+}
+
+/// `Request::Unmount`: the mount at `path` and those below it, detached.
+pub fn unmount(path: &str) -> Response {
+    let p = check_path(path)?;
+    nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH)
+        .map_err(|e| AgentError::os(format!("unmount {}", p.display()), &e.into()))?;
     Ok(Reply::Done)
 }
 
