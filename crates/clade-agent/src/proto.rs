@@ -305,6 +305,16 @@ pub struct ExecSpec {
     /// the program's `PATH` search are resolved inside it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root: Option<String>,
+    /// The capabilities the process may hold, by name (`CAP_CHOWN`, ...; an OCI process's bounding set): every
+    /// other is dropped from its bounding, inheritable and ambient sets before it starts, so not even root or
+    /// a file capability gets it back. `None`: what the agent holds (the sandbox's jail). A process of another
+    /// user than root holds none either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caps: Option<Vec<String>>,
+    /// Start it with `no_new_privs` (setuid bits and file capabilities give nothing; an OCI process's
+    /// `noNewPrivileges`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_new_privs: bool,
 }
 
 impl ExecSpec {

@@ -285,3 +285,34 @@ fn privileged_signal_group_reaches_a_process_and_its_descendants() {
     assert!(err.contains("leads no group"), "{err}");
     other.signal(9).unwrap();
 }
+
+/// `ExecSpec::caps` and `no_new_privs` (an OCI process's bounding set and `noNewPrivileges`): the process holds
+/// only the named capabilities, in every set, as root too; a child of another user holds none.
+#[test]
+fn privileged_exec_with_fewer_capabilities_and_no_new_privs() {
+    if !can_unshare() {
+        return;
+    }
+    let a = start();
+    let c = a.client();
+    let status = "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status | tr -s '\\t ' ' '";
+    let run = |spec: ExecSpec| {
+        let o = c.run(spec).unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+    };
+    // Control: without them, the agent's own (all of them, as the test runs it).
+    let own = run(sh(status));
+    let bounding = own.lines().find_map(|l| l.strip_prefix("CapBnd: ")).map(|h| u64::from_str_radix(h, 16));
+    assert!(matches!(bounding, Some(Ok(b)) if b & !0x21 != 0) && own.contains("NoNewPrivs: 0"), "{own}");
+    let fewer = ExecSpec { caps: Some(vec!["CAP_CHOWN".into(), "CAP_KILL".into()]), no_new_privs: true, ..sh(status) };
+    assert_eq!(
+        run(fewer),
+        "CapInh: 0000000000000000\nCapPrm: 0000000000000021\nCapEff: 0000000000000021\n\
+         CapBnd: 0000000000000021\nCapAmb: 0000000000000000\nNoNewPrivs: 1\n"
+    );
+    // None at all (Kubernetes' `drop: [ALL]`).
+    let none = run(ExecSpec { caps: Some(vec![]), ..sh(status) });
+    assert!(none.contains("CapEff: 0000000000000000") && none.contains("CapBnd: 0000000000000000"), "{none}");
+    let bad = c.run(ExecSpec { caps: Some(vec!["CAP_NOPE".into()]), ..sh("true") }).unwrap_err().to_string();
+    assert!(bad.contains("CAP_NOPE"), "{bad}");
+}

@@ -300,6 +300,8 @@ impl Host for CladeHost {
             tag: spec.tag,
             stream: true,
             root: None,
+            caps: None,
+            no_new_privs: false,
         };
         let (pid, events) = self.api.proc_start(id, spec).map_err(host_err)?;
         Ok((pid, Self::events(events)))

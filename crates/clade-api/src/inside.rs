@@ -370,6 +370,8 @@ async fn proc_start(State(app): State<Arc<App>>, Path(id): Path<String>, Body(re
         tag: req.tag,
         stream: true,
         root: None,
+        caps: None,
+        no_new_privs: false,
     };
     let events = blocking(&app, "proc_start", move |a| {
         wake(a, &id)?;

@@ -27,6 +27,8 @@ pub fn connect(api: &Arc<dyn SandboxApi>, id: &str, port: u16) -> HostResult<Tcp
         tag: Some(TAG.into()),
         stream: true,
         root: None,
+        caps: None,
+        no_new_privs: false,
     };
     let (pid, mut events) = api.proc_start(id, spec).map_err(|e| HostError::Internal(format!("{e:#}")))?;
     // The relay says first whether it reached the port.

@@ -151,7 +151,15 @@ pub fn proc_spec(p: &Process, rootfs: &std::path::Path) -> anyhow::Result<ProcSp
         .terminal()
         .unwrap_or(false)
         .then(|| p.console_size().as_ref().map_or((24, 80), |b| (b.height() as u16, b.width() as u16)));
-    Ok(ProcSpec { argv, env, cwd, user, pty, stdin: false, ..Default::default() })
+    // The process's bounding set and no_new_privs, on top of the sandbox's jail (docs/kubernetes.md): the agent
+    // can only take capabilities away, so asking for more than the jail holds gives the jail's.
+    let caps = p.capabilities().as_ref().and_then(|c| c.bounding().as_ref()).map(|set| {
+        let mut names: Vec<String> = set.iter().map(|c| format!("CAP_{c}")).collect();
+        names.sort();
+        names
+    });
+    let no_new_privs = p.no_new_privileges().unwrap_or(false);
+    Ok(ProcSpec { argv, env, cwd, user, pty, stdin: false, caps, no_new_privs, ..Default::default() })
 }
 
 impl Tasks {

@@ -388,13 +388,27 @@ impl Cri {
                 ..Default::default()
             })
             .collect();
-        let container = ContainerConfig {
+        let container = ContainerConfig { mounts, ..Cri::container(name, image, cmd) };
+        self.create_config(pod, config, container)
+    }
+
+    /// A container's config: its name, image and command.
+    pub fn container(name: &str, image: &str, cmd: &[&str]) -> ContainerConfig {
+        ContainerConfig {
             metadata: Some(ContainerMetadata { name: name.into(), attempt: 0 }),
             image: Some(ImageSpec { image: image.into(), ..Default::default() }),
             command: cmd.iter().map(|s| s.to_string()).collect(),
-            mounts,
             ..Default::default()
-        };
+        }
+    }
+
+    /// CreateContainer with `container` as the kubelet would send it (a security context, say).
+    pub fn create_config(
+        &mut self,
+        pod: &str,
+        config: &PodSandboxConfig,
+        container: ContainerConfig,
+    ) -> Result<String, tonic::Status> {
         let req = CreateContainerRequest {
             pod_sandbox_id: pod.into(),
             config: Some(container),

@@ -380,3 +380,46 @@ fn guest_cri_vm_pod_of_two_images() {
     cri.stop_and_remove(&pod);
     assert!(c.sandboxes().is_empty(), "{:?}", c.sandboxes());
 }
+
+/// A container's security context as a kubelet passes it (`capabilities.drop: [ALL]` plus one added,
+/// `allowPrivilegeEscalation: false`): its processes, ExecSync's too, hold only what it keeps and run with
+/// `no_new_privs`, on top of the sandbox's jail. Control: a container without one holds the jail's set.
+#[test]
+fn guest_cri_security_context_drops_capabilities() {
+    let Some((c, mut cri)) = setup() else { return };
+    let config = Cri::pod_config("caps", &[]);
+    let pod = cri.run_pod(&config).unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", c.log_tail()));
+    let status = "grep -E '^(CapPrm|CapEff|CapBnd|NoNewPrivs)' /proc/self/status | tr -s '\\t ' ' '";
+    let plain = cri.create(&pod, &config, "plain", BUSYBOX, &["sleep", "1000"]).expect("CreateContainer");
+    cri.start(&plain);
+    let (_, own, _) = cri.exec_sync(&plain, &["sh", "-c", status]);
+    let bounding = own.lines().find_map(|l| l.strip_prefix("CapBnd: ")).map(|h| u64::from_str_radix(h, 16));
+    assert!(matches!(bounding, Some(Ok(b)) if b & !(1 << 10) != 0), "control: the jail's set: {own}");
+
+    let security = LinuxContainerSecurityContext {
+        capabilities: Some(Capability {
+            drop_capabilities: vec!["ALL".into()],
+            add_capabilities: vec!["NET_BIND_SERVICE".into()],
+            ..Default::default()
+        }),
+        no_new_privs: true,
+        ..Default::default()
+    };
+    let linux = LinuxContainerConfig { security_context: Some(security), ..Default::default() };
+    let container = ContainerConfig {
+        linux: Some(linux),
+        ..Cri::container("secured", BUSYBOX, &["sh", "-c", &format!("{status} > /tmp/init; exec sleep 1000")])
+    };
+    let secured = cri
+        .create_config(&pod, &config, container)
+        .unwrap_or_else(|e| panic!("CreateContainer with a security context: {e}\n{}", c.log_tail()));
+    cri.start(&secured);
+    let want = "CapPrm: 0000000000000400\nCapEff: 0000000000000400\nCapBnd: 0000000000000400\nNoNewPrivs: 1\n";
+    assert_eq!(cri.exec_sync(&secured, &["sh", "-c", status]).1, want, "ExecSync: NET_BIND_SERVICE only");
+    let wait = "i=0; while [ ! -s /tmp/init ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; cat /tmp/init";
+    assert_eq!(cri.exec_sync(&secured, &["sh", "-c", wait]).1, want, "its init too");
+    let (code, _, _) = cri.exec_sync(&secured, &["sh", "-c", "chown 1:1 /tmp/init"]);
+    assert_ne!(code, 0, "root without CAP_CHOWN cannot chown");
+    assert_eq!(cri.exec_sync(&plain, &["sh", "-c", "touch /tmp/p && chown 1:1 /tmp/p"]).0, 0, "control: it can");
+    cri.stop_and_remove(&pod);
+}

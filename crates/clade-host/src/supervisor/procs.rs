@@ -47,6 +47,8 @@ impl Procs {
             stdin: spec.stdin,
             tag: spec.tag.clone(),
             root: spec.root.clone(),
+            caps: spec.caps.clone(),
+            no_new_privs: spec.no_new_privs,
             ..Default::default()
         };
         let proc = agent.exec(exec)?;

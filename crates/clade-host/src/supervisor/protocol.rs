@@ -205,6 +205,12 @@ pub struct ProcSpec {
     /// A root of its own inside the sandbox (a pod member's image, attached with `AttachRoot`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root: Option<String>,
+    /// The only capabilities it may hold, by name (`clade_agent::ExecSpec::caps`; default: the sandbox's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caps: Option<Vec<String>>,
+    /// Start it with `no_new_privs`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_new_privs: bool,
 }
 
 /// One line of a process stream.

@@ -9,6 +9,7 @@
 //! `--port PATH` means the same). `--sysroot` prefixes the files the agent itself maintains
 //! (/etc/hostname, /etc/machine-id, /etc/clade/*, /etc/profile.d/clade.sh, /run/clade/*) for tests.
 
+mod caps;
 mod conn;
 mod fsops;
 mod init;

@@ -170,26 +170,50 @@ fn resolve_user(root: &std::path::Path, name: &str) -> Result<crate::passwd::Use
         .ok_or_else(|| AgentError::BadRequest { detail: format!("no user {name:?} in {}", path.display()) })
 }
 
-/// A process with a root of its own (`ExecSpec::root`): after the fork it enters `root`, then `cwd` inside it,
-/// then takes its ids. std would take the ids and the directory before any `pre_exec` hook, and a process that
-/// is no longer root cannot `chroot`, so all of it happens in this one hook.
-fn enter_root(cmd: &mut Command, root: std::path::PathBuf, cwd: std::path::PathBuf, ids: (Option<u32>, Option<u32>)) {
+/// What a process needs done by its own hook between fork and exec: a root of its own (`ExecSpec::root`, then
+/// `cwd` inside it), fewer capabilities (`ExecSpec::caps`, crate::caps) or `no_new_privs`. std would take the
+/// ids and the directory before any `pre_exec` hook, and a process that is no longer root can neither `chroot`
+/// nor drop a bounding capability, so all of it happens in this one hook.
+struct OwnSteps {
+    root: Option<std::path::PathBuf>,
+    cwd: Option<std::path::PathBuf>,
+    ids: (Option<u32>, Option<u32>),
+    keep_caps: Option<u64>,
+    no_new_privs: bool,
+}
+
+fn own_steps(cmd: &mut Command, steps: OwnSteps) {
     use std::os::unix::ffi::OsStrExt;
-    let root = std::ffi::CString::new(root.as_os_str().as_bytes()).unwrap_or_default();
-    let cwd = std::ffi::CString::new(cwd.as_os_str().as_bytes()).unwrap_or_default();
+    let c = |p: std::path::PathBuf| std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap_or_default();
+    let (root, cwd) = (steps.root.map(c), steps.cwd.map(c));
+    let (ids, keep, nnp) = (steps.ids, steps.keep_caps, steps.no_new_privs);
     // SAFETY: the hook runs in the forked child before exec and only makes system calls (chroot, chdir,
-    // setgroups, setgid, setuid) on C strings made before the fork; it allocates nothing.
+    // prctl, setgroups, setgid, setuid, capget, capset) on C strings and integers made before the fork; it
+    // allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
             let check = |r: libc::c_int| if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
-            check(libc::chroot(root.as_ptr()))?;
-            check(libc::chdir(cwd.as_ptr()))?;
+            if let Some(root) = &root {
+                check(libc::chroot(root.as_ptr()))?;
+            }
+            if let Some(cwd) = &cwd {
+                check(libc::chdir(cwd.as_ptr()))?;
+            }
+            if let Some(keep) = keep {
+                crate::caps::drop_bounding(keep)?;
+            }
             if let Some(gid) = ids.1 {
                 check(libc::setgroups(0, std::ptr::null()))?;
                 check(libc::setgid(gid))?;
             }
             if let Some(uid) = ids.0 {
                 check(libc::setuid(uid))?;
+            }
+            if let Some(keep) = keep {
+                crate::caps::narrow_sets(keep)?;
+            }
+            if nnp {
+                crate::caps::set_no_new_privs()?;
             }
             Ok(())
         });
@@ -225,8 +249,10 @@ pub fn spawn(agent: &Arc<Agent>, conn: &Arc<Conn>, spec: ExecSpec) -> Result<Sta
     cmd.envs(&spec.env);
     let cwd = spec.cwd.as_deref().map(crate::fsops::check_path).transpose()?;
     let (uid, gid) = (spec.uid.or(user.as_ref().map(|u| u.uid)), spec.gid.or(user.as_ref().map(|u| u.gid)));
-    if let Some(root) = root {
-        enter_root(&mut cmd, root, cwd.unwrap_or_else(|| "/".into()), (uid, gid));
+    let keep_caps = spec.caps.as_deref().map(crate::caps::mask).transpose()?;
+    if root.is_some() || keep_caps.is_some() || spec.no_new_privs {
+        let cwd = if root.is_some() { Some(cwd.unwrap_or_else(|| "/".into())) } else { cwd };
+        own_steps(&mut cmd, OwnSteps { root, cwd, ids: (uid, gid), keep_caps, no_new_privs: spec.no_new_privs });
     } else {
         if let Some(cwd) = cwd {
             cmd.current_dir(cwd);
