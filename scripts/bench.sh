@@ -61,8 +61,10 @@ browser_template() { # backend
 # The minimal template's bases on both backends (cached after the first build).
 minimal_bases() {
   $bin/clade template build templates/minimal/template.toml >&2
-  $bin/clade base build minimal --backend vm >&2
-  $bin/clade base build minimal --backend ct >&2
+  # By the spec's path, not the name: the newest template named `minimal` may be another build (a test's, ct
+  # only) than the one just made.
+  $bin/clade base build templates/minimal/template.toml --backend vm >&2
+  $bin/clade base build templates/minimal/template.toml --backend ct >&2
 }
 for w in "${what[@]}"; do
   case "$w" in
