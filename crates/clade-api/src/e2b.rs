@@ -299,9 +299,7 @@ impl Host for CladeHost {
             stdin: spec.stdin,
             tag: spec.tag,
             stream: true,
-            root: None,
-            caps: None,
-            no_new_privs: false,
+            ..Default::default()
         };
         let (pid, events) = self.api.proc_start(id, spec).map_err(host_err)?;
         Ok((pid, Self::events(events)))

@@ -369,9 +369,7 @@ async fn proc_start(State(app): State<Arc<App>>, Path(id): Path<String>, Body(re
         stdin: req.stdin,
         tag: req.tag,
         stream: true,
-        root: None,
-        caps: None,
-        no_new_privs: false,
+        ..Default::default()
     };
     let events = blocking(&app, "proc_start", move |a| {
         wake(a, &id)?;

@@ -19,16 +19,11 @@ pub const TAG: &str = "clade-port-relay";
 pub fn connect(api: &Arc<dyn SandboxApi>, id: &str, port: u16) -> HostResult<TcpStream> {
     let spec = ProcSpec {
         argv: vec![AGENT.into(), "relay".into(), port.to_string()],
-        env: Default::default(),
         cwd: Some("/".into()),
-        user: None,
-        pty: None,
         stdin: true,
         tag: Some(TAG.into()),
         stream: true,
-        root: None,
-        caps: None,
-        no_new_privs: false,
+        ..Default::default()
     };
     let (pid, mut events) = api.proc_start(id, spec).map_err(|e| HostError::Internal(format!("{e:#}")))?;
     // The relay says first whether it reached the port.

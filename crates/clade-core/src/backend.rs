@@ -95,6 +95,27 @@ pub enum GroupOp {
     Kill,
 }
 
+/// Where [`Sandbox::attach_root`] shows roots inside a sandbox, on every backend.
+pub const ROOTS_DIR: &str = "/run/clade/roots";
+
+/// What of the sandbox's own tree each root gets, bound recursively.
+pub const ROOT_SHARES: [&str; 3] = ["proc", "dev", "sys"];
+
+/// The path inside the sandbox of the root named `name`; refused unless `name` is a plain file name.
+pub fn root_path(name: &str) -> Result<std::path::PathBuf, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name != "."
+        && name != ".."
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !ok {
+        return Err(format!(
+            "{name:?} cannot name a root: use 1-128 letters, digits, '-', '_' or '.' (a container id is one)"
+        ));
+    }
+    Ok(std::path::Path::new(ROOTS_DIR).join(name))
+}
+
 /// Where a sandbox's outbound connections may go, enforced by the host (the sandbox cannot change it): IPv4
 /// addresses or CIDR blocks. An address in `allow` is reachable even when `deny` covers it (E2B's rule);
 /// empty lists: every destination its network allows. Loopback is never filtered.
@@ -161,6 +182,14 @@ mod tests {
         for bad in ["example.com", "10.0.0.1/33", "::1", "10.0.0/8", ""] {
             let r = EgressRules { allow: vec![], deny: vec![bad.into()] };
             assert!(r.check().unwrap_err().contains("IPv4"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_root_is_named_by_a_plain_file_name() {
+        assert_eq!(root_path("abc-1_2.3").unwrap().to_str(), Some("/run/clade/roots/abc-1_2.3"));
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(root_path(bad).is_err(), "{bad:?}");
         }
     }
 

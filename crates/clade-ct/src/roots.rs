@@ -25,26 +25,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use crate::userns::{attach as attach_tree, clone_tree};
 use std::path::{Path, PathBuf};
 
-/// Where roots are attached inside a sandbox.
-pub const ROOTS_DIR: &str = "/run/clade/roots";
-
-/// What of the sandbox's own tree each root gets, bound recursively (where the image has the directory).
-const SHARED: [&str; 3] = ["proc", "dev", "sys"];
-
-/// The path inside the sandbox of the root named `name`; refused unless `name` is a plain file name.
-pub fn root_path(name: &str) -> Result<PathBuf, String> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && name != "."
-        && name != ".."
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if !ok {
-        return Err(format!(
-            "{name:?} cannot name a root: use 1-128 letters, digits, '-', '_' or '.' (a container id is one)"
-        ));
-    }
-    Ok(Path::new(ROOTS_DIR).join(name))
-}
+use clade_core::backend::{root_path, ROOTS_DIR, ROOT_SHARES};
 
 /// Attaches the host directory `host` inside the sandbox whose init is `init` as the root `name` (idmapped
 /// when `jail`); returns its path inside.
@@ -97,7 +78,7 @@ pub fn attach(init: u32, name: &str, host: &Path, jail: bool) -> Result<String, 
         }
         let at = mount_point(&target, true)?;
         attach_at(&tree, &at).map_err(|e| format!("attach the root at {}: {e}", target.display()))?;
-        for d in SHARED {
+        for d in ROOT_SHARES {
             let inside = target.join(d);
             // What the image has there, as a directory and without a symbolic link on the way.
             let Ok(at) = open_beneath(&inside) else { continue };
@@ -410,13 +391,5 @@ mod tests {
         assert_eq!(ro.lower, vec![PathBuf::from("/a b"), PathBuf::from("/c")]);
         assert_eq!(ro.upper, None);
         assert!(super::parse_overlay("rw,upperdir=/u,workdir=/w").is_none(), "no lower layer: not usable");
-    }
-
-    #[test]
-    fn a_root_is_named_by_a_plain_file_name() {
-        assert_eq!(super::root_path("abc-1_2.3").unwrap().to_str(), Some("/run/clade/roots/abc-1_2.3"));
-        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
-            assert!(super::root_path(bad).is_err(), "{bad:?}");
-        }
     }
 }

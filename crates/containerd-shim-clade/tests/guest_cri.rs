@@ -53,6 +53,38 @@ fn mark_pod(c: &Containerd, args: &[&str]) -> (bool, String) {
 
 const LOOP: &[&str] = &["sh", "-c", "echo $HOSTNAME > /tmp/first; while :; do sleep 0.1; done"];
 
+/// A container `name` of the image OTHER in the pod whose container `first` runs the pod's image: created and
+/// started, it runs on its own image's files with its own `/tmp`, the pod's hostname and the sandbox's `/proc`
+/// (it writes `/tmp/<name>`, then sleeps). Returns its id.
+fn member_of_another_image(
+    c: &Containerd,
+    cri: &mut Cri,
+    (pod, config): (&str, &PodSandboxConfig),
+    first: &str,
+    name: &str,
+) -> String {
+    let t0 = Instant::now();
+    let cmd = format!("echo mine > /tmp/{name}; exec sleep 1000");
+    let id = cri
+        .create(pod, config, name, OTHER, &["sh", "-c", &cmd])
+        .unwrap_or_else(|e| panic!("CreateContainer of another image: {e}\n{}", c.log_tail()));
+    cri.start(&id);
+    let (code, out, err) = cri.exec_sync(&id, &["cat", "/etc/flavour"]);
+    assert_eq!((code, out.as_str()), (0, "other\n"), "its own image's files: {err}\n{}", c.log_tail());
+    eprintln!("CRI CreateContainer + StartContainer + first ExecSync, another image in the pod: {:?}", t0.elapsed());
+    assert_eq!(cri.exec_sync(first, &["cat", "/etc/flavour"]).1, "busybox\n", "the first keeps its own");
+    let look = format!(
+        "i=0; while [ ! -s /tmp/{name} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+         ls /tmp; hostname; test -e /proc/self/status && echo proc"
+    );
+    let (_, out, _) = cri.exec_sync(&id, &["sh", "-c", &look]);
+    let hostname = cri.exec_sync(first, &["hostname"]).1;
+    assert_eq!(out, format!("{name}\n{hostname}proc\n"), "its own /tmp, the pod's hostname, the sandbox's /proc");
+    let (code, _, _) = cri.exec_sync(first, &["sh", "-c", &format!("test -e /tmp/{name}")]);
+    assert_ne!(code, 0, "what it writes to its root is not in the first's");
+    id
+}
+
 #[test]
 fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     let Some((c, mut cri)) = setup() else { return };
@@ -100,22 +132,7 @@ fn guest_cri_a_pod_is_one_sandbox_and_its_containers_share_it() {
     cri.rt.block_on(cri.client.stop_container(stop)).expect("StopContainer of the hog");
 
     // A container of another image runs in the same sandbox on its own image's files.
-    let t0 = Instant::now();
-    let third = cri
-        .create(&pod, &config, "third", OTHER, &["sh", "-c", "echo mine > /tmp/third; exec sleep 1000"])
-        .unwrap_or_else(|e| panic!("CreateContainer of another image: {e}\n{}", c.log_tail()));
-    cri.start(&third);
-    let (code, out, err) = cri.exec_sync(&third, &["cat", "/etc/flavour"]);
-    assert_eq!((code, out.as_str()), (0, "other\n"), "its own image's files: {err}\n{}", c.log_tail());
-    eprintln!("CRI CreateContainer + StartContainer + first ExecSync, another image in the pod: {:?}", t0.elapsed());
-    assert_eq!(cri.exec_sync(&first, &["cat", "/etc/flavour"]).1, "busybox\n", "the first keeps its own");
-    let look = "i=0; while [ ! -s /tmp/third ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
-                ls /tmp; hostname; test -e /proc/self/status && echo proc";
-    let (_, out, _) = cri.exec_sync(&third, &["sh", "-c", look]);
-    let hostname = cri.exec_sync(&first, &["hostname"]).1;
-    assert_eq!(out, format!("third\n{hostname}proc\n"), "its own /tmp, the pod's hostname, the sandbox's /proc");
-    let (code, _, _) = cri.exec_sync(&first, &["sh", "-c", "test -e /tmp/third"]);
-    assert_ne!(code, 0, "what the third writes to its root is not in the first's");
+    let third = member_of_another_image(&c, &mut cri, (&pod, &config), &first, "third");
     let (_, seen, _) = cri.exec_sync(&first, &["sh", "-c", "ps -o args | busybox grep -c '^sleep 1000$'"]);
     assert_eq!(seen.trim(), "2", "the pod's processes see each other (one sandbox): {seen}");
     assert_eq!(c.sandboxes().len(), 1, "still one sandbox for the pod");
@@ -348,20 +365,7 @@ fn guest_cri_vm_pod_of_two_images() {
         |cri: &mut Cri| cri.exec_sync(&first, &["sh", "-c", "busybox grep -c /run/clade/roots /proc/mounts || true"]).1;
     assert_eq!(roots(&mut cri).trim(), "0");
 
-    let t0 = Instant::now();
-    let other = cri
-        .create(&pod, &config, "other", OTHER, &["sh", "-c", "echo mine > /tmp/other; exec sleep 1000"])
-        .unwrap_or_else(|e| panic!("CreateContainer of another image on vm: {e}\n{}", c.log_tail()));
-    cri.start(&other);
-    let (code, out, err) = cri.exec_sync(&other, &["cat", "/etc/flavour"]);
-    assert_eq!((code, out.as_str()), (0, "other\n"), "its own image's files: {err}\n{}", c.log_tail());
-    eprintln!("vm: CreateContainer + StartContainer + first ExecSync of another image: {:?}", t0.elapsed());
-    assert_eq!(cri.exec_sync(&first, &["cat", "/etc/flavour"]).1, "busybox\n", "the first keeps its own");
-    let look = "i=0; while [ ! -s /tmp/other ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
-                ls /tmp; hostname; test -e /proc/self/status && echo proc";
-    let hostname = cri.exec_sync(&first, &["hostname"]).1;
-    assert_eq!(cri.exec_sync(&other, &["sh", "-c", look]).1, format!("other\n{hostname}proc\n"));
-    assert_ne!(cri.exec_sync(&first, &["sh", "-c", "test -e /tmp/other"]).0, 0, "its /tmp is its own");
+    let other = member_of_another_image(&c, &mut cri, (&pod, &config), &first, "other");
     let (_, seen, _) = cri.exec_sync(&first, &["sh", "-c", "ps -o args | busybox grep -c '^sleep 1000$'"]);
     assert_eq!(seen.trim(), "1", "the guest's processes include the member's: {seen}");
     let mounted: usize = roots(&mut cri).trim().parse().unwrap_or(0);

@@ -10,8 +10,8 @@
 //!    links, with their permission bits and owners (anything else, a socket or a device, is left out);
 //! 2. a volume's tmpfs at `/run/clade/volumes/<n>` (or the one file in it, for a volume that is a file) is
 //!    bind-mounted at the container's path, read-only where the spec says so; a root's tmpfs at
-//!    `/run/clade/roots/<name>` gets the guest's `/proc`, `/dev` and `/sys` bound in, and the agent starts the
-//!    container's processes `chroot`ed there (`ExecSpec::root`), as on ct.
+//!    `/run/clade/roots/<name>` (`clade_core::backend::root_path`, as on ct) gets the guest's `/proc`, `/dev`
+//!    and `/sys` bound in, and the agent starts the container's processes `chroot`ed there (`ExecSpec::root`).
 //!
 //! What the container writes there stays in the guest; what changes on the host afterwards is not seen (an
 //! updated configMap). A mark keeps the copies with the rest of the guest, so a sibling has them too. A tree
@@ -24,13 +24,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use clade_agent::client::{AgentClient, ClientError};
 use clade_agent::{AgentError, FileOwner, MountSource, WriteOptions};
-use clade_core::backend::BackendError;
+use clade_core::backend::{root_path, BackendError, ROOT_SHARES};
 
 /// Where the copies of volumes are mounted in the guest.
 const VOLUMES: &str = "/run/clade/volumes";
-
-/// Where the copies of image roots are mounted in the guest (the same place as on ct).
-const ROOTS: &str = "/run/clade/roots";
 
 /// The most a volume or an image root may hold to be copied into a guest's memory (tmpfs).
 pub const MAX_BYTES: u64 = 64 << 20;
@@ -64,16 +61,13 @@ pub(super) fn copy_in(agent: &AgentClient, host: &Path, inside: &str, readonly: 
 
 /// Copy the image root `host` into the guest as the root `name` (see the module's doc): its path inside.
 pub(super) fn attach_root(agent: &AgentClient, name: &str, host: &Path) -> Result<String, BackendError> {
-    if !is_root_name(name) {
-        return Err(BackendError::Unsupported(format!("{name:?} cannot name a root (one path component)")));
-    }
+    let root = root_path(name).map_err(BackendError::Unsupported)?.to_string_lossy().into_owned();
     let top = check_size(host, "image root")?;
-    let root = format!("{ROOTS}/{name}");
     if let Err(e) = fill_tmpfs(agent, host, &top, &root) {
         let _ = agent.unmount(&root);
         return Err(e);
     }
-    for shared in ["proc", "dev", "sys"] {
+    for shared in ROOT_SHARES {
         let at = format!("{root}/{shared}");
         let bound = agent
             .mkdir_p(&at, Some(0o555))
@@ -88,17 +82,13 @@ pub(super) fn attach_root(agent: &AgentClient, name: &str, host: &Path) -> Resul
 
 /// Take away a root [`attach_root`] made, its binds with it; one not there is not an error.
 pub(super) fn detach_root(agent: &AgentClient, name: &str) -> Result<(), BackendError> {
-    let root = format!("{ROOTS}/{name}");
-    if !is_root_name(name) || agent.stat(&root).is_err() {
+    let Ok(root) = root_path(name).map(|p| p.to_string_lossy().into_owned()) else { return Ok(()) };
+    if agent.stat(&root).is_err() {
         return Ok(());
     }
     agent.unmount(&root).map_err(|e| mount_error("unmount", &root, e))?;
     let _ = agent.remove(&root, false);
     Ok(())
-}
-
-fn is_root_name(name: &str) -> bool {
-    !name.is_empty() && !name.contains('/') && !name.starts_with('.')
 }
 
 /// The host tree's metadata, once its size is checked against [`MAX_BYTES`] (`what`: "volume", "image root").
