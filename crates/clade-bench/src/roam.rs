@@ -216,7 +216,8 @@ fn round(a: &Host, b: &Host, template: &str, backend: BackendKind, work: Duratio
         }
     };
     let out = Round {
-        resume_ms: res["resume_ms"].as_f64().unwrap_or(f64::NAN),
+        // On B the resume command pulls (takes the sandbox from the tier) and then restores it: both count.
+        resume_ms: res["resume_ms"].as_f64().unwrap_or(f64::NAN) + res["pulled"]["pull_ms"].as_f64().unwrap_or(0.0),
         local_resume_ms,
         fetched,
         full: res["pulled"]["full_bytes"].as_u64().unwrap_or(0),

@@ -18,6 +18,7 @@ pub mod criu;
 pub mod disk;
 pub mod dump;
 pub mod footprint;
+pub mod images;
 pub mod inroot;
 pub mod jail;
 pub mod jail_audit;

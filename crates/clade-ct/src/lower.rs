@@ -46,6 +46,61 @@ pub fn resolve(
     Ok(out.join(":"))
 }
 
+/// How far around a faulting page the kernel reads a file mapping (mmap read-around: up to 128 KiB).
+const READ_AROUND: u64 = 128 << 10;
+
+/// Fetch, several at once, the parts of the lower layers' files that CRIU will read while it restores the
+/// images laid out in `img` (crate::images): a file found first in the mark's `upper` tree or in a lower layer
+/// that is a host directory is left alone, one found first in a store tree has its ranges (and the kernel's
+/// read-around of them) fetched into the store's frame cache, where the lazy mount then finds them. Returns
+/// (files, frames fetched); errors are the caller's to log, never fatal.
+pub fn prefetch_mapped(store: &Store, lowers: &str, upper: &TreeId, img: &Path) -> Result<(usize, usize), String> {
+    if !lowers.split(':').any(|l| tree_of(l).is_some()) {
+        return Ok((0, 0));
+    }
+    let wanted = crate::images::mapped_ranges(img);
+    if wanted.is_empty() {
+        return Ok((0, 0));
+    }
+    let upper = store.tree(upper).map_err(|e| format!("tree {upper}: {e}"))?;
+    let mut trees = Vec::new();
+    for entry in lowers.split(':').filter(|e| !e.is_empty()) {
+        trees.push(match tree_of(entry) {
+            Some(t) => Some(store.tree(&t).map_err(|e| format!("tree {t}: {e}"))?),
+            None => None,
+        });
+    }
+    let layers: Vec<(&str, Option<&clade_store::Tree>)> =
+        lowers.split(':').filter(|e| !e.is_empty()).zip(trees.iter().map(Option::as_ref)).collect();
+    let mut parts = Vec::new();
+    for (path, ranges) in &wanted {
+        let rel = path.trim_start_matches('/');
+        if upper.entries.iter().any(|e| e.path == rel.as_bytes()) {
+            continue;
+        }
+        for (entry, tree) in &layers {
+            match tree {
+                None if Path::new(entry).join(rel).symlink_metadata().is_ok() => break,
+                None => {}
+                Some(t) => match t.entries.iter().find(|e| e.path == rel.as_bytes()) {
+                    Some(clade_store::TreeEntry { kind: clade_store::EntryKind::File(m), .. }) => {
+                        parts.push((
+                            m,
+                            ranges.iter().map(|r| r.start.saturating_sub(READ_AROUND)..r.end + READ_AROUND).collect(),
+                        ));
+                        break;
+                    }
+                    Some(_) => break,
+                    None => {}
+                },
+            }
+        }
+    }
+    let files = parts.len();
+    let frames = store.prefetch_ranges(&parts).map_err(|e| e.to_string())?;
+    Ok((files, frames))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

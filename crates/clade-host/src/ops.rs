@@ -118,6 +118,41 @@ impl Ops {
         }
         Ok(())
     }
+
+    /// [`Self::resume_with`] once the sandbox is in this host's ledger.
+    fn resume_local(
+        &self,
+        sandbox: &str,
+        req: &ResumeRequest,
+        pulled: Option<PullOutcome>,
+    ) -> anyhow::Result<ResumeOutcome> {
+        let engine = &self.engine;
+        let id = SandboxId::new(sandbox);
+        let rec = engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}")))?;
+        if rec.state != SandboxState::Suspended {
+            return Err(conflict(format!("sandbox {sandbox} is {}, not suspended", rec.state.as_str())));
+        }
+        let head = engine
+            .ledger()
+            .head(&rec.branch)?
+            .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
+        let head = if req.reboot { self.reboot_mark(&rec.branch, &head)? } else { head };
+        self.admit(&head, 1, false)?;
+        let start = Instant::now();
+        let pid = spawn_supervisor(self.home(), &id, &head, 1)?;
+        let r = wait_ready(&self.engine, &id, Some(pid), READY_TIMEOUT)?;
+        let took = start.elapsed();
+        engine.op("resume", Some(&id), Some(&head.id), took, r.error.as_deref(), serde_json::json!({}));
+        Ok(ResumeOutcome {
+            sandbox: sandbox.to_string(),
+            mark: head.id,
+            ok: r.ok,
+            error: r.error,
+            resume_ms: took.as_secs_f64() * 1e3,
+            blob_bytes: r.blob_bytes,
+            pulled,
+        })
+    }
 }
 
 impl SandboxApi for Ops {
@@ -212,29 +247,16 @@ impl SandboxApi for Ops {
         if engine.ledger().sandbox(&id).is_err() && engine.store.blob_tier().is_some() {
             pulled = crate::roam::pull_if_pushed(engine, sandbox, &mut |l| eprintln!("clade: {l}"))?;
         }
-        let rec = engine.ledger().sandbox(&id).map_err(|_| not_found(format!("no sandbox {sandbox}")))?;
-        if rec.state != SandboxState::Suspended {
-            return Err(conflict(format!("sandbox {sandbox} is {}, not suspended", rec.state.as_str())));
-        }
-        let head = engine
-            .ledger()
-            .head(&rec.branch)?
-            .ok_or_else(|| not_found(format!("sandbox {sandbox} has no mark to resume from")))?;
-        let head = if req.reboot { self.reboot_mark(&rec.branch, &head)? } else { head };
-        self.admit(&head, 1, false)?;
-        let start = Instant::now();
-        let pid = spawn_supervisor(self.home(), &id, &head, 1)?;
-        let r = wait_ready(&self.engine, &id, Some(pid), READY_TIMEOUT)?;
-        let took = start.elapsed();
-        engine.op("resume", Some(&id), Some(&head.id), took, r.error.as_deref(), serde_json::json!({}));
-        Ok(ResumeOutcome {
-            sandbox: sandbox.to_string(),
-            mark: head.id,
-            ok: r.ok,
-            error: r.error,
-            resume_ms: took.as_secs_f64() * 1e3,
-            blob_bytes: r.blob_bytes,
-            pulled,
+        // After a pull, the heartbeat (which leases the mark's roots in the tier) is written while it restores.
+        std::thread::scope(|s| {
+            if pulled.is_some() {
+                s.spawn(|| {
+                    if let Err(e) = crate::roam::beat_here(engine) {
+                        eprintln!("clade: warning: heartbeat after the pull: {e:#}");
+                    }
+                });
+            }
+            self.resume_local(sandbox, req, pulled)
         })
     }
 

@@ -35,7 +35,7 @@ fn owner_of(store: &Store, sbx: &str) -> serde_json::Value {
 }
 
 /// `hosts` take `sbx` at once; returns the winner's name after checking the refusals.
-fn race(stores: &[Arc<Store>], sbx: &str, settle: Duration) -> String {
+fn race(stores: &[Arc<Store>], sbx: &str, patience: Duration) -> String {
     let barrier = Arc::new(Barrier::new(stores.len()));
     let threads: Vec<_> = stores
         .iter()
@@ -45,7 +45,7 @@ fn race(stores: &[Arc<Store>], sbx: &str, settle: Duration) -> String {
             std::thread::spawn(move || {
                 let me = format!("host-{i}");
                 b.wait();
-                let r = clade_host::roam::take(&s, &sbx, &me, settle);
+                let r = clade_host::roam::take(&s, &sbx, &me, patience);
                 (me, r.map_err(|e| (clade_host::error::kind(&e), format!("{e:#}"))))
             })
         })
@@ -74,15 +74,15 @@ fn multihost_take_exactly_one_host_wins() {
         .iter()
         .map(|d| Arc::new(Store::open(d.path(), StoreConfig { blob: Some(g.config()), ..Default::default() }).unwrap()))
         .collect();
-    let settle = Duration::from_millis(400);
+    let patience = Duration::from_secs(10);
 
     let mut winners = Vec::new();
     for round in 0..4 {
         let sbx = format!("race-{round}");
         pushed(&stores[0], &sbx);
-        winners.push(race(&stores, &sbx, settle));
+        winners.push(race(&stores, &sbx, patience));
         // A host that comes later is refused, naming the owner; the owner record is unchanged.
-        let e = clade_host::roam::take(&stores[3], &sbx, "host-late", settle).unwrap_err();
+        let e = clade_host::roam::take(&stores[3], &sbx, "host-late", patience).unwrap_err();
         assert!(format!("{e:#}").contains(&format!("taken by host {}", winners[round])), "{e:#}");
         assert_eq!(owner_of(&stores[0], &sbx)["host"], winners[round].as_str());
     }
@@ -93,18 +93,21 @@ fn multihost_take_exactly_one_host_wins() {
     let old = now_ms() - clade_host::roam::CLAIM_TTL.as_millis() as u64 - 1000;
     let dead = serde_json::json!({"host": "host-dead", "at_ms": old});
     stores[0].blob_put_meta("sandboxes/orphan/claims/host-dead", dead.to_string().into_bytes()).unwrap();
-    clade_host::roam::take(&stores[1], "orphan", "host-1", settle).expect("a stale claim does not count");
-    // A live earlier claim does: the host that claimed first wins, the other is refused naming it.
+    clade_host::roam::take(&stores[1], "orphan", "host-1", patience).expect("a stale claim does not count");
+    // A live claim does: a host stuck mid-take (its claim stays) keeps the others out until their patience ends,
+    // and they are refused naming it.
     pushed(&stores[0], "slow");
     let early = serde_json::json!({"host": "host-early", "at_ms": now_ms() - 100});
     stores[0].blob_put_meta("sandboxes/slow/claims/host-early", early.to_string().into_bytes()).unwrap();
-    let e = clade_host::roam::take(&stores[2], "slow", "host-2", settle).unwrap_err();
+    let t = std::time::Instant::now();
+    let e = clade_host::roam::take(&stores[2], "slow", "host-2", Duration::from_secs(1)).unwrap_err();
+    assert!(t.elapsed() >= Duration::from_secs(1), "it kept trying for its patience: {:?}", t.elapsed());
     assert!(format!("{e:#}").contains("host-early"), "{e:#}");
     assert_eq!(owner_of(&stores[0], "slow")["state"], "pushed", "the loser took nothing");
 
     // One Garage node down: quorums of two still decide, and the same holds.
     g.stop_node(2);
     pushed(&stores[0], "node-down");
-    race(&stores, "node-down", settle);
+    race(&stores, "node-down", patience);
     g.start_node(2).unwrap();
 }

@@ -22,28 +22,50 @@ impl Store {
     /// Put the frames of `manifests` that are neither cached nor in a local pack into the frame cache,
     /// fetched from the blob tier several at once. No blob tier, or nothing missing: nothing to do.
     pub(crate) fn prefetch<'a>(&self, manifests: impl IntoIterator<Item = &'a Manifest>) -> Result<(), StoreError> {
-        let Some(blob) = &self.inner.blob else { return Ok(()) };
+        self.prefetch_frames(manifests.into_iter().flat_map(|m| m.frames.iter().copied())).map(|_| ())
+    }
+
+    /// Put the frames holding the byte `ranges` of each image into the frame cache, fetched from the blob tier
+    /// several at once (a restore that knows which parts of which files it will read: crate docs above).
+    /// Returns how many frames were fetched; ranges past an image's end are cut at it.
+    pub fn prefetch_ranges(&self, wanted: &[(&Manifest, Vec<std::ops::Range<u64>>)]) -> Result<usize, StoreError> {
+        let mut frames = Vec::new();
+        for (m, ranges) in wanted {
+            for r in ranges {
+                let end = r.end.min(m.size);
+                let mut i = m.find(r.start);
+                while let Some(x) = m.extents.get(i).filter(|x| x.offset < end) {
+                    if x.end() > r.start {
+                        frames.push(m.frames[x.frame as usize]);
+                    }
+                    i += 1;
+                }
+            }
+        }
+        self.prefetch_frames(frames)
+    }
+
+    fn prefetch_frames(&self, frames: impl IntoIterator<Item = FrameId>) -> Result<usize, StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(0) };
         let budget = self.inner.cfg.cache_bytes / 2;
         let mut seen = HashSet::new();
         let (mut want, mut bytes) = (Vec::new(), 0u64);
-        'all: for m in manifests {
-            for f in &m.frames {
-                if !seen.insert(*f) || self.cached_frame(f).is_some() {
-                    continue;
-                }
-                let loc = self.frame_loc(f)?;
-                if pack::pack_path(&self.inner.packs, &loc.pack).exists() {
-                    continue;
-                }
-                bytes += loc.entry.raw_len as u64;
-                if bytes > budget {
-                    break 'all;
-                }
-                want.push((*f, loc));
+        for f in frames {
+            if !seen.insert(f) || self.cached_frame(&f).is_some() {
+                continue;
             }
+            let loc = self.frame_loc(&f)?;
+            if pack::pack_path(&self.inner.packs, &loc.pack).exists() {
+                continue;
+            }
+            bytes += loc.entry.raw_len as u64;
+            if bytes > budget {
+                break;
+            }
+            want.push((f, loc));
         }
         if want.len() < 2 {
-            return Ok(());
+            return Ok(0);
         }
         let reqs: Vec<(String, std::ops::Range<u64>)> = want
             .iter()
@@ -62,9 +84,10 @@ impl Store {
             })
             .collect::<Result<_, _>>()?;
         let mut cache = self.cache();
+        let n = frames.len();
         for (id, plain) in frames {
             cache.insert(id, Arc::new(plain));
         }
-        Ok(())
+        Ok(n)
     }
 }

@@ -29,7 +29,6 @@ impl Host {
     fn new(name: &'static str, home: &Path, g: &Garage) -> Host {
         let net = HostNet::new(&format!("mh-{}", name.to_lowercase()), g);
         let mut env = net.env(g);
-        env.push(("CLADE_ROAM_SETTLE_MS", "500".into()));
         env.push(("CLADE_SHM", format!("/dev/shm/{}", home.file_name().unwrap().to_string_lossy())));
         Host { name, home: home.to_path_buf(), env, _net: net }
     }

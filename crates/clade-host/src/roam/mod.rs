@@ -282,7 +282,9 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     })
 }
 
-/// [`pull`] when the blob tier holds a pushed record of `sandbox`; `None` when it holds none.
+/// [`pull`] when the blob tier holds a pushed record of `sandbox`; `None` when it holds none. The heartbeat that
+/// leases the pulled mark's roots is left to the caller ([`beat_here`]): a resume writes it while the sandbox
+/// restores, as reading the mark's trees for it takes a few round trips to the tier.
 pub fn pull_if_pushed(
     engine: &Engine,
     sandbox: &str,
@@ -292,11 +294,27 @@ pub fn pull_if_pushed(
     if engine.store.blob_get_meta(&record_key(sandbox))?.is_none() {
         return Ok(None);
     }
-    pull(engine, sandbox, progress).map(Some)
+    take_into_ledger(engine, sandbox, progress).map(Some)
+}
+
+/// This host's heartbeat and lease records, written now (after a pull: see [`pull_if_pushed`]).
+pub fn beat_here(engine: &Engine) -> anyhow::Result<()> {
+    let me = host_id(engine)?;
+    beat(engine, &me, &[]).map(|_| ())
 }
 
 /// Take a pushed sandbox from the blob tier into this host's ledger, suspended, ready for `clade resume`.
 pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
+    let start = Instant::now();
+    let out = take_into_ledger(engine, sandbox, progress)?;
+    if let Err(e) = beat_here(engine) {
+        progress(&format!("pull [{:.0} ms]: warning: heartbeat: {e:#}", ms(start)));
+    }
+    Ok(out)
+}
+
+/// [`pull`] but for the heartbeat.
+fn take_into_ledger(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
     check_id(sandbox)?;
     let tier = need_blob(engine)?;
     let me = host_id(engine)?;
@@ -320,8 +338,13 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         _ => {}
     }
     // Exactly one of the hosts taking it at once wins; the others are refused, naming it.
-    owner::take(&engine.store, sandbox, &me, owner::settle_time())?;
-    progress(&format!("pull: {sandbox} (mark {}) from {tier}, pushed by {}", record.mark.id, record.pushed_by));
+    owner::take(&engine.store, sandbox, &me, owner::patience())?;
+    progress(&format!(
+        "pull [{:.0} ms]: {sandbox} (mark {}) from {tier}, pushed by {}, taken",
+        ms(start),
+        record.mark.id,
+        record.pushed_by
+    ));
     let mut mark = record.mark.clone();
     let fp = footprint(from_ledger(record.backend));
     if let (false, Some(role)) = (record.lowers.is_empty(), fp.layers_role()) {
@@ -342,13 +365,10 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
                 }
             }
         }
-        progress(&format!("pull: lower layers {}", names.join(":")));
+        progress(&format!("pull [{:.0} ms]: lower layers {}", ms(start), names.join(":")));
         mark.manifests.insert(role.into(), clade_ledger::ManifestId::new(names.join(":")));
     }
     record_locally(engine, &record, &mark)?;
-    if let Err(e) = beat(engine, &me, &[]) {
-        progress(&format!("pull: warning: heartbeat: {e:#}"));
-    }
     let took = start.elapsed();
     engine.op("pull", Some(&id), Some(&mark.id), took, None, serde_json::json!({"from": record.pushed_by}));
     Ok(PullOutcome {

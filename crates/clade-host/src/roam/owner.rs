@@ -4,26 +4,28 @@
 //! The owner record `roam/sandboxes/<id>/owner.json` says `pushed` (any host may take it) or `taken` (that
 //! host has it). Taking must be exclusive, and the blob tier gives no compare-and-swap to make it so: S3's
 //! `If-None-Match: *` is not implemented by Garage (a store without consensus cannot offer it), nor by moto or
-//! a shared directory. What every such store does give is **read-after-write with quorums**: once a put has
-//! returned, every later read and listing sees it. On that, taking is a claim and a settle:
+//! a shared directory. What every such store does give is **read-after-write with quorums**: once a put or a
+//! delete has returned, every read and listing that starts later sees it. On that alone (no clocks, no
+//! waiting), taking is an announce-and-look:
 //!
-//! 1. write a claim of one's own, `roam/sandboxes/<id>/claims/<host>`, holding the time this host started
-//!    writing it (`at_ms`). A claim whose put took longer than half the settle time is withdrawn: its time
-//!    could be older than claims that listed before it landed.
-//! 2. wait the settle time (`CLADE_ROAM_SETTLE_MS`, 1000 by default), then list the claims, then read the owner
-//!    record.
-//! 3. the owner record says `taken` by another host: withdraw, refused (409, naming the owner). Otherwise the
-//!    claim with the lowest `(at_ms, host)` among those younger than [`CLAIM_TTL`] wins; every other claimant
-//!    withdraws and is refused, naming the winner.
-//! 4. the winner writes the owner record (`taken`, itself), then deletes its claim.
+//! 1. write a claim of one's own, `roam/sandboxes/<id>/claims/<host>`;
+//! 2. list the claims, then read the owner record;
+//! 3. the owner record says `taken` by another host: withdraw, refused (409, naming the owner);
+//! 4. this host's claim is the only live one: write the owner record (`taken`, itself), then delete the claim;
+//! 5. another live claim is listed: withdraw (delete the claim), wait a random 20-400 ms, and start again at 1.
+//!    A rival that has won by then is named by its owner record (3); one that still holds a claim after
+//!    [`patience`] has it refused with that host named ("retry").
 //!
-//! Why exactly one wins: two claimants that listed each other's claims pick the same lowest one. A claimant
-//! that did not see a rival's claim listed after its own settle time, so the rival's put landed after that:
-//! the rival started writing later (its time is higher, clocks agreeing to within a quarter of the settle
-//! time) and sees the first claim when it lists, or sees the owner record once the first has won and
-//! deleted its claim (the record is written before the claim is deleted, and read after the claims are
-//! listed). A claim left by a host that died mid-take stops counting after [`CLAIM_TTL`]; a winner that
-//! took longer than half of it withdraws instead of writing the owner record.
+//! Why at most one wins: a host wins only if its listing showed no other claim. Of two hosts A and B, say B's
+//! claim was stored last. A's claim was then stored before B's listing started, so B saw it, unless A had
+//! already deleted it: A deleted it only after writing the owner record, which B reads after listing, so B is
+//! refused. Either way B does not win. Rivals that see each other both withdraw and retry after random waits,
+//! so one of them soon looks alone. A claim left by a host that died mid-take stops counting after
+//! [`CLAIM_TTL`] (the one use of a clock: hosts' clocks must agree to within half of it), and a host whose take
+//! ran longer than half of it withdraws instead of writing the owner record.
+//!
+//! Until 2026-12-07 the rule was a claim, a settle wait of 1 s and the lowest claim time wins: one round, but
+//! every take waited the settle time and relied on clocks agreeing to within a quarter of it.
 
 use std::time::{Duration, Instant};
 
@@ -64,10 +66,11 @@ fn claim_key(sbx: &str, host: &str) -> String {
     format!("{}/{host}", claims_prefix(sbx))
 }
 
-/// The settle time of a take: `CLADE_ROAM_SETTLE_MS`, else 1 s.
-pub fn settle_time() -> Duration {
-    let ms = std::env::var("CLADE_ROAM_SETTLE_MS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1000);
-    Duration::from_millis(ms.clamp(50, 60_000))
+/// How long a take keeps retrying while another host's live claim is listed: `CLADE_ROAM_TAKE_PATIENCE_MS`,
+/// else 10 s.
+pub fn patience() -> Duration {
+    let ms = std::env::var("CLADE_ROAM_TAKE_PATIENCE_MS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(10_000);
+    Duration::from_millis(ms.clamp(100, 60_000))
 }
 
 pub(crate) fn read_owner(store: &Store, sbx: &str) -> anyhow::Result<Option<Owner>> {
@@ -91,41 +94,78 @@ pub(crate) fn taken_by(sbx: &str, owner: &Owner) -> anyhow::Error {
     ))
 }
 
-/// Take `sbx` for host `me` (the claim and settle above). Refused (a conflict naming the other host) when
-/// another host has it or wins the race; on any error this host's claim is withdrawn.
-pub fn take(store: &Store, sbx: &str, me: &str, settle: Duration) -> anyhow::Result<()> {
+/// Take `sbx` for host `me` (the announce-and-look above). Refused (a conflict naming the other host) when
+/// another host has it, wins the race, or still claims it after `patience`; on any error this host's claim is
+/// withdrawn.
+pub fn take(store: &Store, sbx: &str, me: &str, patience: Duration) -> anyhow::Result<()> {
     let started = Instant::now();
-    let at_ms = now_ms();
     let mine = claim_key(sbx, me);
-    store.blob_put_meta(&mine, serde_json::to_vec(&Claim { host: me.into(), at_ms })?)?;
-    let r = settle_and_decide(store, sbx, me, started, settle);
-    if r.is_err() {
-        let _ = store.blob_delete_meta(&mine);
-        return r;
+    let mut attempt = 0u32;
+    loop {
+        let claim = Claim { host: me.into(), at_ms: now_ms() };
+        store.blob_put_meta(&mine, serde_json::to_vec(&claim)?)?;
+        let look = look(store, sbx, me, started);
+        let rivals = match look {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = store.blob_delete_meta(&mine);
+                return Err(e);
+            }
+        };
+        if rivals.is_empty() {
+            write_owner(store, sbx, me, "taken")?;
+            store.blob_delete_meta(&mine)?;
+            return Ok(());
+        }
+        store.blob_delete_meta(&mine)?;
+        if started.elapsed() >= patience {
+            return Err(conflict(format!(
+                "sandbox {sbx} is being taken by host {} at the same moment (its claim stayed for {} ms); nothing was \
+                 taken here, retry",
+                rivals.join(", "),
+                started.elapsed().as_millis()
+            )));
+        }
+        std::thread::sleep(backoff(me, attempt));
+        attempt = attempt.saturating_add(1);
+        // A rival that won meanwhile is named by the owner record at the next look.
+        if let Some(o) = read_owner(store, sbx)? {
+            if o.state == "taken" && o.host != me {
+                return Err(taken_by(sbx, &o));
+            }
+        }
     }
-    write_owner(store, sbx, me, "taken")?;
-    store.blob_delete_meta(&mine)?;
-    Ok(())
 }
 
-fn settle_and_decide(store: &Store, sbx: &str, me: &str, started: Instant, settle: Duration) -> anyhow::Result<()> {
-    let put = started.elapsed();
-    if put > settle / 2 {
-        return Err(conflict(format!(
-            "taking sandbox {sbx}: the blob tier took {} ms to store this host's claim (more than half the settle \
-             time, {} ms); nothing was taken, retry (or raise CLADE_ROAM_SETTLE_MS)",
-            put.as_millis(),
-            settle.as_millis()
-        )));
-    }
-    std::thread::sleep(settle);
-    let now = now_ms();
-    let mut claims = Vec::new();
-    for key in store.blob_list_meta(&claims_prefix(sbx))? {
+/// A random wait before claiming again, 20-400 ms, growing with the attempts (rivals that keep seeing each other
+/// fall out of step). The randomness is a hash of the host, the attempt and the clock: it only has to differ
+/// between hosts.
+fn backoff(me: &str, attempt: u32) -> Duration {
+    let seed = format!("{me}/{attempt}/{:?}", std::time::SystemTime::now());
+    let h = blake3::hash(seed.as_bytes());
+    let r = u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or_default());
+    let top = (40u64 << attempt.min(4)).min(400);
+    Duration::from_millis(20 + r % top)
+}
+
+/// Step 2 of a take: the hosts other than `me` holding a live claim (sorted), after checking that `me`'s own
+/// claim is listed and no other host has the sandbox.
+fn look(store: &Store, sbx: &str, me: &str, started: Instant) -> anyhow::Result<Vec<String>> {
+    let prefix = claims_prefix(sbx);
+    let keys = store.blob_list_meta(&prefix)?;
+    let mut seen_mine = false;
+    let mut rivals = Vec::new();
+    for key in keys {
+        let host = key.rsplit('/').next().unwrap_or_default();
+        if host == me {
+            seen_mine = true;
+            continue;
+        }
+        // A claim deleted since the listing is gone: no rival.
         let Some(bytes) = store.blob_get_meta(&key)? else { continue };
         let Ok(c) = serde_json::from_slice::<Claim>(&bytes) else { continue };
-        if now.saturating_sub(c.at_ms) < CLAIM_TTL.as_millis() as u64 || c.host == me {
-            claims.push(c);
+        if now_ms().saturating_sub(c.at_ms) < CLAIM_TTL.as_millis() as u64 {
+            rivals.push(c.host);
         }
     }
     if let Some(o) = read_owner(store, sbx)? {
@@ -133,21 +173,20 @@ fn settle_and_decide(store: &Store, sbx: &str, me: &str, started: Instant, settl
             return Err(taken_by(sbx, &o));
         }
     }
-    let winner = claims.iter().min_by(|a, b| (a.at_ms, &a.host).cmp(&(b.at_ms, &b.host)));
-    match winner {
-        Some(w) if w.host != me => Err(conflict(format!(
-            "sandbox {sbx} is being taken by host {} at the same moment (its claim came first); it is that host's now",
-            w.host
-        ))),
-        // Our own claim not listed: the tier lost a put it acknowledged; do not take on such a tier.
-        None => Err(conflict(format!(
+    if !seen_mine {
+        // The tier lost a put it acknowledged; do not take on such a tier.
+        return Err(conflict(format!(
             "taking sandbox {sbx}: this host's claim is not listed after it was stored (the blob tier does not give \
              read-after-write); nothing was taken"
-        ))),
-        Some(_) if started.elapsed() > CLAIM_TTL / 2 => Err(conflict(format!(
+        )));
+    }
+    if started.elapsed() > CLAIM_TTL / 2 {
+        return Err(conflict(format!(
             "taking sandbox {sbx} took {} s, too long to be sure no other host took it; nothing was taken, retry",
             started.elapsed().as_secs()
-        ))),
-        Some(_) => Ok(()),
+        )));
     }
+    rivals.sort();
+    rivals.dedup();
+    Ok(rivals)
 }
