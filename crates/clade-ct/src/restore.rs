@@ -138,20 +138,15 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, img, root) =
         (res.rw().join("upper"), res.rw().join("work"), run_dir.join("img"), run_dir.join("root"));
-    // The upper and the images side by side: on a host that lacks them both are fetched from the blob tier,
-    // which waits on the network far more than on this host's cores. Then, for a sandbox from another host,
-    // what CRIU will read of its lazily mounted lower files is fetched (crate::images), beside the upper too.
-    let (up, images) = std::thread::scope(|s| {
-        let up = s.spawn(|| upper_for(b, &upper_id, &upper));
-        let images = images_for(b, &img_id, &img).map(|()| {
-            if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_id, &img) {
-                eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
-            }
-        });
-        (up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into()))), images)
-    });
-    up?;
-    images?;
+    upper_for(b, &upper_id, &upper)?;
+    lap("upper", &mut phases);
+    images_for(b, &img_id, &img)?;
+    // A sandbox from another host: what CRIU will read of its lazily mounted lower files is fetched first
+    // (crate::images). The upper and the images are laid out one after the other: the store's first load of the
+    // blob tier's pack indexes is not safe to race (a second thread found a frame missing: CI, 2026-12-07).
+    if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_id, &img) {
+        eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
+    }
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
