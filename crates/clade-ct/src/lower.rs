@@ -19,6 +19,11 @@ pub fn tree_of(entry: &str) -> Option<TreeId> {
     entry.strip_prefix(TREE_PREFIX)?.parse().ok()
 }
 
+/// Whether any of the `:`-separated lower layers is a store tree (a sandbox from another host).
+pub fn has_trees(lowers: &str) -> bool {
+    lowers.split(':').any(|l| tree_of(l).is_some())
+}
+
 /// The `lowerdir=` value for `lowers`: directories as they are, trees mounted under `run_dir/lower/<n>` (the
 /// mounts are pushed onto `mounts`, which the sandbox's resources own), their owners shown shifted by
 /// `id_shift` (a jailed sandbox's user namespace, crate::userns).
@@ -54,15 +59,19 @@ const READ_AROUND: u64 = 128 << 10;
 /// that is a host directory is left alone, one found first in a store tree has its ranges (and the kernel's
 /// read-around of them) fetched into the store's frame cache, where the lazy mount then finds them. Returns
 /// (files, frames fetched); errors are the caller's to log, never fatal.
-pub fn prefetch_mapped(store: &Store, lowers: &str, upper: &TreeId, img: &Path) -> Result<(usize, usize), String> {
-    if !lowers.split(':').any(|l| tree_of(l).is_some()) {
+pub fn prefetch_mapped(
+    store: &Store,
+    lowers: &str,
+    upper: &clade_store::Tree,
+    img: &Path,
+) -> Result<(usize, usize), String> {
+    if !has_trees(lowers) {
         return Ok((0, 0));
     }
     let wanted = crate::images::mapped_ranges(img);
     if wanted.is_empty() {
         return Ok((0, 0));
     }
-    let upper = store.tree(upper).map_err(|e| format!("tree {upper}: {e}"))?;
     let mut trees = Vec::new();
     for entry in lowers.split(':').filter(|e| !e.is_empty()) {
         trees.push(match tree_of(entry) {

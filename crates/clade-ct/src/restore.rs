@@ -124,9 +124,9 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         )));
     }
     // Both trees are read (and hash-verified) before any process starts.
-    for t in [&img_id, &upper_id] {
-        b.store.tree(t).map_err(|e| BackendError::Corrupt(format!("tree {t}: {e}")))?;
-    }
+    let read = |t: &TreeId| b.store.tree(t).map_err(|e| BackendError::Corrupt(format!("tree {t}: {e}")));
+    read(&img_id)?;
+    let upper_tree = read(&upper_id)?;
     lap("verified", &mut phases);
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
@@ -144,7 +144,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     // A sandbox from another host: what CRIU will read of its lazily mounted lower files is fetched first
     // (crate::images). The upper and the images are laid out one after the other: the store's first load of the
     // blob tier's pack indexes is not safe to race (a second thread found a frame missing: CI, 2026-12-07).
-    if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_id, &img) {
+    if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_tree, &img) {
         eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
     }
     for d in [&work, &root] {
@@ -270,7 +270,7 @@ impl CtPrepared {
         if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() {
             cmd.arg("-v4");
         }
-        if self.lower.split(':').any(|l| crate::lower::tree_of(l).is_some()) {
+        if crate::lower::has_trees(&self.lower) {
             // Lower layers that are store trees are named by their content hash, so CRIU's default check of each
             // mapped ELF file's build-id proves nothing more, and it reads every such file's header through the
             // lazy mount, one ranged GET after another (~0.7 s of a roaming resume): the size is checked only.
