@@ -104,8 +104,7 @@ pub fn take(store: &Store, sbx: &str, me: &str, patience: Duration) -> anyhow::R
     loop {
         let claim = Claim { host: me.into(), at_ms: now_ms() };
         store.blob_put_meta(&mine, serde_json::to_vec(&claim)?)?;
-        let look = look(store, sbx, me, started);
-        let rivals = match look {
+        let rivals = match look(store, sbx, me, started) {
             Ok(r) => r,
             Err(e) => {
                 let _ = store.blob_delete_meta(&mine);
@@ -128,12 +127,16 @@ pub fn take(store: &Store, sbx: &str, me: &str, patience: Duration) -> anyhow::R
         }
         std::thread::sleep(backoff(me, attempt));
         attempt = attempt.saturating_add(1);
-        // A rival that won meanwhile is named by the owner record at the next look.
-        if let Some(o) = read_owner(store, sbx)? {
-            if o.state == "taken" && o.host != me {
-                return Err(taken_by(sbx, &o));
-            }
-        }
+        // A rival that won meanwhile is named by its owner record.
+        refuse_if_taken(store, sbx, me)?;
+    }
+}
+
+/// Refused (naming it) when another host than `me` has `sbx`.
+fn refuse_if_taken(store: &Store, sbx: &str, me: &str) -> anyhow::Result<()> {
+    match read_owner(store, sbx)? {
+        Some(o) if o.state == "taken" && o.host != me => Err(taken_by(sbx, &o)),
+        _ => Ok(()),
     }
 }
 
@@ -168,11 +171,7 @@ fn look(store: &Store, sbx: &str, me: &str, started: Instant) -> anyhow::Result<
             rivals.push(c.host);
         }
     }
-    if let Some(o) = read_owner(store, sbx)? {
-        if o.state == "taken" && o.host != me {
-            return Err(taken_by(sbx, &o));
-        }
-    }
+    refuse_if_taken(store, sbx, me)?;
     if !seen_mine {
         // The tier lost a put it acknowledged; do not take on such a tier.
         return Err(conflict(format!(
