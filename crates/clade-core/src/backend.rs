@@ -367,6 +367,12 @@ pub trait Backend: Send + Sync {
     fn prepare(&self, _mark: &MarkState, _id: &Identity) -> Result<Option<Box<dyn Prepared>>, BackendError> {
         Ok(None)
     }
+    /// Bring into this host's caches what a restore of `mark` reads first, from the blob tier when the host
+    /// lacks it (a sandbox taken from another host: it runs while the take's round trips do). Another process
+    /// may restore the mark meanwhile; it finds the caches laid out or waits for them. Default: nothing.
+    fn fetch_ahead(&self, _mark: &MarkState) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// A restore made ready up to the moment the sandbox would run; dropping it releases everything it holds.

@@ -275,6 +275,9 @@ impl Backend for CtBackend {
     fn restore(&self, mark: &MarkState, id: &Identity) -> Result<Box<dyn Sandbox>, BackendError> {
         Ok(Box::new(self.restore_ct(mark, id)?))
     }
+    fn fetch_ahead(&self, mark: &MarkState) -> Result<(), BackendError> {
+        restore::fetch_ahead(self, mark)
+    }
     fn prepare(
         &self,
         mark: &MarkState,

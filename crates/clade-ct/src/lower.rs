@@ -54,11 +54,25 @@ pub fn resolve(
 /// How far around a faulting page the kernel reads a file mapping (mmap read-around: up to 128 KiB).
 const READ_AROUND: u64 = 128 << 10;
 
+/// Files fetched whole: the agent, whose code pages the resume's hygiene runs fault in, and the files that
+/// hygiene reads (`/etc/hosts`, to name the new hostname in it). Each left in a lazily mounted lower layer was a
+/// GET the sandbox waited on before it was ready (~85 ms on a 2-core host: docs/roam.md).
+const WHOLE_FILES: &[&str] = &[crate::spawn::AGENT_PATH, "/etc/hosts", "/etc/hostname", "/etc/machine-id"];
+
+/// Read the store trees among `lowers` (each a GET on a host that resumes a sandbox from another), so that later
+/// reads find them in the store's tree cache. A failure is left for those reads to report.
+pub fn read_trees(store: &Store, lowers: &str) {
+    for t in lowers.split(':').filter_map(tree_of) {
+        let _ = store.tree(&t);
+    }
+}
+
 /// Fetch, several at once, the parts of the lower layers' files that CRIU will read while it restores the
 /// images laid out in `img` (crate::images): a file found first in the mark's `upper` tree or in a lower layer
 /// that is a host directory is left alone, one found first in a store tree has its ranges (and the kernel's
 /// read-around of them) fetched into the store's frame cache, where the lazy mount then finds them. Returns
-/// (files, frames fetched); errors are the caller's to log, never fatal.
+/// (files, frames fetched); errors are the caller's to log, never fatal. The files the resume's hygiene reads
+/// and the agent ([`WHOLE_FILES`]) are fetched with them.
 pub fn prefetch_mapped(
     store: &Store,
     lowers: &str,
@@ -68,9 +82,9 @@ pub fn prefetch_mapped(
     if !has_trees(lowers) {
         return Ok((0, 0));
     }
-    let wanted = crate::images::mapped_ranges(img);
-    if wanted.is_empty() {
-        return Ok((0, 0));
+    let mut wanted = crate::images::mapped_ranges(img);
+    for p in WHOLE_FILES {
+        wanted.entry(p.to_string()).or_default().push(0..u64::MAX);
     }
     let mut trees = Vec::new();
     for entry in lowers.split(':').filter(|e| !e.is_empty()) {
@@ -95,7 +109,10 @@ pub fn prefetch_mapped(
                     Some(clade_store::TreeEntry { kind: clade_store::EntryKind::File(m), .. }) => {
                         parts.push((
                             m,
-                            ranges.iter().map(|r| r.start.saturating_sub(READ_AROUND)..r.end + READ_AROUND).collect(),
+                            ranges
+                                .iter()
+                                .map(|r| r.start.saturating_sub(READ_AROUND)..r.end.saturating_add(READ_AROUND))
+                                .collect(),
                         ));
                         break;
                     }

@@ -123,10 +123,15 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
             "the mark's lower layer {gone} is gone: rebuild the template (or keep the agent build the mark was taken with)"
         )));
     }
-    // Both trees are read (and hash-verified) before any process starts.
+    // Both trees are read (and hash-verified) before any process starts; at once, as on a host that resumes a
+    // sandbox from another each is a GET from the blob tier.
     let read = |t: &TreeId| b.store.tree(t).map_err(|e| BackendError::Corrupt(format!("tree {t}: {e}")));
-    read(&img_id)?;
-    let upper_tree = read(&upper_id)?;
+    let (img_tree, upper_tree) = std::thread::scope(|s| {
+        let img = s.spawn(|| read(&img_id));
+        let upper = read(&upper_id);
+        (img.join().unwrap_or_else(|_| Err(failed("reading the images' tree panicked".into()))), upper)
+    });
+    let (_, upper_tree) = (img_tree?, upper_tree?);
     lap("verified", &mut phases);
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
@@ -138,15 +143,20 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, img, root) =
         (res.rw().join("upper"), res.rw().join("work"), run_dir.join("img"), run_dir.join("root"));
-    upper_for(b, &upper_id, &upper)?;
-    lap("upper", &mut phases);
-    images_for(b, &img_id, &img)?;
-    // A sandbox from another host: what CRIU will read of its lazily mounted lower files is fetched first
-    // (crate::images). The upper and the images are laid out one after the other: the store's first load of the
-    // blob tier's pack indexes is not safe to race (a second thread found a frame missing: CI, 2026-12-07).
-    if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_tree, &img) {
-        eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
-    }
+    // The upper is laid out while the images are, then what CRIU will read of the sandbox's lazily mounted lower
+    // files (a sandbox from another host: crate::images) is fetched: on such a host each is a set of GETs whose
+    // round trips through the blob tier overlap (docs/roam.md).
+    std::thread::scope(|s| {
+        let up = s.spawn(|| upper_for(b, &upper_id, &upper));
+        // The lower trees the prefetch and the lazy mounts read, fetched meanwhile into the store's tree cache.
+        s.spawn(|| crate::lower::read_trees(&b.store, &lower));
+        images_for(b, &img_id, &img)?;
+        if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_tree, &img) {
+            eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
+        }
+        up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
+    })?;
+    lap("images", &mut phases);
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
@@ -464,6 +474,13 @@ fn child_setup(
 /// hash-verified, written to a temp name and renamed; a racing restore that lost the rename drops its copy).
 fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<PathBuf, BackendError> {
     let cache = b.home.cache_dir().join(kind).join(id.to_hex());
+    if cache.exists() {
+        return Ok(cache);
+    }
+    // One process lays a tree out at a time, the others wait and find it (siblings forked at once; a pull's
+    // fetch-ahead and the restore that follows it). The lock only saves work: a layout is a temp directory
+    // renamed into place, so two at once still leave one whole copy.
+    let _one = lock_layout(b, kind, id);
     if !cache.exists() {
         let parent = cache.parent().unwrap_or(&cache);
         std::fs::create_dir_all(parent).map_err(|e| failed(format!("create {}: {e}", parent.display())))?;
@@ -476,6 +493,32 @@ fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<Pat
         }
     }
     Ok(cache)
+}
+
+/// Held while `kind`'s layout of tree `id` is made: `$CLADE_HOME/cache/.locks/<kind>-<tree>` (gc removes it with
+/// the layout). `None` where the lock file cannot be made: the layout goes on unlocked.
+fn lock_layout(b: &CtBackend, kind: &str, id: &TreeId) -> Option<nix::fcntl::Flock<std::fs::File>> {
+    let dir = b.home.cache_dir().join(".locks");
+    std::fs::create_dir_all(&dir).ok()?;
+    let f =
+        std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{kind}-{}", id.to_hex()))).ok()?;
+    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).ok()
+}
+
+/// [`clade_core::backend::Backend::fetch_ahead`]: the mark's images and upper laid out in this host's caches at
+/// once, as the restore would (docs/roam.md: on a host that takes the sandbox from another, this overlaps the
+/// take).
+pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), BackendError> {
+    if mark.backend != clade_core::backend::BackendKind::Ct || mark.boots_cold() {
+        return Ok(());
+    }
+    let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
+    std::thread::scope(|s| {
+        let up = s.spawn(|| cached_tree(b, "ct-uppers", &upper_id, "the upper"));
+        cached_tree(b, "ct-images", &img_id, "the images")?;
+        up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
+    })
+    .map(|_| ())
 }
 
 /// A mark's upper is laid out (and hash-verified) once per host under `$CLADE_HOME/cache/ct-uppers/<tree id>`,

@@ -184,6 +184,17 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
             std::fs::remove_dir_all(&aside)?;
         }
     }
+    // The layouts' lock files (`.locks/<kind>-<tree>`), once their tree is not live.
+    if !dry_run {
+        if let Ok(rd) = std::fs::read_dir(cache.join(".locks")) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.rsplit_once('-').is_some_and(|(_, tree)| !live.contains(tree)) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
     Ok((dirs, bytes))
 }
 

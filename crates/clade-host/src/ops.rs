@@ -243,12 +243,23 @@ impl SandboxApi for Ops {
         let engine = &self.engine;
         let id = SandboxId::new(sandbox);
         // Unknown here but pushed to the shared blob tier by another host: take it, then resume it here.
-        let mut pulled = None;
-        if engine.ledger().sandbox(&id).is_err() && engine.store.blob_tier().is_some() {
-            pulled = crate::roam::pull_if_pushed(engine, sandbox, &mut |l| eprintln!("clade: {l}"))?;
-        }
-        // After a pull, the heartbeat (which leases the mark's roots in the tier) is written while it restores.
+        let fetched_before = clade_store::Store::blob_fetched().0;
+        // While the take runs, the backend fetches what the restore reads first (Backend::fetch_ahead); after a
+        // pull, the heartbeat (which leases the mark's roots in the tier) is written while it restores.
         std::thread::scope(|s| {
+            let mut ahead = |state: clade_core::backend::MarkState| {
+                s.spawn(move || {
+                    let r = crate::backends::open(engine, state.backend)
+                        .and_then(|b| b.fetch_ahead(&state).map_err(anyhow::Error::from));
+                    if let Err(e) = r {
+                        eprintln!("clade: warning: fetching the mark ahead of its restore: {e:#} (the restore reads it itself)");
+                    }
+                });
+            };
+            let mut pulled = None;
+            if engine.ledger().sandbox(&id).is_err() && engine.store.blob_tier().is_some() {
+                pulled = crate::roam::pull_if_pushed(engine, sandbox, &mut |l| eprintln!("clade: {l}"), &mut ahead)?;
+            }
             if pulled.is_some() {
                 s.spawn(|| {
                     if let Err(e) = crate::roam::beat_here(engine) {
@@ -257,6 +268,13 @@ impl SandboxApi for Ops {
                 });
             }
             self.resume_local(sandbox, req, pulled)
+        })
+        .map(|mut out| {
+            // What this process read from the tier for the resume: the pull, the fetch-ahead, the heartbeat.
+            if let Some(p) = &mut out.pulled {
+                p.blob_bytes = clade_store::Store::blob_fetched().0 - fetched_before;
+            }
+            out
         })
     }
 

@@ -99,6 +99,54 @@ struct TreeFs {
     mounted: SystemTime,
     /// Added to every uid and gid shown (LazyTree::mount_shifted).
     id_shift: u32,
+    pool: ReadPool,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A few threads that answer reads: FUSE replies may be sent from any thread, so the request loop hands each
+/// read over and goes on. Where a thread cannot be made, or the pool is gone, the read is answered in the loop.
+struct ReadPool {
+    tx: Option<std::sync::mpsc::Sender<Job>>,
+}
+
+impl ReadPool {
+    const THREADS: usize = 4;
+
+    fn new() -> ReadPool {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = Arc::new(std::sync::Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..Self::THREADS {
+            let rx = rx.clone();
+            let worker = move || loop {
+                // The lock is held only while waiting for the next job, not while running it.
+                let job = match rx.lock() {
+                    Ok(q) => q.recv(),
+                    Err(_) => return,
+                };
+                match job {
+                    Ok(job) => job(),
+                    Err(_) => return,
+                }
+            };
+            if std::thread::Builder::new().name(format!("lazyfs-read-{i}")).spawn(worker).is_ok() {
+                started += 1;
+            }
+        }
+        ReadPool { tx: (started > 0).then_some(tx) }
+    }
+
+    fn run(&self, job: Job) {
+        match &self.tx {
+            Some(tx) => {
+                if let Err(e) = tx.send(job) {
+                    (e.0)()
+                }
+            }
+            None => job(),
+        }
+    }
 }
 
 impl TreeFs {
@@ -122,7 +170,16 @@ impl TreeFs {
                 by_path.insert(e.path.clone(), ino);
             }
         }
-        TreeFs { store, tree, nodes, readers: HashMap::new(), counters, mounted: SystemTime::now(), id_shift: 0 }
+        TreeFs {
+            store,
+            tree,
+            nodes,
+            readers: HashMap::new(),
+            counters,
+            mounted: SystemTime::now(),
+            id_shift: 0,
+            pool: ReadPool::new(),
+        }
     }
 
     fn node(&self, ino: u64) -> Option<&Node> {
@@ -266,18 +323,24 @@ impl Filesystem for TreeFs {
         if off >= total {
             return reply.data(&[]);
         }
-        let mut buf = vec![0u8; u64::from(size).min(total - off) as usize];
-        match r.read_at(off, &mut buf) {
-            Ok(()) => {
-                self.counters.reads.fetch_add(1, Ordering::Relaxed);
-                self.counters.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                reply.data(&buf)
+        let (r, counters) = (r.clone(), self.counters.clone());
+        let len = u64::from(size).min(total - off) as usize;
+        // Off the FUSE loop: one read waiting on the blob tier (a page fault of a file not fetched yet) would
+        // otherwise hold up every other request to this mount, the agent's own included.
+        self.pool.run(Box::new(move || {
+            let mut buf = vec![0u8; len];
+            match r.read_at(off, &mut buf) {
+                Ok(()) => {
+                    counters.reads.fetch_add(1, Ordering::Relaxed);
+                    counters.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    reply.data(&buf)
+                }
+                Err(_) => {
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                    reply.error(libc::EIO)
+                }
             }
-            Err(_) => {
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                reply.error(libc::EIO)
-            }
-        }
+        }));
     }
 
     fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {

@@ -73,6 +73,14 @@ pub(crate) fn upload_concurrency() -> usize {
     std::env::var("CLADE_BLOB_CONCURRENCY").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(8).clamp(1, 64)
 }
 
+/// How many reads run at once: `CLADE_BLOB_FETCH_CONCURRENCY`, else 32. A read is a pack index or one frame
+/// (at most 1 MiB), and what a resuming host waits on is each GET's round trip through the store's quorum, not
+/// bandwidth: a ct resume from a 3-node Garage on 2 cores took 1.47 s with 8 reads in flight and 1.04 s with 32
+/// (docs/roam.md).
+pub(crate) fn fetch_concurrency() -> usize {
+    std::env::var("CLADE_BLOB_FETCH_CONCURRENCY").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(32).clamp(1, 128)
+}
+
 impl Blob {
     pub fn open(cfg: &BlobConfig) -> Result<Self, StoreError> {
         let (store, desc, at): (Arc<dyn ObjectStore>, String, String) = match cfg {
@@ -206,11 +214,11 @@ impl Blob {
         self.run_many(what, keys.iter().map(|k| self.has(k)), 4 * upload_concurrency())
     }
 
-    /// Several whole objects, up to [`upload_concurrency`] requests at once, in the order asked (`None`:
+    /// Several whole objects, up to [`fetch_concurrency`] requests at once, in the order asked (`None`:
     /// absent).
     pub fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
         let what = keys.first().map(String::as_str).unwrap_or("");
-        let got = self.run_many(what, keys.iter().map(|k| self.get_one(k)), upload_concurrency())?;
+        let got = self.run_many(what, keys.iter().map(|k| self.get_one(k)), fetch_concurrency())?;
         for b in got.iter().flatten() {
             crate::push::count_fetch(b.len());
         }
@@ -227,7 +235,7 @@ impl Blob {
     /// Several byte ranges, up to [`upload_concurrency`] requests at once, in the order asked.
     pub fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Result<Vec<Vec<u8>>, StoreError> {
         let what = reqs.first().map(|r| r.0.as_str()).unwrap_or("");
-        self.run_many(what, reqs.iter().map(|(k, r)| self.range_one(k, r.clone())), upload_concurrency())
+        self.run_many(what, reqs.iter().map(|(k, r)| self.range_one(k, r.clone())), fetch_concurrency())
     }
 
     pub fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>, StoreError> {

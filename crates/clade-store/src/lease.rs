@@ -178,6 +178,7 @@ impl Store {
     pub fn delete_tree(&self, id: &TreeId) -> Result<bool, StoreError> {
         let path = self.tree_path(id);
         let trash = self.inner.trash.join(format!("{id}.tree"));
+        self.inner.tree_cache.lock().unwrap_or_else(|p| p.into_inner()).pop(id);
         self.unpublish(&path, &trash)
     }
 

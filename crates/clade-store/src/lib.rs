@@ -25,6 +25,7 @@ mod hash;
 mod hostlease;
 mod ids;
 mod index;
+mod kept;
 mod lease;
 mod maint;
 mod manifest;

@@ -112,7 +112,13 @@ pub(crate) struct Inner {
     pub index_loading: Mutex<()>,
     pub cache: Mutex<FrameCache>,
     pub manifest_cache: Mutex<LruCache<ManifestId, Arc<Manifest>>>,
+    /// Trees read from the blob tier (a local tree is a file read): a host that resumes a sandbox from another
+    /// reads each of its trees several times (verify, lay out, mount lazily), each a GET otherwise.
+    pub tree_cache: Mutex<LruCache<crate::TreeId, Arc<crate::Tree>>>,
     pub blob: Option<Blob>,
+    /// Held while pack indexes are read from the blob tier: a second caller waits, then finds them loaded
+    /// (two threads of one restore that both miss a frame must not each conclude it is missing).
+    pub blob_loading: Mutex<()>,
     /// Blob `.idx` keys already loaded.
     pub blob_seen: Mutex<std::collections::HashSet<String>>,
     /// The gc generation (`gcgen` file) the index reflects.
@@ -165,7 +171,9 @@ impl Store {
                 misses: 0,
             }),
             manifest_cache: Mutex::new(LruCache::new(NonZeroUsize::new(64).unwrap_or(NonZeroUsize::MIN))),
+            tree_cache: Mutex::new(LruCache::new(NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN))),
             blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
+            blob_loading: Mutex::new(()),
             blob_seen: Mutex::new(Default::default()),
             load_errors: Mutex::new(Vec::new()),
             gc_gen: Mutex::new(0),
@@ -230,7 +238,7 @@ impl Store {
         }
     }
 
-    /// Forget the in-memory index (it is loaded again on next use): a long-lived process that wrote a mark
+    /// Forget the in-memory index and the trees cached from the blob tier (loaded again on next use): a long-lived process that wrote a mark
     /// and will mostly sit idle (a ct sandbox's supervisor) gives its ~200 MB back. Readers that hold the
     /// index meanwhile finish first (the write lock waits for them).
     pub fn release_index(&self) {
@@ -239,6 +247,7 @@ impl Store {
         *idx = Index::default();
         self.inner.index_loaded.store(false, Ordering::Release);
         self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.inner.tree_cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
         drop(idx);
         crate::trim::return_free_memory();
     }
@@ -340,13 +349,31 @@ impl Store {
     /// Load pack indexes from the blob tier that are not known yet. Returns how many were added.
     pub(crate) fn refresh_from_blob(&self) -> Result<usize, StoreError> {
         let Some(blob) = &self.inner.blob else { return Ok(0) };
+        let _once = self.inner.blob_loading.lock().unwrap_or_else(|p| p.into_inner());
         let seen = |k: &String| self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(k);
         let keys: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx") && !seen(k)).collect();
-        // The indexes this host has not read yet, several at once (a host joining a tier reads them all).
+        // The indexes this host has not read yet, several at once (a host joining a tier reads them all), unless
+        // another process here read them before (crate::kept).
+        let name = |k: &str| k.rsplit('/').next().unwrap_or("").to_string();
+        let ids: Vec<Option<PackId>> = keys.iter().map(|k| fsutil::stem(Path::new(&name(k))).parse().ok()).collect();
+        let mut got: Vec<Option<Vec<u8>>> = keys
+            .iter()
+            .zip(&ids)
+            .map(|(k, id)| id.as_ref().and_then(|id| self.kept("blob-idx", &name(k), |b| PackId::of(b) == *id)))
+            .collect();
+        let missing: Vec<String> = keys.iter().zip(&got).filter(|(_, g)| g.is_none()).map(|(k, _)| k.clone()).collect();
+        let mut fetched = blob.get_many(&missing)?.into_iter();
+        for (k, g) in keys.iter().zip(got.iter_mut()) {
+            if g.is_none() {
+                *g = fetched.next().flatten();
+                if let Some(b) = g.as_ref() {
+                    self.keep("blob-idx", &name(k), b);
+                }
+            }
+        }
         let mut added = 0;
-        for (k, got) in keys.iter().zip(blob.get_many(&keys)?) {
-            let name = k.rsplit('/').next().unwrap_or("");
-            let Ok(id) = fsutil::stem(Path::new(name)).parse::<PackId>() else { continue };
+        for ((k, got), id) in keys.iter().zip(got).zip(ids) {
+            let Some(id) = id else { continue };
             if let Some(bytes) = got {
                 if PackId::of(&bytes) != id {
                     return Err(StoreError::Corrupt {
@@ -379,10 +406,10 @@ impl Store {
         if let Some(l) = self.read_index().frames.get(id) {
             return Ok(l.clone());
         }
-        if self.refresh_from_blob()? > 0 {
-            if let Some(l) = self.read_index().frames.get(id) {
-                return Ok(l.clone());
-            }
+        // Looked up again whatever it added: another thread may have loaded the index that holds it meanwhile.
+        self.refresh_from_blob()?;
+        if let Some(l) = self.read_index().frames.get(id) {
+            return Ok(l.clone());
         }
         Err(StoreError::NotFound {
             kind: "frame",

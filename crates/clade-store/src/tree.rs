@@ -8,6 +8,7 @@
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::codec::{Dec, DecodeError, Enc};
 use crate::error::IoCtx;
@@ -279,13 +280,30 @@ impl Store {
     /// Read a tree, verified against its id.
     pub fn tree(&self, id: &TreeId) -> Result<Tree, StoreError> {
         let path = self.tree_path(id);
+        let mut from_blob = false;
         let (bytes, location) = match fsutil::read_opt(&path)? {
             Some(b) => (b, path.display().to_string()),
             None => {
                 let trash = self.inner.trash.join(format!("{id}.tree"));
                 match fsutil::read_opt(&trash)? {
                     Some(b) => (b, trash.display().to_string()),
-                    None => self.blob_get_root(&path, "tree", &id.to_hex())?,
+                    None => {
+                        if let Some(t) = self.inner.tree_cache.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+                            return Ok(Tree::clone(t));
+                        }
+                        from_blob = true;
+                        let hex = id.to_hex();
+                        match self.kept("blob-trees", &hex, |b| TreeId::of(b) == *id) {
+                            Some(b) => (b, format!("{}/blob-trees/{hex}", self.inner.dir.display())),
+                            None => {
+                                let got = self.blob_get_root(&path, "tree", &hex)?;
+                                if TreeId::of(&got.0) == *id {
+                                    self.keep("blob-trees", &hex, &got.0);
+                                }
+                                got
+                            }
+                        }
+                    }
                 }
             }
         };
@@ -297,7 +315,13 @@ impl Store {
                 detail: "bytes do not hash to the tree id".into(),
             });
         }
-        Tree::decode(&bytes).map_err(|e| crate::store::corrupt("tree", id.to_hex(), Path::new(&location), e))
+        let tree =
+            Tree::decode(&bytes).map_err(|e| crate::store::corrupt("tree", id.to_hex(), Path::new(&location), e))?;
+        if from_blob {
+            // Verified above; a tree is named by its content, so the copy never goes stale.
+            self.inner.tree_cache.lock().unwrap_or_else(|p| p.into_inner()).put(*id, Arc::new(tree.clone()));
+        }
+        Ok(tree)
     }
 
     /// Restore a tree into `dest` (which must not exist): built in a temp directory beside it, then renamed.

@@ -86,6 +86,8 @@ pub struct PullOutcome {
     pub from: String,
     pub full_bytes: u64,
     pub pull_ms: f64,
+    /// Bytes this process read from the tier: the pull's own, and within a resume also its backend's
+    /// fetch-ahead and the heartbeat after it.
     pub blob_bytes: u64,
 }
 
@@ -285,16 +287,18 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
 /// [`pull`] when the blob tier holds a pushed record of `sandbox`; `None` when it holds none. The heartbeat that
 /// leases the pulled mark's roots is left to the caller ([`beat_here`]): a resume writes it while the sandbox
 /// restores, as reading the mark's trees for it takes a few round trips to the tier.
+///
+/// `ahead` is handed the mark's state once the record is read and before the take: a resume starts its backend's
+/// fetch-ahead there, so the mark's data comes from the tier while the take's round trips run.
 pub fn pull_if_pushed(
     engine: &Engine,
     sandbox: &str,
     progress: &mut dyn FnMut(&str),
+    ahead: &mut dyn FnMut(clade_core::backend::MarkState),
 ) -> anyhow::Result<Option<PullOutcome>> {
     check_id(sandbox)?;
-    if engine.store.blob_get_meta(&record_key(sandbox))?.is_none() {
-        return Ok(None);
-    }
-    take_into_ledger(engine, sandbox, progress).map(Some)
+    let Some(record) = engine.store.blob_get_meta(&record_key(sandbox))? else { return Ok(None) };
+    take_into_ledger(engine, sandbox, Some(record), progress, ahead).map(Some)
 }
 
 /// This host's heartbeat and lease records, written now (after a pull: see [`pull_if_pushed`]).
@@ -306,7 +310,7 @@ pub fn beat_here(engine: &Engine) -> anyhow::Result<()> {
 /// Take a pushed sandbox from the blob tier into this host's ledger, suspended, ready for `clade resume`.
 pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
     let start = Instant::now();
-    let out = take_into_ledger(engine, sandbox, progress)?;
+    let out = take_into_ledger(engine, sandbox, None, progress, &mut |_| {})?;
     if let Err(e) = beat_here(engine) {
         progress(&format!("pull [{:.0} ms]: warning: heartbeat: {e:#}", ms(start)));
     }
@@ -314,7 +318,14 @@ pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
 }
 
 /// [`pull`] but for the heartbeat.
-fn take_into_ledger(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
+/// `record`: the state record's bytes when the caller read them already.
+fn take_into_ledger(
+    engine: &Engine,
+    sandbox: &str,
+    record: Option<Vec<u8>>,
+    progress: &mut dyn FnMut(&str),
+    ahead: &mut dyn FnMut(clade_core::backend::MarkState),
+) -> anyhow::Result<PullOutcome> {
     check_id(sandbox)?;
     let tier = need_blob(engine)?;
     let me = host_id(engine)?;
@@ -324,10 +335,13 @@ fn take_into_ledger(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&st
     if let Ok(rec) = engine.ledger().sandbox(&id) {
         return Err(conflict(format!("sandbox {sandbox} is already on this host ({})", rec.state.as_str())));
     }
-    let bytes = engine
-        .store
-        .blob_get_meta(&record_key(sandbox))?
-        .ok_or_else(|| not_found(format!("no sandbox {sandbox} in {tier} (push it from its host first)")))?;
+    let bytes = match record {
+        Some(b) => b,
+        None => engine
+            .store
+            .blob_get_meta(&record_key(sandbox))?
+            .ok_or_else(|| not_found(format!("no sandbox {sandbox} in {tier} (push it from its host first)")))?,
+    };
     let record: Record = serde_json::from_slice(&bytes).context("the blob tier's state record does not parse")?;
     if record.format != 1 {
         return Err(invalid(format!("state record format {} is newer than this clade knows", record.format)));
@@ -336,6 +350,9 @@ fn take_into_ledger(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&st
         Some(o) if o.state == "taken" && o.host != me => return Err(owner::taken_by(sandbox, &o)),
         None => return Err(conflict(format!("sandbox {sandbox} in {tier} has no owner record; push it again"))),
         _ => {}
+    }
+    if let Ok(state) = engine.mark_state(&record.mark) {
+        ahead(state);
     }
     // Exactly one of the hosts taking it at once wins; the others are refused, naming it.
     owner::take(&engine.store, sandbox, &me, owner::patience())?;
