@@ -96,7 +96,7 @@ for w in "${what[@]}"; do
       run fleet sh -c "$bin/clade fleet simulate --figures 2>/dev/null || $bin/clade fleet simulate --measure --figures" ;;
     roam) r=$([ $quick = 1 ] && echo 1 || echo 3)
       minimal_bases
-      run roam $bin/clade-bench roam --rounds $r --out "$out/roam.json" ;;
+      run roam $bin/clade-bench roam --rounds $r --template templates/minimal/template.toml --out "$out/roam.json" ;;
     scale) minimal_bases
       if [ $quick = 1 ]; then run scale $bin/clade-bench scale --quick --out "$out/scale.json"; else run scale $bin/clade-bench scale --out "$out/scale.json"; fi ;;
     api) if [ $quick = 1 ]; then run api $bin/clade-bench api --quick --out "$out/api.json"; else run api $bin/clade-bench api --out "$out/api.json"; fi ;;

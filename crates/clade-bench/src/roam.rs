@@ -30,6 +30,9 @@ pub struct Args {
     /// Backends to measure (default both).
     #[arg(long, value_delimiter = ',', default_value = "vm,ct")]
     pub backend: Vec<BackendKind>,
+    /// A template name, or a template spec's path (`templates/minimal/template.toml`): a path names exactly
+    /// the build of that spec (its base on each backend, built if missing), where a name picks the newest
+    /// template of that name, which may be another build (a test's, with no vm base).
     #[arg(long, default_value = "minimal")]
     pub template: String,
     /// Rounds per backend (each with a fresh host B).
@@ -158,6 +161,13 @@ fn round(a: &Host, b: &Host, template: &str, backend: BackendKind, work: Duratio
     let kind = backend.as_str();
     // Host A works without the blob tier (nothing is written through), so its push uploads the whole mark.
     let local = Host { home: a.home.clone(), env: vec![] };
+    let base;
+    let template = if template.ends_with(".toml") {
+        base = local.call(&["base", "build", template, "--backend", kind, "--json"])?;
+        base["mark"].as_str().ok_or_else(|| anyhow!("base build answered {base}"))?
+    } else {
+        template
+    };
     let run = local.call(&["run", template, "--backend", kind, "--json"])?;
     let sbx = run["sandboxes"][0]["sandbox"].as_str().ok_or_else(|| anyhow!("run answered {run}"))?.to_string();
     // Some state of its own: a file on its disk / upper, a warm interpreter's output.

@@ -82,13 +82,41 @@ impl CtSandbox {
 
 /// `cp -a` of a directory (an upper: whiteouts, xattrs and owners kept) to `to`, removed again on failure.
 pub(crate) fn copy_tree(from: &Path, to: &Path) -> Result<(), BackendError> {
-    let out = Command::new("cp")
-        .arg("-a")
-        .arg("-T")
-        .arg(from)
-        .arg(to)
-        .output()
-        .map_err(|e| failed(format!("run cp: {e}")))?;
+    copy_tree_charged(from, to, &[])
+}
+
+/// [`copy_tree`] by a `cp` that first joins the cgroups whose `cgroup.procs` files are `procs`: the copy's pages
+/// (an upper laid out on the sandbox's tmpfs) are charged to the sandbox, as the files it writes itself are,
+/// not to the process that restores it.
+pub(crate) fn copy_tree_charged(from: &Path, to: &Path, procs: &[std::path::PathBuf]) -> Result<(), BackendError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let join: Vec<std::fs::File> = procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new().write(true).open(p).map_err(|e| failed(format!("open {}: {e}", p.display())))
+        })
+        .collect::<Result<_, _>>()?;
+    let fds: Vec<i32> = join.iter().map(|f| f.as_raw_fd()).collect();
+    let mut cmd = Command::new("cp");
+    cmd.arg("-a").arg("-T").arg(from).arg(to);
+    if !fds.is_empty() {
+        // SAFETY: runs in the forked child before exec, where only async-signal-safe calls are allowed: it only
+        // calls write(2) on descriptors opened above (kept open by `join` until the child has exec'd) with a
+        // static buffer, and builds its error from errno without allocating. "0" names the writing process.
+        unsafe {
+            cmd.pre_exec(move || {
+                for &fd in &fds {
+                    if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+    let out = cmd.output().map_err(|e| failed(format!("run cp (in the sandbox's cgroup): {e}")))?;
+    drop(join);
     if !out.status.success() {
         let _ = std::fs::remove_dir_all(to);
         return Err(failed(format!(

@@ -143,11 +143,19 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, img, root) =
         (res.rw().join("upper"), res.rw().join("work"), run_dir.join("img"), run_dir.join("root"));
+    // The cgroup first: the upper's copy on the sandbox's tmpfs is charged to it (crate::disk::copy_tree_charged).
+    // The CPU quota is set once the restore is done (Cgroup::set_cpu).
+    let limits = b.limits(&mark.shape);
+    let cpu_ms = limits.cpu_ms_per_100ms;
+    let cg =
+        Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits }).map_err(failed)?;
+    let procs = cg.procs_files();
+    res.cgroup = Some(cg);
     // The upper is laid out while the images are, then what CRIU will read of the sandbox's lazily mounted lower
     // files (a sandbox from another host: crate::images) is fetched: on such a host each is a set of GETs whose
     // round trips through the blob tier overlap (docs/roam.md).
     std::thread::scope(|s| {
-        let up = s.spawn(|| upper_for(b, &upper_id, &upper));
+        let up = s.spawn(|| upper_for(b, &upper_id, &upper, &procs));
         // The lower trees the prefetch and the lazy mounts read, fetched meanwhile into the store's tree cache.
         s.spawn(|| crate::lower::read_trees(&b.store, &lower));
         images_for(b, &img_id, &img)?;
@@ -162,13 +170,6 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     }
     lap("files", &mut phases);
     b.check_fail(FailPoint::Files)?;
-    // The CPU quota is set once the restore is done (Cgroup::set_cpu).
-    let limits = b.limits(&mark.shape);
-    let cpu_ms = limits.cpu_ms_per_100ms;
-    let cg =
-        Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits }).map_err(failed)?;
-    let procs = cg.procs_files();
-    res.cgroup = Some(cg);
     b.check_fail(FailPoint::Cgroup)?;
     let mut loopback = None;
     match net {
@@ -525,9 +526,9 @@ pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), Backend
 /// read-only; each restore gets its own copy (`cp -a`: whiteouts, `trusted.overlay.*` xattrs and owners kept),
 /// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
 /// store's read (decompress, verify, write) took 100-300 ms on this host.
-pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
+pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path, charge: &[PathBuf]) -> Result<(), BackendError> {
     let cache = cached_tree(b, "ct-uppers", id, "the upper")?;
-    crate::disk::copy_tree(&cache, dest)
+    crate::disk::copy_tree_charged(&cache, dest, charge)
 }
 
 /// The images of a mark are laid out once per host under `$CLADE_HOME/cache/ct-images/<tree id>` (read-only);

@@ -101,7 +101,7 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, root) = (res.rw().join("upper"), res.rw().join("work"), run_dir.join("root"));
     if let Some(tree) = &spec.upper {
-        crate::restore::upper_for(b, tree, &upper)?;
+        crate::restore::upper_for(b, tree, &upper, &[])?;
         // A boot starts with empty /dev and /run, as a tmpfs there would (crate::spawn seeds them again).
         for d in ["dev", "run"] {
             let p = upper.join(d);
