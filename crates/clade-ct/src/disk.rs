@@ -169,3 +169,41 @@ fn current_agent_layer(b: &CtBackend, lowers: &str) -> Result<String, BackendErr
     }
     Ok(out.join(":"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{mount_tmpfs, Cgroup, Limits};
+
+    /// An upper copied onto a tmpfs by `copy_tree_charged` is billed to the sandbox's memory cgroup; the control,
+    /// `copy_tree`, leaves the cgroup's usage where it was (the pages go to the copying process's cgroup).
+    #[test]
+    fn privileged_upper_copy_is_charged_to_the_sandbox_cgroup() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root (cgroups, tmpfs)");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        std::fs::create_dir_all(src.join("root")).unwrap();
+        let data: Vec<u8> = (0..8u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        std::fs::write(src.join("root/data"), &data).unwrap();
+        let rw = d.path().join("rw");
+        mount_tmpfs(&rw, 64 << 20).unwrap();
+        let limits = Limits { memory_bytes: 256 << 20, pids: 64, cpu_ms_per_100ms: 0, devices: None };
+        let cg = Cgroup::create(&format!("clade-test-charge-{}", std::process::id()), &limits).unwrap();
+        let usage = || cg.memory_usage().unwrap_or(0);
+        let before = usage();
+        copy_tree(&src, &rw.join("control")).unwrap();
+        let after_control = usage();
+        copy_tree_charged(&src, &rw.join("upper"), &cg.procs_files()).unwrap();
+        let after = usage();
+        let _ = nix::mount::umount2(&rw, nix::mount::MntFlags::MNT_DETACH);
+        let _ = cg.remove();
+        assert!(
+            after_control < before + (4 << 20),
+            "control: the plain copy is not billed here ({before} -> {after_control})"
+        );
+        assert!(after >= after_control + (8 << 20), "the charged copy is billed: {after_control} -> {after}");
+    }
+}

@@ -222,3 +222,61 @@ fn sync_api_works_inside_an_async_runtime() {
     let got = rt.block_on(async { s.blob_get_meta("meta/x") }).expect("and a read");
     assert_eq!(got.as_deref(), Some(&b"inside"[..]));
 }
+
+/// What one process read from the blob tier (pack indexes, trees) is kept for the next process on the host
+/// (`blob-idx/`, `blob-trees/`): a second handle on the same local tier reads the tree with the tier's copy gone,
+/// and a kept copy that no longer hashes right (torn) is not used but fetched again, and kept anew.
+#[test]
+fn reads_from_the_blob_tier_are_kept_for_the_next_process() {
+    let d = tempfile::tempdir().unwrap();
+    let tier_dir = d.path().join("tier");
+    let tier = BlobConfig::Local { root: tier_dir.clone() };
+    let src = d.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("f.img"), pages(9, 40)).unwrap();
+    let t = with_blob(&d.path().join("a"), tier.clone()).put_dir(&src).unwrap().id;
+    let find = |dir: &std::path::Path, name: &str| -> std::path::PathBuf {
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(p) = stack.pop() {
+            for e in std::fs::read_dir(&p).unwrap().flatten() {
+                if e.path().is_dir() {
+                    stack.push(e.path());
+                } else if e.file_name().to_string_lossy() == name {
+                    return e.path();
+                }
+            }
+        }
+        panic!("no {name} under {}", dir.display())
+    };
+    let in_tier = find(&tier_dir, &t.to_hex());
+
+    let b_dir = d.path().join("b");
+    with_blob(&b_dir, tier.clone()).get_dir(&t, &d.path().join("out1")).unwrap();
+    let kept_tree = b_dir.join("blob-trees").join(t.to_hex());
+    assert!(kept_tree.is_file(), "the tree is kept");
+    let idx: Vec<_> = std::fs::read_dir(b_dir.join("blob-idx")).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(!idx.is_empty(), "the pack indexes are kept");
+
+    // The next process reads the kept tree: the tier's copy is not needed.
+    let tier_copy = std::fs::read(&in_tier).unwrap();
+    std::fs::remove_file(&in_tier).unwrap();
+    let tree = with_blob(&b_dir, tier.clone()).tree(&t).unwrap();
+    assert_eq!(tree.entries.len(), 1);
+    // Control: a process on a host without the copy cannot read it now.
+    assert!(with_blob(&d.path().join("c"), tier.clone()).tree(&t).is_err());
+
+    // A torn copy is not used (the tier's is gone, so the read fails rather than return it), then, with the
+    // tier whole again, fetched and kept anew.
+    std::fs::write(&kept_tree, &tier_copy[..tier_copy.len() / 2]).unwrap();
+    for i in &idx {
+        std::fs::write(i, b"torn").unwrap();
+    }
+    assert!(with_blob(&b_dir, tier.clone()).tree(&t).is_err(), "a torn copy is never read as the tree");
+    std::fs::write(&in_tier, &tier_copy).unwrap();
+    let third = with_blob(&b_dir, tier);
+    assert_eq!(third.tree(&t).unwrap(), tree);
+    assert_eq!(std::fs::read(&kept_tree).unwrap(), tier_copy, "kept anew");
+    third.get_dir(&t, &d.path().join("out3")).unwrap();
+    assert_eq!(std::fs::read(d.path().join("out3/f.img")).unwrap(), pages(9, 40));
+    assert!(idx.iter().all(|i| std::fs::read(i).unwrap() != b"torn"), "torn indexes are replaced");
+}
