@@ -27,7 +27,7 @@ impl Footprint for CtFootprint {
 
     /// Uppers and CRIU images a restore copies out of the mark's trees (`$CLADE_HOME/cache/<kind>/<tree>`).
     fn tree_caches(&self) -> &'static [&'static str] {
-        &["ct-uppers", "ct-images"]
+        &[crate::restore::UPPERS, crate::restore::IMAGES]
     }
 
     /// The sandbox's network namespace (egress: with its veth and NAT element), once its processes are gone.

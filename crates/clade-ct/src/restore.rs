@@ -131,7 +131,8 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         let upper = read(&upper_id);
         (img.join().unwrap_or_else(|_| Err(failed("reading the images' tree panicked".into()))), upper)
     });
-    let (_, upper_tree) = (img_tree?, upper_tree?);
+    img_tree?;
+    let upper_tree = upper_tree?;
     lap("verified", &mut phases);
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
@@ -515,11 +516,25 @@ pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), Backend
     }
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     std::thread::scope(|s| {
-        let up = s.spawn(|| cached_tree(b, "ct-uppers", &upper_id, "the upper"));
-        cached_tree(b, "ct-images", &img_id, "the images")?;
+        let up = s.spawn(|| upper_cache(b, &upper_id));
+        images_cache(b, &img_id)?;
         up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
     })
     .map(|_| ())
+}
+
+/// The host's caches of marks' trees, under `$CLADE_HOME/cache/` (crate::footprint names them to gc).
+pub(crate) const UPPERS: &str = "ct-uppers";
+pub(crate) const IMAGES: &str = "ct-images";
+
+/// The mark's upper laid out in the host's cache ([`cached_tree`]).
+fn upper_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {
+    cached_tree(b, UPPERS, id, "the upper")
+}
+
+/// The mark's CRIU images laid out in the host's cache ([`cached_tree`]).
+fn images_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {
+    cached_tree(b, IMAGES, id, "the images")
 }
 
 /// A mark's upper is laid out (and hash-verified) once per host under `$CLADE_HOME/cache/ct-uppers/<tree id>`,
@@ -527,7 +542,7 @@ pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), Backend
 /// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
 /// store's read (decompress, verify, write) took 100-300 ms on this host.
 pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path, charge: &[PathBuf]) -> Result<(), BackendError> {
-    let cache = cached_tree(b, "ct-uppers", id, "the upper")?;
+    let cache = upper_cache(b, id)?;
     crate::disk::copy_tree_charged(&cache, dest, charge)
 }
 
@@ -535,7 +550,7 @@ pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path, charge: &[PathB
 /// each restore gets a directory of hard links to them, as CRIU writes `stats-restore` into its image dir.
 /// Siblings after the first skip the store read and the copy.
 fn images_for(b: &CtBackend, id: &TreeId, dest: &Path) -> Result<(), BackendError> {
-    let cache = cached_tree(b, "ct-images", id, "the images")?;
+    let cache = images_cache(b, id)?;
     link_images(&cache, dest)
 }
 

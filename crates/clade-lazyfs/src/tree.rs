@@ -102,48 +102,27 @@ struct TreeFs {
     pool: ReadPool,
 }
 
-type Job = Box<dyn FnOnce() + Send>;
-
-/// A few threads that answer reads: FUSE replies may be sent from any thread, so the request loop hands each
-/// read over and goes on. Where a thread cannot be made, or the pool is gone, the read is answered in the loop.
-struct ReadPool {
-    tx: Option<std::sync::mpsc::Sender<Job>>,
-}
+/// A few threads that answer reads (rayon's pool: FUSE replies may be sent from any thread, so the request loop
+/// hands each read over and goes on). `None` where the threads cannot be made: reads are answered in the loop.
+struct ReadPool(Option<rayon::ThreadPool>);
 
 impl ReadPool {
     const THREADS: usize = 4;
 
     fn new() -> ReadPool {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        let rx = Arc::new(std::sync::Mutex::new(rx));
-        let mut started = 0;
-        for i in 0..Self::THREADS {
-            let rx = rx.clone();
-            let worker = move || loop {
-                // The lock is held only while waiting for the next job, not while running it.
-                let job = match rx.lock() {
-                    Ok(q) => q.recv(),
-                    Err(_) => return,
-                };
-                match job {
-                    Ok(job) => job(),
-                    Err(_) => return,
-                }
-            };
-            if std::thread::Builder::new().name(format!("lazyfs-read-{i}")).spawn(worker).is_ok() {
-                started += 1;
-            }
-        }
-        ReadPool { tx: (started > 0).then_some(tx) }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(Self::THREADS)
+            .thread_name(|i| format!("lazyfs-read-{i}"))
+            // A read that panics answers nothing (its reply, dropped, answers EIO): the mount and its process go
+            // on, where rayon would otherwise abort the process.
+            .panic_handler(|_| {})
+            .build();
+        ReadPool(pool.ok())
     }
 
-    fn run(&self, job: Job) {
-        match &self.tx {
-            Some(tx) => {
-                if let Err(e) = tx.send(job) {
-                    (e.0)()
-                }
-            }
+    fn run(&self, job: impl FnOnce() + Send + 'static) {
+        match &self.0 {
+            Some(pool) => pool.spawn(job),
             None => job(),
         }
     }
@@ -327,7 +306,7 @@ impl Filesystem for TreeFs {
         let len = u64::from(size).min(total - off) as usize;
         // Off the FUSE loop: one read waiting on the blob tier (a page fault of a file not fetched yet) would
         // otherwise hold up every other request to this mount, the agent's own included.
-        self.pool.run(Box::new(move || {
+        self.pool.run(move || {
             let mut buf = vec![0u8; len];
             match r.read_at(off, &mut buf) {
                 Ok(()) => {
@@ -340,7 +319,7 @@ impl Filesystem for TreeFs {
                     reply.error(libc::EIO)
                 }
             }
-        }));
+        });
     }
 
     fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {
