@@ -68,21 +68,23 @@ pub fn read_trees(store: &Store, lowers: &str) {
 }
 
 /// Fetch, several at once, the parts of the lower layers' files that CRIU will read while it restores the
-/// images laid out in `img` (crate::images): a file found first in the mark's `upper` tree or in a lower layer
+/// mark's images (`mapped`: crate::images, asked only when some lower layer is a store tree): a file found first in the mark's `upper` tree or in a lower layer
 /// that is a host directory is left alone, one found first in a store tree has its ranges (and the kernel's
 /// read-around of them) fetched into the store's frame cache, where the lazy mount then finds them. Returns
 /// (files, frames fetched); errors are the caller's to log, never fatal. The files the resume's hygiene reads
-/// and the agent ([`WHOLE_FILES`]) are fetched with them.
+/// and the agent ([`WHOLE_FILES`]) are fetched with them. The frames are also kept on this host's disk
+/// (`Store::prefetch_ranges_kept`): a pull's fetch-ahead fetches them for the supervisor that restores the
+/// sandbox next, and a sibling forked here later reads them again.
 pub fn prefetch_mapped(
     store: &Store,
     lowers: &str,
     upper: &clade_store::Tree,
-    img: &Path,
+    mapped: impl FnOnce() -> std::collections::BTreeMap<String, Vec<std::ops::Range<u64>>>,
 ) -> Result<(usize, usize), String> {
     if !has_trees(lowers) {
         return Ok((0, 0));
     }
-    let mut wanted = crate::images::mapped_ranges(img);
+    let mut wanted = mapped();
     for p in WHOLE_FILES {
         wanted.entry(p.to_string()).or_default().push(0..u64::MAX);
     }
@@ -123,7 +125,7 @@ pub fn prefetch_mapped(
         }
     }
     let files = parts.len();
-    let frames = store.prefetch_ranges(&parts).map_err(|e| e.to_string())?;
+    let frames = store.prefetch_ranges_kept(&parts).map_err(|e| e.to_string())?;
     Ok((files, frames))
 }
 

@@ -131,8 +131,7 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         let upper = read(&upper_id);
         (img.join().unwrap_or_else(|_| Err(failed("reading the images' tree panicked".into()))), upper)
     });
-    img_tree?;
-    let upper_tree = upper_tree?;
+    let (img_tree, upper_tree) = (img_tree?, upper_tree?);
     lap("verified", &mut phases);
     let run_dir = b.run_dir(id)?;
     std::fs::create_dir(&run_dir).map_err(|e| {
@@ -152,16 +151,20 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         Cgroup::create(&id.sandbox_id, &crate::resources::Limits { cpu_ms_per_100ms: 0, ..limits }).map_err(failed)?;
     let procs = cg.procs_files();
     res.cgroup = Some(cg);
-    // The upper is laid out while the images are, then what CRIU will read of the sandbox's lazily mounted lower
-    // files (a sandbox from another host: crate::images) is fetched: on such a host each is a set of GETs whose
-    // round trips through the blob tier overlap (docs/roam.md).
+    // The upper and the images are laid out while what CRIU will read of the sandbox's lazily mounted lower
+    // files (a sandbox from another host: crate::images) is fetched, found from the images' tree without waiting
+    // for their layout (which a pull's fetch-ahead may still be making): on such a host each is a set of GETs
+    // whose round trips through the blob tier overlap (docs/roam.md).
     std::thread::scope(|s| {
         let up = s.spawn(|| upper_for(b, &upper_id, &upper, &procs));
         // The lower trees the prefetch and the lazy mounts read, fetched meanwhile into the store's tree cache.
         s.spawn(|| crate::lower::read_trees(&b.store, &lower));
+        let pre = s.spawn(|| prefetch_mapped(b, &lower, &img_id, &img_tree, &upper_tree));
         images_for(b, &img_id, &img)?;
-        if let Err(e) = crate::lower::prefetch_mapped(&b.store, &lower, &upper_tree, &img) {
-            eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id);
+        match pre.join() {
+            Ok(Err(e)) => eprintln!("clade: restore {}: prefetch of mapped files skipped: {e}", id.sandbox_id),
+            Err(_) => eprintln!("clade: restore {}: prefetch of mapped files panicked", id.sandbox_id),
+            Ok(Ok(_)) => {}
         }
         up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
     })?;
@@ -497,6 +500,42 @@ fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<Pat
     Ok(cache)
 }
 
+/// The file ranges CRIU will read because it writes dumped pages over private mappings of them
+/// (crate::images::mapped_ranges), from the mark's images: their layout in the host's cache when it is there,
+/// else the few image files that say it (`files.img`, `mm-*`, `pagemap-*`) read from the store.
+fn mapped_of(
+    b: &CtBackend,
+    img_id: &TreeId,
+    tree: &clade_store::Tree,
+) -> std::collections::BTreeMap<String, Vec<std::ops::Range<u64>>> {
+    let cache = b.home.cache_dir().join(IMAGES).join(img_id.to_hex());
+    if cache.is_dir() {
+        return crate::images::mapped_ranges(&cache);
+    }
+    let files: std::collections::BTreeMap<String, &clade_store::Manifest> = tree
+        .entries
+        .iter()
+        .filter_map(|e| match &e.kind {
+            clade_store::EntryKind::File(m) => Some((String::from_utf8_lossy(&e.path).into_owned(), m)),
+            _ => None,
+        })
+        .collect();
+    let needed: Vec<(&clade_store::Manifest, Vec<std::ops::Range<u64>>)> = files
+        .iter()
+        .filter(|(n, _)| *n == "files.img" || n.starts_with("mm-") || n.starts_with("pagemap-"))
+        .map(|(_, m)| (*m, std::iter::once(0..m.size).collect()))
+        .collect();
+    // One round of GETs for all of them, rather than one per file.
+    let _ = b.store.prefetch_ranges(&needed);
+    let names: Vec<String> = files.keys().cloned().collect();
+    crate::images::mapped_ranges_of(&names, |name| {
+        let m = files.get(name)?;
+        let mut buf = vec![0u8; usize::try_from(m.size).ok()?];
+        b.store.image_of((*m).clone()).read_at(0, &mut buf).ok()?;
+        Some(buf)
+    })
+}
+
 /// Held while `kind`'s layout of tree `id` is made: `$CLADE_HOME/cache/.locks/<kind>-<tree>` (gc removes it with
 /// the layout). `None` where the lock file cannot be made: the layout goes on unlocked.
 fn lock_layout(b: &CtBackend, kind: &str, id: &TreeId) -> Option<nix::fcntl::Flock<std::fs::File>> {
@@ -508,24 +547,53 @@ fn lock_layout(b: &CtBackend, kind: &str, id: &TreeId) -> Option<nix::fcntl::Flo
 }
 
 /// [`clade_core::backend::Backend::fetch_ahead`]: the mark's images and upper laid out in this host's caches at
-/// once, as the restore would (docs/roam.md: on a host that takes the sandbox from another, this overlaps the
-/// take).
+/// once, as the restore would, and what CRIU will read of its lazily mounted lower files fetched onto this
+/// host's disk (docs/roam.md: on a host that takes the sandbox from another, this overlaps the take and the
+/// start of the supervisor, which then finds all three here).
 pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), BackendError> {
     if mark.backend != clade_core::backend::BackendKind::Ct || mark.boots_cold() {
         return Ok(());
     }
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
+    let lower = mark.manifests.get(ROLE_ROOTFS).cloned().unwrap_or_default();
     std::thread::scope(|s| {
         let up = s.spawn(|| upper_cache(b, &upper_id));
+        s.spawn(|| crate::lower::read_trees(&b.store, &lower));
+        // What CRIU will read of the lazily mounted lower files, kept on disk for the supervisor's restore.
+        s.spawn(|| {
+            let trees = b.store.tree(&img_id).and_then(|i| Ok((i, b.store.tree(&upper_id)?)));
+            if let Ok((img_tree, upper_tree)) = trees {
+                let _ = prefetch_mapped(b, &lower, &img_id, &img_tree, &upper_tree);
+            }
+        });
         images_cache(b, &img_id)?;
         up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
     })
     .map(|_| ())
 }
 
+/// [`crate::lower::prefetch_mapped`] of a mark, under the per-images lock `ct-mapped` ([`lock_layout`]): a
+/// pull's fetch-ahead and the restore that follows it both ask; whichever comes first fetches them onto this
+/// host's disk, and the other waits for it, then finds them there instead of fetching them again.
+fn prefetch_mapped(
+    b: &CtBackend,
+    lower: &str,
+    img_id: &TreeId,
+    img_tree: &clade_store::Tree,
+    upper_tree: &clade_store::Tree,
+) -> Result<(usize, usize), String> {
+    if !crate::lower::has_trees(lower) {
+        return Ok((0, 0));
+    }
+    let _one = lock_layout(b, MAPPED, img_id);
+    crate::lower::prefetch_mapped(&b.store, lower, upper_tree, || mapped_of(b, img_id, img_tree))
+}
+
 /// The host's caches of marks' trees, under `$CLADE_HOME/cache/` (crate::footprint names them to gc).
 pub(crate) const UPPERS: &str = "ct-uppers";
 pub(crate) const IMAGES: &str = "ct-images";
+/// The lock ([`lock_layout`]) of the prefetch of what CRIU reads of a mark's lower files (nothing laid out).
+const MAPPED: &str = "ct-mapped";
 
 /// The mark's upper laid out in the host's cache ([`cached_tree`]).
 fn upper_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {

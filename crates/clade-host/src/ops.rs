@@ -247,9 +247,14 @@ impl SandboxApi for Ops {
         // While the take runs, the backend fetches what the restore reads first (Backend::fetch_ahead); after a
         // pull, the heartbeat (which leases the mark's roots in the tier) is written while it restores.
         std::thread::scope(|s| {
-            let mut ahead = |state: clade_core::backend::MarkState| {
+            let mut ahead = |state: clade_core::backend::MarkState, packs: Vec<clade_store::PackId>| {
                 s.spawn(move || {
-                    let r = crate::backends::open(engine, state.backend)
+                    // The indexes of the mark's packs first, named by its record (no LIST of the tier).
+                    let r = engine
+                        .store
+                        .load_blob_packs(&packs)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|_| crate::backends::open(engine, state.backend))
                         .and_then(|b| b.fetch_ahead(&state).map_err(anyhow::Error::from));
                     if let Err(e) = r {
                         eprintln!("clade: warning: fetching the mark ahead of its restore: {e:#} (the restore reads it itself)");

@@ -81,6 +81,9 @@ pub(crate) fn fetch_concurrency() -> usize {
     std::env::var("CLADE_BLOB_FETCH_CONCURRENCY").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(32).clamp(1, 128)
 }
 
+/// How many GETs at least a set of ranges is spread over when their asks are joined ([`Blob::get_ranges`]).
+const SPREAD: u64 = 8;
+
 impl Blob {
     pub fn open(cfg: &BlobConfig) -> Result<Self, StoreError> {
         let (store, desc, at): (Arc<dyn ObjectStore>, String, String) = match cfg {
@@ -236,11 +239,17 @@ impl Blob {
     /// that follow each other are asked as one, up to `CLADE_BLOB_COALESCE_BYTES` (default 16 MiB; 0: never): a
     /// GET's round trip through the store's quorum is what a resuming host waits on, and a mark's frames lie one
     /// after another in its packs (a ct resume from Garage on 2 cores: ~0.5 s asking frame by frame, ~0.4 s with
-    /// 16 MiB asks; docs/roam.md).
+    /// 16 MiB asks; docs/roam.md). Yet one GET is one stream, which a cluster serves block after block: the
+    /// asks are kept small enough that there are at least [`SPREAD`] of them (none smaller than 2 MiB), so
+    /// that 8 MiB of one pack come as four parallel 2 MiB GETs (~50 ms) rather than one (~150 ms).
     pub fn get_ranges(&self, reqs: &[(String, Range<u64>)]) -> Result<Vec<Vec<u8>>, StoreError> {
         let what = reqs.first().map(|r| r.0.as_str()).unwrap_or("");
-        let max =
-            std::env::var("CLADE_BLOB_COALESCE_BYTES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(16 << 20);
+        let total: u64 = reqs.iter().map(|(_, r)| r.end.saturating_sub(r.start)).sum();
+        let max = std::env::var("CLADE_BLOB_COALESCE_BYTES")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(16 << 20)
+            .min((total / SPREAD).max(2 << 20));
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by(|&a, &b| (reqs[a].0.as_str(), reqs[a].1.start).cmp(&(reqs[b].0.as_str(), reqs[b].1.start)));
         // (key, the range asked, the requests it answers)

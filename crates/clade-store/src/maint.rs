@@ -51,6 +51,10 @@ pub struct GcReport {
     pub trash_purged: u64,
     /// Stale lease files removed.
     pub stale_leases: u64,
+    /// Frames fetched from the blob tier and kept for another process of this host (crate::kept), removed once
+    /// older than the grace period.
+    #[serde(default)]
+    pub kept_frames_deleted: u64,
     /// Bytes freed on disk.
     pub bytes_freed: u64,
 }
@@ -254,18 +258,10 @@ impl Store {
                 }
             }
         }
-        if let Ok(rd) = std::fs::read_dir(&self.inner.tmp) {
-            for e in rd.flatten() {
-                let p = e.path();
-                if is_older_than(&p, grace) {
-                    rep.leftovers_deleted += 1;
-                    rep.bytes_freed += e.metadata().map(|m| m.len()).unwrap_or(0);
-                    if !dry_run {
-                        let _ = std::fs::remove_file(&p);
-                    }
-                }
-            }
-        }
+        rep.leftovers_deleted += remove_older(&self.inner.tmp, grace, dry_run, &mut rep.bytes_freed);
+        // Frames kept for another process (a restore reads them within seconds of their fetch).
+        let kept = self.inner.dir.join(crate::prefetch::KEPT_FRAMES);
+        rep.kept_frames_deleted += remove_older(&kept, grace, dry_run, &mut rep.bytes_freed);
         // Trash not named by a live lease.
         let leased: HashSet<String> = leases
             .iter()
@@ -458,4 +454,21 @@ impl Store {
         s.blob = self.inner.blob.as_ref().map(|b| b.describe().to_string());
         Ok(s)
     }
+}
+
+/// Remove (unless `dry_run`) the files directly in `dir` older than `grace`; how many, their bytes added to
+/// `freed`.
+fn remove_older(dir: &std::path::Path, grace: Duration, dry_run: bool, freed: &mut u64) -> u64 {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if is_older_than(&p, grace) {
+            n += 1;
+            *freed += e.metadata().map(|m| m.len()).unwrap_or(0);
+            if !dry_run {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+    }
+    n
 }

@@ -58,6 +58,19 @@ impl crate::Store {
         })
     }
 
+    /// The packs the frames of `manifests` and `trees` live in: what a host that reads them from the blob tier
+    /// needs the indexes of ([`Store::load_blob_packs`]).
+    pub fn packs_of_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<Vec<crate::PackId>, StoreError> {
+        let mut mans: Vec<std::sync::Arc<Manifest>> = Vec::new();
+        for id in manifests {
+            mans.push(self.manifest(id)?);
+        }
+        for t in trees {
+            mans.extend(self.tree(t)?.manifests().cloned().map(std::sync::Arc::new));
+        }
+        Ok(self.packs_of(mans.iter().map(|m| &**m))?.into_iter().collect())
+    }
+
     /// Make sure the blob tier holds `manifests`, `trees` and every pack (and its index) their frames live
     /// in, uploading what it lacks from the local tier.
     pub fn push_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PushReport, StoreError> {

@@ -119,6 +119,8 @@ pub(crate) struct Inner {
     /// Held while pack indexes are read from the blob tier: a second caller waits, then finds them loaded
     /// (two threads of one restore that both miss a frame must not each conclude it is missing).
     pub blob_loading: Mutex<()>,
+    /// LISTs of the tier's indexes this process made (see [`Store::locate_in_blob`]).
+    pub blob_lists: std::sync::atomic::AtomicU64,
     /// Blob `.idx` keys already loaded.
     pub blob_seen: Mutex<std::collections::HashSet<String>>,
     /// The gc generation (`gcgen` file) the index reflects.
@@ -174,6 +176,7 @@ impl Store {
             tree_cache: Mutex::new(LruCache::new(NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN))),
             blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
             blob_loading: Mutex::new(()),
+            blob_lists: Default::default(),
             blob_seen: Mutex::new(Default::default()),
             load_errors: Mutex::new(Vec::new()),
             gc_gen: Mutex::new(0),
@@ -346,14 +349,68 @@ impl Store {
         self.inner.manifests.join(id.fanout()).join(id.to_hex())
     }
 
-    /// Load pack indexes from the blob tier that are not known yet. Returns how many were added.
+    /// Load pack indexes from the blob tier that are not known yet (a LIST of the tier's indexes). Returns how
+    /// many were added.
     pub(crate) fn refresh_from_blob(&self) -> Result<usize, StoreError> {
         let Some(blob) = &self.inner.blob else { return Ok(0) };
         let _once = self.inner.blob_loading.lock().unwrap_or_else(|p| p.into_inner());
+        self.list_and_load(blob)
+    }
+
+    /// Load the blob tier's indexes of `packs` that this store has not loaded (kept copies first), without a
+    /// LIST of the tier: a host that takes a sandbox from another is told the packs its mark needs (its state
+    /// record names them), and a tier holds many more. Returns how many were added. They are noted in the
+    /// host's kept listing for its other processes ([`Store::load_recent_listing`]).
+    pub fn load_blob_packs(&self, packs: &[PackId]) -> Result<usize, StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(0) };
+        let keys: Vec<String> =
+            packs.iter().map(|p| blob_key(&pack::idx_path(&self.inner.packs, p), &self.inner.dir)).collect();
+        let _once = self.inner.blob_loading.lock().unwrap_or_else(|p| p.into_inner());
+        let mut listed = self.recent_listing().unwrap_or_default();
+        listed.extend(keys.iter().cloned());
+        listed.sort();
+        listed.dedup();
+        self.keep("blob-idx", LISTED, listed.join("\n").as_bytes());
+        self.load_blob_indexes(blob, keys)
+    }
+
+    /// The kept listing's keys if it is younger than [`LISTED_FRESH`].
+    fn recent_listing(&self) -> Option<Vec<String>> {
+        let path = self.inner.dir.join("blob-idx").join(LISTED);
+        let fresh = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < LISTED_FRESH));
+        if !fresh {
+            return None;
+        }
+        let text = std::fs::read_to_string(&path).ok()?;
+        Some(text.lines().filter(|k| k.ends_with(".idx")).map(String::from).collect())
+    }
+
+    /// [`Store::refresh_from_blob`] with `blob_loading` held: LIST, then load what is new. The listing is kept
+    /// for the other processes of this host ([`Store::load_recent_listing`]).
+    fn list_and_load(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
+        let all: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx")).collect();
+        self.inner.blob_lists.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.keep("blob-idx", LISTED, all.join("\n").as_bytes());
+        self.load_blob_indexes(blob, all)
+    }
+
+    /// The tier's index keys another process of this host listed less than [`LISTED_FRESH`] ago (the command
+    /// that took a sandbox from another host lists them, then its supervisor needs them), loaded without a LIST
+    /// of its own: a LIST of a 3-node Garage takes ~45 ms. Once per process: the keys are then seen.
+    fn load_recent_listing(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
+        match self.recent_listing() {
+            Some(keys) => self.load_blob_indexes(blob, keys),
+            None => Ok(0),
+        }
+    }
+
+    /// Load the indexes `keys` not loaded yet: kept copies first (crate::kept), the rest fetched several at once
+    /// (a host joining a tier reads them all). A key gone from the tier meanwhile is skipped.
+    fn load_blob_indexes(&self, blob: &crate::blob::Blob, keys: Vec<String>) -> Result<usize, StoreError> {
         let seen = |k: &String| self.inner.blob_seen.lock().unwrap_or_else(|p| p.into_inner()).contains(k);
-        let keys: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx") && !seen(k)).collect();
-        // The indexes this host has not read yet, several at once (a host joining a tier reads them all), unless
-        // another process here read them before (crate::kept).
+        let keys: Vec<String> = keys.into_iter().filter(|k| !seen(k)).collect();
         let name = |k: &str| k.rsplit('/').next().unwrap_or("").to_string();
         let ids: Vec<Option<PackId>> = keys.iter().map(|k| fsutil::stem(Path::new(&name(k))).parse().ok()).collect();
         let mut got: Vec<Option<Vec<u8>>> = keys
@@ -406,10 +463,8 @@ impl Store {
         if let Some(l) = self.read_index().frames.get(id) {
             return Ok(l.clone());
         }
-        // Looked up again whatever it added: another thread may have loaded the index that holds it meanwhile.
-        self.refresh_from_blob()?;
-        if let Some(l) = self.read_index().frames.get(id) {
-            return Ok(l.clone());
+        if let Some(l) = self.locate_in_blob(id)? {
+            return Ok(l);
         }
         Err(StoreError::NotFound {
             kind: "frame",
@@ -419,12 +474,41 @@ impl Store {
     }
 
     /// Read and verify a frame from the local tier, else the blob tier (no caching).
+    /// Where frame `id` is, from the blob tier's pack indexes; `None` when a LIST of the tier, begun after this
+    /// call, does not find it. Cheaper ways first: another thread's LIST that ended while this one waited for
+    /// it, then a listing another process of this host made moments ago (each looked up again whatever it
+    /// added: the index holding the frame may have come from elsewhere meanwhile).
+    fn locate_in_blob(&self, id: &FrameId) -> Result<Option<FrameLoc>, StoreError> {
+        let Some(blob) = &self.inner.blob else { return Ok(None) };
+        let look = || self.read_index().frames.get(id).cloned();
+        let lists_before = self.inner.blob_lists.load(std::sync::atomic::Ordering::Acquire);
+        let _once = self.inner.blob_loading.lock().unwrap_or_else(|p| p.into_inner());
+        if self.inner.blob_lists.load(std::sync::atomic::Ordering::Acquire) != lists_before {
+            if let Some(l) = look() {
+                return Ok(Some(l));
+            }
+        }
+        if self.load_recent_listing(blob)? > 0 {
+            if let Some(l) = look() {
+                return Ok(Some(l));
+            }
+        }
+        self.list_and_load(blob)?;
+        Ok(look())
+    }
+
     pub(crate) fn load_frame(&self, id: &FrameId) -> Result<Vec<u8>, StoreError> {
         let loc = self.frame_loc(id)?;
         self.load_frame_at(&loc)
     }
 
     pub(crate) fn load_frame_at(&self, loc: &FrameLoc) -> Result<Vec<u8>, StoreError> {
+        // A frame only the blob tier holds may have been fetched by another process of this host (crate::kept).
+        if self.inner.blob.is_some() && !pack::pack_path(&self.inner.packs, &loc.pack).exists() {
+            if let Some(plain) = self.kept_frame(&loc.entry.id(), &loc.entry) {
+                return Ok(plain);
+            }
+        }
         let mut buf = Vec::new();
         let location = self.read_stored(loc, &mut buf)?;
         pack::decode_frame(buf, &loc.entry, &|| location.clone())
@@ -651,6 +735,11 @@ impl Store {
 }
 
 /// Read and verify a `.idx` file.
+/// The kept listing of the tier's pack indexes (`blob-idx/.listed`, crate::kept) and how long it is trusted.
+/// Its keys are only candidates: a frame still missing after them is looked for with a LIST.
+const LISTED: &str = ".listed";
+const LISTED_FRESH: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub(crate) fn load_idx_file(path: &Path, id: &PackId) -> Result<Vec<FrameEntry>, StoreError> {
     let bytes = std::fs::read(path).ctx("read pack index", path)?;
     if PackId::of(&bytes) != *id {

@@ -254,7 +254,13 @@ fn reads_from_the_blob_tier_are_kept_for_the_next_process() {
     with_blob(&b_dir, tier.clone()).get_dir(&t, &d.path().join("out1")).unwrap();
     let kept_tree = b_dir.join("blob-trees").join(t.to_hex());
     assert!(kept_tree.is_file(), "the tree is kept");
-    let idx: Vec<_> = std::fs::read_dir(b_dir.join("blob-idx")).unwrap().flatten().map(|e| e.path()).collect();
+    // (`.listed`, the tier's listing, is kept beside them: see the next test.)
+    let idx: Vec<_> = std::fs::read_dir(b_dir.join("blob-idx"))
+        .unwrap()
+        .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .map(|e| e.path())
+        .collect();
     assert!(!idx.is_empty(), "the pack indexes are kept");
 
     // The next process reads the kept tree: the tier's copy is not needed.
@@ -279,4 +285,67 @@ fn reads_from_the_blob_tier_are_kept_for_the_next_process() {
     third.get_dir(&t, &d.path().join("out3")).unwrap();
     assert_eq!(std::fs::read(d.path().join("out3/f.img")).unwrap(), pages(9, 40));
     assert!(idx.iter().all(|i| std::fs::read(i).unwrap() != b"torn"), "torn indexes are replaced");
+}
+
+/// A host that takes a sandbox from another loads the indexes of the packs its record names, without a LIST of
+/// the tier, and notes them for its other processes; the frames its fetch-ahead fetches for the restore
+/// (`prefetch_ranges_kept`) are kept on its disk, where the next process reads them with the tier's packs gone.
+/// Control: frames fetched without keeping are not there for the next process. A torn kept frame is never read
+/// as the frame, and gc removes kept frames after its grace period.
+#[test]
+fn frames_fetched_for_another_process_are_kept_on_disk() {
+    let d = tempfile::tempdir().unwrap();
+    let tier_dir = d.path().join("tier");
+    let tier = BlobConfig::Local { root: tier_dir.clone() };
+    let a = with_blob(&d.path().join("a"), tier.clone());
+    let data = pages(7, 600);
+    let id = a.put_bytes(&data, ImageKind::Mem).unwrap().id.unwrap();
+    let packs = a.packs_of_roots(std::slice::from_ref(&id), &[]).unwrap();
+    assert!(!packs.is_empty());
+
+    let b_dir = d.path().join("b");
+    let b1 = with_blob(&b_dir, tier.clone());
+    assert_eq!(b1.load_blob_packs(&packs).unwrap(), packs.len(), "each named index is loaded");
+    let listed = std::fs::read_to_string(b_dir.join("blob-idx/.listed")).unwrap();
+    assert!(packs.iter().all(|p| listed.contains(&p.to_hex())), "noted for the next process: {listed}");
+    let m = b1.manifest(&id).unwrap();
+    assert!(b1.prefetch_ranges_kept(&[(&m, std::iter::once(0..m.size).collect())]).unwrap() >= 2);
+    let kept_dir = b_dir.join("blob-frames");
+    let kept: Vec<_> = std::fs::read_dir(&kept_dir).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(kept.len() >= 2, "{kept:?}");
+    let c_dir = d.path().join("c");
+    let c1 = with_blob(&c_dir, tier.clone());
+    let mc = c1.manifest(&id).unwrap();
+    assert!(c1.prefetch_ranges(&[(&mc, std::iter::once(0..mc.size).collect())]).unwrap() >= 2);
+    assert!(!c_dir.join("blob-frames").exists(), "prefetch_ranges keeps nothing on disk");
+
+    // The tier's packs go (their indexes stay): only kept frames can answer now.
+    let mut stack = vec![tier_dir.clone()];
+    while let Some(p) = stack.pop() {
+        for e in std::fs::read_dir(&p).unwrap().flatten() {
+            if e.path().is_dir() {
+                stack.push(e.path());
+            } else if e.path().extension().is_some_and(|x| x == "pack") {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+    }
+    let read = |s: &Store| {
+        let r = s.image(&id)?;
+        let mut buf = vec![0u8; r.size() as usize];
+        r.read_at(0, &mut buf).map(|()| buf)
+    };
+    assert_eq!(read(&with_blob(&b_dir, tier.clone())).unwrap(), data, "the next process reads the kept frames");
+    assert!(read(&with_blob(&c_dir, tier.clone())).is_err(), "control: nothing kept, nothing to read");
+
+    // A torn kept frame is not read as the frame.
+    for k in &kept {
+        let b = std::fs::read(k).unwrap();
+        std::fs::write(k, &b[..b.len() / 2]).unwrap();
+    }
+    assert!(read(&with_blob(&b_dir, tier.clone())).is_err(), "a torn copy is never read as the frame");
+
+    let g = with_blob(&b_dir, tier).gc(false).unwrap();
+    assert_eq!(g.kept_frames_deleted, kept.len() as u64, "{g:?}");
+    assert_eq!(std::fs::read_dir(&kept_dir).unwrap().count(), 0);
 }

@@ -100,29 +100,33 @@ pub(crate) fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<Mani
 /// Write this host's heartbeat and lease records. `extra`: roots of a push in flight, leased with the rest.
 pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
     let every = beat_every();
-    let l = engine.ledger();
-    let (mut running, mut suspended, mut roots) = (Vec::new(), Vec::new(), extra.to_vec());
-    for s in l.sandboxes(None)? {
-        match s.state {
-            SandboxState::Running | SandboxState::Starting => running.push(s.id.as_str().to_string()),
-            SandboxState::Suspended => suspended.push(s.id.as_str().to_string()),
-            _ => continue,
-        }
-        let head = l.head(&s.branch)?;
-        let origin = s.origin_mark.as_ref().and_then(|m| l.mark(m).ok());
-        for m in head.iter().chain(origin.iter()) {
-            // A mark whose roots this store cannot read is not this host's to lease (nothing of it is here).
-            if let Ok((mans, trees, _)) = roots_of(engine, m) {
-                roots.extend(mans.into_iter().map(Root::Manifest).chain(trees.into_iter().map(Root::Tree)));
+    // The ledger is read first and let go: reading the marks' trees may take round trips to the blob tier,
+    // and a resume that pulled a sandbox runs this while its restore needs the ledger.
+    let (mut running, mut suspended, mut marks) = (Vec::new(), Vec::new(), Vec::new());
+    {
+        let l = engine.ledger();
+        for s in l.sandboxes(None)? {
+            match s.state {
+                SandboxState::Running | SandboxState::Starting => running.push(s.id.as_str().to_string()),
+                SandboxState::Suspended => suspended.push(s.id.as_str().to_string()),
+                _ => continue,
             }
-            // A ct mark's lower layers that are store trees (read lazily from the blob tier after a pull).
-            let fp = footprint(from_ledger(m.backend));
-            if let Some(l) = fp.layers_role().and_then(|r| m.manifests.get(r)) {
-                roots.extend(l.as_str().split(':').filter_map(|p| fp.layer_tree(p)).map(Root::Tree));
-            }
+            marks.extend(l.head(&s.branch)?);
+            marks.extend(s.origin_mark.as_ref().and_then(|m| l.mark(m).ok()));
         }
     }
-    drop(l);
+    let mut roots = extra.to_vec();
+    for m in &marks {
+        // A mark whose roots this store cannot read is not this host's to lease (nothing of it is here).
+        if let Ok((mans, trees, _)) = roots_of(engine, m) {
+            roots.extend(mans.into_iter().map(Root::Manifest).chain(trees.into_iter().map(Root::Tree)));
+        }
+        // A ct mark's lower layers that are store trees (read lazily from the blob tier after a pull).
+        let fp = footprint(from_ledger(m.backend));
+        if let Some(l) = fp.layers_role().and_then(|r| m.manifests.get(r)) {
+            roots.extend(l.as_str().split(':').filter_map(|p| fp.layer_tree(p)).map(Root::Tree));
+        }
+    }
     roots.sort_by_key(|r| format!("{r:?}"));
     roots.dedup();
     let beat = Beat {

@@ -49,6 +49,10 @@ pub struct Record {
     pub full_bytes: u64,
     pub pushed_by: String,
     pub pushed_ms: u64,
+    /// The packs (ids) the mark's frames live in: a host taking it loads their indexes without listing the
+    /// tier (`Store::load_blob_packs`). Empty in records of older pushes.
+    #[serde(default)]
+    pub packs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -221,7 +225,12 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     ));
     // The owner record is read while the lease goes up (each a round trip through the store's quorum): a lease
     // written for a push that is then refused only keeps its roots until the next beat.
-    let (owner, leased) = at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees)))?;
+    // The packs the record names (a local walk of the mark's trees) are found meanwhile.
+    let (packs, both) = at_once(
+        || engine.store.packs_of_roots(&mans, &trees),
+        || at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees))),
+    )?;
+    let (owner, leased) = both?;
     if let Some(o) = owner? {
         if o.state == "taken" && o.host != me {
             return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
@@ -239,6 +248,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         full_bytes: full,
         pushed_by: me.clone(),
         pushed_ms: now_ms(),
+        packs: packs?.iter().map(|p| p.to_hex()).collect(),
     };
     // The state record goes up beside the data: no host pulls before the owner record says `pushed`, which is
     // written once both are up (a record left by a push that failed names a mark no owner record offers).
@@ -294,7 +304,7 @@ pub fn pull_if_pushed(
     engine: &Engine,
     sandbox: &str,
     progress: &mut dyn FnMut(&str),
-    ahead: &mut dyn FnMut(clade_core::backend::MarkState),
+    ahead: &mut dyn FnMut(clade_core::backend::MarkState, Vec<clade_store::PackId>),
 ) -> anyhow::Result<Option<PullOutcome>> {
     check_id(sandbox)?;
     let Some(record) = engine.store.blob_get_meta(&record_key(sandbox))? else { return Ok(None) };
@@ -310,7 +320,7 @@ pub fn beat_here(engine: &Engine) -> anyhow::Result<()> {
 /// Take a pushed sandbox from the blob tier into this host's ledger, suspended, ready for `clade resume`.
 pub fn pull(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> anyhow::Result<PullOutcome> {
     let start = Instant::now();
-    let out = take_into_ledger(engine, sandbox, None, progress, &mut |_| {})?;
+    let out = take_into_ledger(engine, sandbox, None, progress, &mut |_, _| {})?;
     if let Err(e) = beat_here(engine) {
         progress(&format!("pull [{:.0} ms]: warning: heartbeat: {e:#}", ms(start)));
     }
@@ -324,7 +334,7 @@ fn take_into_ledger(
     sandbox: &str,
     record: Option<Vec<u8>>,
     progress: &mut dyn FnMut(&str),
-    ahead: &mut dyn FnMut(clade_core::backend::MarkState),
+    ahead: &mut dyn FnMut(clade_core::backend::MarkState, Vec<clade_store::PackId>),
 ) -> anyhow::Result<PullOutcome> {
     check_id(sandbox)?;
     let tier = need_blob(engine)?;
@@ -346,22 +356,6 @@ fn take_into_ledger(
     if record.format != 1 {
         return Err(invalid(format!("state record format {} is newer than this clade knows", record.format)));
     }
-    match read_owner(&engine.store, sandbox)? {
-        Some(o) if o.state == "taken" && o.host != me => return Err(owner::taken_by(sandbox, &o)),
-        None => return Err(conflict(format!("sandbox {sandbox} in {tier} has no owner record; push it again"))),
-        _ => {}
-    }
-    if let Ok(state) = engine.mark_state(&record.mark) {
-        ahead(state);
-    }
-    // Exactly one of the hosts taking it at once wins; the others are refused, naming it.
-    owner::take(&engine.store, sandbox, &me, owner::patience())?;
-    progress(&format!(
-        "pull [{:.0} ms]: {sandbox} (mark {}) from {tier}, pushed by {}, taken",
-        ms(start),
-        record.mark.id,
-        record.pushed_by
-    ));
     let mut mark = record.mark.clone();
     let fp = footprint(from_ledger(record.backend));
     if let (false, Some(role)) = (record.lowers.is_empty(), fp.layers_role()) {
@@ -385,6 +379,24 @@ fn take_into_ledger(
         progress(&format!("pull [{:.0} ms]: lower layers {}", ms(start), names.join(":")));
         mark.manifests.insert(role.into(), clade_ledger::ManifestId::new(names.join(":")));
     }
+    match read_owner(&engine.store, sandbox)? {
+        Some(o) if o.state == "taken" && o.host != me => return Err(owner::taken_by(sandbox, &o)),
+        None => return Err(conflict(format!("sandbox {sandbox} in {tier} has no owner record; push it again"))),
+        _ => {}
+    }
+    // Fetched ahead while the take runs (a refused take leaves its layout to gc), from the pack indexes the
+    // record names.
+    if let Ok(state) = engine.mark_state(&mark) {
+        ahead(state, record.packs.iter().filter_map(|p| p.parse().ok()).collect());
+    }
+    // Exactly one of the hosts taking it at once wins; the others are refused, naming it.
+    owner::take(&engine.store, sandbox, &me, owner::patience())?;
+    progress(&format!(
+        "pull [{:.0} ms]: {sandbox} (mark {}) from {tier}, pushed by {}, taken",
+        ms(start),
+        record.mark.id,
+        record.pushed_by
+    ));
     record_locally(engine, &record, &mark)?;
     let took = start.elapsed();
     engine.op("pull", Some(&id), Some(&mark.id), took, None, serde_json::json!({"from": record.pushed_by}));
