@@ -249,13 +249,15 @@ impl SandboxApi for Ops {
         std::thread::scope(|s| {
             let mut ahead = |state: clade_core::backend::MarkState, packs: Vec<clade_store::PackId>| {
                 s.spawn(move || {
-                    // The indexes of the mark's packs first, named by its record (no LIST of the tier).
-                    let r = engine
-                        .store
-                        .load_blob_packs(&packs)
-                        .map_err(anyhow::Error::from)
-                        .and_then(|_| crate::backends::open(engine, state.backend))
-                        .and_then(|b| b.fetch_ahead(&state).map_err(anyhow::Error::from));
+                    // The indexes of the mark's packs, named by its record (no LIST of the tier), are loaded
+                    // while the backend reads the mark's trees: its first frame lookup waits for them.
+                    let r = std::thread::scope(|s| {
+                        let loaded = s.spawn(|| engine.store.load_blob_packs(&packs));
+                        let ahead = crate::backends::open(engine, state.backend)
+                            .and_then(|b| b.fetch_ahead(&state).map_err(anyhow::Error::from));
+                        let loaded = loaded.join().unwrap_or(Ok(0));
+                        ahead.and(loaded.map(drop).map_err(anyhow::Error::from))
+                    });
                     if let Err(e) = r {
                         eprintln!("clade: warning: fetching the mark ahead of its restore: {e:#} (the restore reads it itself)");
                     }

@@ -119,8 +119,6 @@ pub(crate) struct Inner {
     /// Held while pack indexes are read from the blob tier: a second caller waits, then finds them loaded
     /// (two threads of one restore that both miss a frame must not each conclude it is missing).
     pub blob_loading: Mutex<()>,
-    /// LISTs of the tier's indexes this process made (see [`Store::locate_in_blob`]).
-    pub blob_lists: std::sync::atomic::AtomicU64,
     /// Blob `.idx` keys already loaded.
     pub blob_seen: Mutex<std::collections::HashSet<String>>,
     /// The gc generation (`gcgen` file) the index reflects.
@@ -176,7 +174,6 @@ impl Store {
             tree_cache: Mutex::new(LruCache::new(NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN))),
             blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
             blob_loading: Mutex::new(()),
-            blob_lists: Default::default(),
             blob_seen: Mutex::new(Default::default()),
             load_errors: Mutex::new(Vec::new()),
             gc_gen: Mutex::new(0),
@@ -391,7 +388,6 @@ impl Store {
     /// for the other processes of this host ([`Store::load_recent_listing`]).
     fn list_and_load(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
         let all: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx")).collect();
-        self.inner.blob_lists.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.keep("blob-idx", LISTED, all.join("\n").as_bytes());
         self.load_blob_indexes(blob, all)
     }
@@ -475,18 +471,16 @@ impl Store {
 
     /// Read and verify a frame from the local tier, else the blob tier (no caching).
     /// Where frame `id` is, from the blob tier's pack indexes; `None` when a LIST of the tier, begun after this
-    /// call, does not find it. Cheaper ways first: another thread's LIST that ended while this one waited for
-    /// it, then a listing another process of this host made moments ago (each looked up again whatever it
-    /// added: the index holding the frame may have come from elsewhere meanwhile).
+    /// call, does not find it. Cheaper ways first: the indexes another thread loaded while this one waited for
+    /// it (a LIST, or the packs a record names: `Store::load_blob_packs`), then a listing another process of
+    /// this host made moments ago (each looked up again whatever it added: the index holding the frame may have
+    /// come from elsewhere meanwhile).
     fn locate_in_blob(&self, id: &FrameId) -> Result<Option<FrameLoc>, StoreError> {
         let Some(blob) = &self.inner.blob else { return Ok(None) };
         let look = || self.read_index().frames.get(id).cloned();
-        let lists_before = self.inner.blob_lists.load(std::sync::atomic::Ordering::Acquire);
         let _once = self.inner.blob_loading.lock().unwrap_or_else(|p| p.into_inner());
-        if self.inner.blob_lists.load(std::sync::atomic::Ordering::Acquire) != lists_before {
-            if let Some(l) = look() {
-                return Ok(Some(l));
-            }
+        if let Some(l) = look() {
+            return Ok(Some(l));
         }
         if self.load_recent_listing(blob)? > 0 {
             if let Some(l) = look() {

@@ -99,6 +99,12 @@ pub(crate) fn roots_of(engine: &Engine, mark: &Mark) -> anyhow::Result<(Vec<Mani
 
 /// Write this host's heartbeat and lease records. `extra`: roots of a push in flight, leased with the rest.
 pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
+    beat_without(engine, me, extra, None)
+}
+
+/// [`beat`] as if this host's ledger no longer held sandbox `gone` (a push's last beat, written while the
+/// owner record says `pushed`, before the ledger forgets it).
+pub fn beat_without(engine: &Engine, me: &str, extra: &[Root], gone: Option<&str>) -> anyhow::Result<Beat> {
     let every = beat_every();
     // The ledger is read first and let go: reading the marks' trees may take round trips to the blob tier,
     // and a resume that pulled a sandbox runs this while its restore needs the ledger.
@@ -106,6 +112,9 @@ pub fn beat(engine: &Engine, me: &str, extra: &[Root]) -> anyhow::Result<Beat> {
     {
         let l = engine.ledger();
         for s in l.sandboxes(None)? {
+            if gone == Some(s.id.as_str()) {
+                continue;
+            }
             match s.state {
                 SandboxState::Running | SandboxState::Starting => running.push(s.id.as_str().to_string()),
                 SandboxState::Suspended => suspended.push(s.id.as_str().to_string()),

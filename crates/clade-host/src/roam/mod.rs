@@ -267,7 +267,13 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         rep.bytes_uploaded,
         rep.roots_uploaded
     ));
-    write_owner(&engine.store, sandbox, &me, "pushed")?;
+    // The heartbeat, without the sandbox, goes up with the owner record (each a round trip through the store's
+    // quorum).
+    let (owned, beaten) = at_once(
+        || write_owner(&engine.store, sandbox, &me, "pushed"),
+        || hosts::beat_without(engine, &me, &[], Some(sandbox)),
+    )?;
+    owned?;
     // This host forgets the sandbox; its branch and head stay (pinned) so local gc never unpublishes objects
     // another host now resumes from (delete_manifest unpublishes in the blob tier too).
     {
@@ -276,7 +282,7 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         l.set_sandbox_state(&id, SandboxState::Dead, Some(&format!("pushed to {tier}")))?;
         l.remove_sandbox(&id)?;
     }
-    if let Err(e) = beat(engine, &me, &[]) {
+    if let Err(e) = beaten {
         progress(&format!("push [{:.0} ms]: warning: heartbeat: {e:#}", ms(start)));
     }
     let took = start.elapsed();
