@@ -110,6 +110,16 @@ impl Store {
         let stored = self.kept(KEPT_FRAMES, &id.to_hex(), |b| b.len() == entry.stored_len as usize)?;
         pack::decode_frame(stored, entry, &|| format!("{KEPT_FRAMES}/{id}")).ok()
     }
+
+    /// The stored bytes of the frame `entry` from its kept copy, if it verifies (decoded once here, so that a
+    /// torn copy is fetched from the tier instead of failing the caller's decode).
+    pub(crate) fn kept_stored(&self, entry: &pack::FrameEntry) -> Option<Vec<u8>> {
+        let id = entry.id();
+        self.kept(KEPT_FRAMES, &id.to_hex(), |b| {
+            b.len() == entry.stored_len as usize
+                && pack::decode_frame_slice(b, &mut Vec::new(), entry, &|| format!("{KEPT_FRAMES}/{id}")).is_ok()
+        })
+    }
 }
 
 /// Where frames fetched for another process of this host are kept (crate::kept; the store's gc removes them

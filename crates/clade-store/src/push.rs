@@ -61,6 +61,16 @@ impl crate::Store {
     /// The packs the frames of `manifests` and `trees` live in: what a host that reads them from the blob tier
     /// needs the indexes of ([`Store::load_blob_packs`]).
     pub fn packs_of_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<Vec<crate::PackId>, StoreError> {
+        let mans = self.manifests_of_roots(manifests, trees)?;
+        Ok(self.packs_of(mans.iter().map(|m| &**m))?.into_iter().collect())
+    }
+
+    /// The manifests `manifests` and those of the files of `trees`.
+    fn manifests_of_roots(
+        &self,
+        manifests: &[ManifestId],
+        trees: &[TreeId],
+    ) -> Result<Vec<std::sync::Arc<Manifest>>, StoreError> {
         let mut mans: Vec<std::sync::Arc<Manifest>> = Vec::new();
         for id in manifests {
             mans.push(self.manifest(id)?);
@@ -68,7 +78,7 @@ impl crate::Store {
         for t in trees {
             mans.extend(self.tree(t)?.manifests().cloned().map(std::sync::Arc::new));
         }
-        Ok(self.packs_of(mans.iter().map(|m| &**m))?.into_iter().collect())
+        Ok(mans)
     }
 
     /// Make sure the blob tier holds `manifests`, `trees` and every pack (and its index) their frames live
@@ -76,18 +86,10 @@ impl crate::Store {
     pub fn push_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PushReport, StoreError> {
         let blob = self.need_blob()?;
         let mut rep = PushReport::default();
-        let mut mans: Vec<std::sync::Arc<Manifest>> = Vec::new();
-        let (mut man_files, mut tree_files) = (Vec::new(), Vec::new());
+        let mans = self.manifests_of_roots(manifests, trees)?;
         let file = |path: std::path::PathBuf| vec![(crate::store::blob_key(&path, &self.inner.dir), path)];
-        for id in manifests {
-            mans.push(self.manifest(id)?);
-            man_files.push(file(self.manifest_path(id)));
-        }
-        for t in trees {
-            let tree = self.tree(t)?;
-            mans.extend(tree.manifests().cloned().map(std::sync::Arc::new));
-            tree_files.push(file(self.tree_path(t)));
-        }
+        let man_files: Vec<_> = manifests.iter().map(|id| file(self.manifest_path(id))).collect();
+        let tree_files: Vec<_> = trees.iter().map(|t| file(self.tree_path(t))).collect();
         let packs = self.packs_of(mans.iter().map(|m| &**m))?;
         rep.packs = packs.len();
         // Which packs (by their index) and roots the tier lacks, asked at once; then the packs (each before its

@@ -357,7 +357,7 @@ impl Store {
     /// Load the blob tier's indexes of `packs` that this store has not loaded (kept copies first), without a
     /// LIST of the tier: a host that takes a sandbox from another is told the packs its mark needs (its state
     /// record names them), and a tier holds many more. Returns how many were added. They are noted in the
-    /// host's kept listing for its other processes ([`Store::load_recent_listing`]).
+    /// host's kept listing for its other processes ([`Store::locate_in_blob`]).
     pub fn load_blob_packs(&self, packs: &[PackId]) -> Result<usize, StoreError> {
         let Some(blob) = &self.inner.blob else { return Ok(0) };
         let keys: Vec<String> =
@@ -385,21 +385,11 @@ impl Store {
     }
 
     /// [`Store::refresh_from_blob`] with `blob_loading` held: LIST, then load what is new. The listing is kept
-    /// for the other processes of this host ([`Store::load_recent_listing`]).
+    /// for the other processes of this host ([`Store::locate_in_blob`]).
     fn list_and_load(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
         let all: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx")).collect();
         self.keep("blob-idx", LISTED, all.join("\n").as_bytes());
         self.load_blob_indexes(blob, all)
-    }
-
-    /// The tier's index keys another process of this host listed less than [`LISTED_FRESH`] ago (the command
-    /// that took a sandbox from another host lists them, then its supervisor needs them), loaded without a LIST
-    /// of its own: a LIST of a 3-node Garage takes ~45 ms. Once per process: the keys are then seen.
-    fn load_recent_listing(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
-        match self.recent_listing() {
-            Some(keys) => self.load_blob_indexes(blob, keys),
-            None => Ok(0),
-        }
     }
 
     /// Load the indexes `keys` not loaded yet: kept copies first (crate::kept), the rest fetched several at once
@@ -469,7 +459,6 @@ impl Store {
         })
     }
 
-    /// Read and verify a frame from the local tier, else the blob tier (no caching).
     /// Where frame `id` is, from the blob tier's pack indexes; `None` when a LIST of the tier, begun after this
     /// call, does not find it. Cheaper ways first: the indexes another thread loaded while this one waited for
     /// it (a LIST, or the packs a record names: `Store::load_blob_packs`), then a listing another process of
@@ -482,7 +471,11 @@ impl Store {
         if let Some(l) = look() {
             return Ok(Some(l));
         }
-        if self.load_recent_listing(blob)? > 0 {
+        // The tier's index keys another process of this host listed moments ago (the command that took a
+        // sandbox from another host, then its supervisor), without a LIST of its own (~45 ms on a 3-node
+        // Garage). Once per process: the keys are then seen.
+        let recent = self.recent_listing().unwrap_or_default();
+        if self.load_blob_indexes(blob, recent)? > 0 {
             if let Some(l) = look() {
                 return Ok(Some(l));
             }
@@ -491,18 +484,13 @@ impl Store {
         Ok(look())
     }
 
+    /// Read and verify a frame from the local tier, else the blob tier (no caching).
     pub(crate) fn load_frame(&self, id: &FrameId) -> Result<Vec<u8>, StoreError> {
         let loc = self.frame_loc(id)?;
         self.load_frame_at(&loc)
     }
 
     pub(crate) fn load_frame_at(&self, loc: &FrameLoc) -> Result<Vec<u8>, StoreError> {
-        // A frame only the blob tier holds may have been fetched by another process of this host (crate::kept).
-        if self.inner.blob.is_some() && !pack::pack_path(&self.inner.packs, &loc.pack).exists() {
-            if let Some(plain) = self.kept_frame(&loc.entry.id(), &loc.entry) {
-                return Ok(plain);
-            }
-        }
         let mut buf = Vec::new();
         let location = self.read_stored(loc, &mut buf)?;
         pack::decode_frame(buf, &loc.entry, &|| location.clone())
@@ -534,6 +522,11 @@ impl Store {
                         id: path.display().to_string(),
                     });
                 };
+                // Another process of this host may have fetched it already (crate::kept).
+                if let Some(kept) = self.kept_stored(e) {
+                    *buf = kept;
+                    return Ok(format!("{}/{}", crate::prefetch::KEPT_FRAMES, e.id()));
+                }
                 let key = blob_key(&path, &self.inner.dir);
                 *buf = blob.get_range(&key, e.offset..e.offset + e.stored_len as u64)?;
                 Ok(format!("{}/{key}", blob.describe()))
@@ -728,12 +721,12 @@ impl Store {
     }
 }
 
-/// Read and verify a `.idx` file.
 /// The kept listing of the tier's pack indexes (`blob-idx/.listed`, crate::kept) and how long it is trusted.
 /// Its keys are only candidates: a frame still missing after them is looked for with a LIST.
 const LISTED: &str = ".listed";
 const LISTED_FRESH: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Read and verify a `.idx` file.
 pub(crate) fn load_idx_file(path: &Path, id: &PackId) -> Result<Vec<FrameEntry>, StoreError> {
     let bytes = std::fs::read(path).ctx("read pack index", path)?;
     if PackId::of(&bytes) != *id {
