@@ -22,6 +22,7 @@ pub mod images;
 pub mod inroot;
 pub mod jail;
 pub mod jail_audit;
+pub mod lazy_upper;
 pub mod lower;
 pub mod net;
 pub mod resources;

@@ -14,9 +14,14 @@ use clade_store::{Store, TreeId};
 /// The prefix of a lower layer that is a store tree.
 pub const TREE_PREFIX: &str = "tree=";
 
-/// The tree a lower-layer entry names, if it names one.
+/// The prefix of a lower layer that is a mark's upper tree whose large files a restore left lazy
+/// (crate::lazy_upper). Its owners are stored as the host saw them in the upper (a jailed sandbox's already
+/// shifted), so its mount shows them unshifted; a `tree=` layer's are the template's own, shifted when mounted.
+pub const UPPER_PREFIX: &str = "upper=";
+
+/// The tree a lower-layer entry names, if it names one (`tree=` or `upper=`).
 pub fn tree_of(entry: &str) -> Option<TreeId> {
-    entry.strip_prefix(TREE_PREFIX)?.parse().ok()
+    entry.strip_prefix(TREE_PREFIX).or_else(|| entry.strip_prefix(UPPER_PREFIX))?.parse().ok()
 }
 
 /// Whether any of the `:`-separated lower layers is a store tree (a sandbox from another host).
@@ -39,12 +44,15 @@ pub fn resolve(
         match tree_of(entry) {
             Some(t) => {
                 let dir = run_dir.join("lower").join(n.to_string());
-                let m = clade_lazyfs::LazyTree::mount_shifted(store, &t, &dir, id_shift)
+                let shift = if entry.starts_with(UPPER_PREFIX) { 0 } else { id_shift };
+                let m = clade_lazyfs::LazyTree::mount_shifted(store, &t, &dir, shift)
                     .map_err(|e| format!("lower layer {entry}: {e}"))?;
                 out.push(m.dir().display().to_string());
                 mounts.push(m);
             }
-            None if entry.starts_with(TREE_PREFIX) => return Err(format!("lower layer {entry:?} names no tree id")),
+            None if entry.starts_with(TREE_PREFIX) || entry.starts_with(UPPER_PREFIX) => {
+                return Err(format!("lower layer {entry:?} names no tree id"))
+            }
             None => out.push(entry.to_string()),
         }
     }
@@ -135,6 +143,7 @@ mod tests {
     fn tree_entries_are_told_from_paths() {
         let id = "ab".repeat(32);
         assert!(super::tree_of(&format!("tree={id}")).is_some());
+        assert!(super::tree_of(&format!("upper={id}")).is_some());
         assert!(super::tree_of("/var/lib/clade/templates/x/rootfs").is_none());
         assert!(super::tree_of("tree=nothex").is_none());
     }

@@ -155,8 +155,8 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
     // files (a sandbox from another host: crate::images) is fetched, found from the images' tree without waiting
     // for their layout (which a pull's fetch-ahead may still be making): on such a host each is a set of GETs
     // whose round trips through the blob tier overlap (docs/roam.md).
-    std::thread::scope(|s| {
-        let up = s.spawn(|| upper_for(b, &upper_id, &upper, &procs));
+    let lazy_upper = std::thread::scope(|s| {
+        let up = s.spawn(|| upper_for(b, &upper_id, &lower, &upper, &procs));
         // The lower trees the prefetch and the lazy mounts read, fetched meanwhile into the store's tree cache.
         s.spawn(|| crate::lower::read_trees(&b.store, &lower));
         let pre = s.spawn(|| prefetch_mapped(b, &lower, &img_id, &img_tree, &upper_tree));
@@ -168,6 +168,9 @@ pub(crate) fn prepare(b: &CtBackend, mark: &MarkState, id: &Identity) -> Result<
         }
         up.join().unwrap_or_else(|_| Err(failed("laying out the upper panicked".into())))
     })?;
+    // Large files of the upper this host lacks are read through the mark's upper tree, mounted lazily right
+    // below the sandbox's own upper (crate::lazy_upper); the sandbox keeps the layer, so its marks name it.
+    let lower = if lazy_upper { format!("{}{upper_id}:{lower}", crate::lower::UPPER_PREFIX) } else { lower };
     lap("images", &mut phases);
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
@@ -476,11 +479,20 @@ fn child_setup(
 }
 
 /// A store tree laid out once per host under `$CLADE_HOME/cache/<kind>/<tree id>` (read from the store,
-/// hash-verified, written to a temp name and renamed; a racing restore that lost the rename drops its copy).
-fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<PathBuf, BackendError> {
+/// hash-verified, written to a temp name and renamed; a racing restore that lost the rename drops its copy),
+/// without the entries `leave_out` names (asked only when this call lays it out: crate::lazy_upper), which are
+/// noted beside it first. Returns the layout and whether it left entries out.
+fn cached_tree(
+    b: &CtBackend,
+    kind: &str,
+    id: &TreeId,
+    what: &str,
+    leave_out: impl FnOnce() -> std::collections::BTreeSet<Vec<u8>>,
+) -> Result<(PathBuf, bool), BackendError> {
     let cache = b.home.cache_dir().join(kind).join(id.to_hex());
+    let marker = crate::lazy_upper::marker_of(&cache);
     if cache.exists() {
-        return Ok(cache);
+        return Ok((cache, marker.exists()));
     }
     // One process lays a tree out at a time, the others wait and find it (siblings forked at once; a pull's
     // fetch-ahead and the restore that follows it). The lock only saves work: a layout is a temp directory
@@ -491,13 +503,25 @@ fn cached_tree(b: &CtBackend, kind: &str, id: &TreeId, what: &str) -> Result<Pat
         std::fs::create_dir_all(parent).map_err(|e| failed(format!("create {}: {e}", parent.display())))?;
         let tmp = clade_core::home::temp_beside(&cache);
         let _ = std::fs::remove_dir_all(&tmp);
-        b.store.get_dir(id, &tmp).map_err(|e| failed(format!("lay out {what}: {e}")))?;
+        let left = leave_out();
+        b.store
+            .get_dir_except(id, &tmp, |e| left.contains(&e.path))
+            .map_err(|e| failed(format!("lay out {what}: {e}")))?;
+        if !left.is_empty() {
+            // Before the layout is in place: whoever finds the layout finds the note. A note beside a whole
+            // layout (a racing restore's) only adds a lazy layer whose files the upper hides.
+            let note: Vec<u8> = left.iter().flat_map(|p| p.iter().copied().chain(std::iter::once(b'\n'))).collect();
+            let tmp_note = clade_core::home::temp_beside(&marker);
+            std::fs::write(&tmp_note, note)
+                .and_then(|()| std::fs::rename(&tmp_note, &marker))
+                .map_err(|e| failed(format!("note the lazy files of {what} at {}: {e}", marker.display())))?;
+        }
         if std::fs::rename(&tmp, &cache).is_err() {
             // Another restore laid it out first.
             let _ = std::fs::remove_dir_all(&tmp);
         }
     }
-    Ok(cache)
+    Ok((cache, marker.exists()))
 }
 
 /// The file ranges CRIU will read because it writes dumped pages over private mappings of them
@@ -557,7 +581,7 @@ pub(crate) fn fetch_ahead(b: &CtBackend, mark: &MarkState) -> Result<(), Backend
     let (img_id, upper_id) = (tree_of(mark, ROLE_CRIU)?, tree_of(mark, ROLE_UPPER)?);
     let lower = mark.manifests.get(ROLE_ROOTFS).cloned().unwrap_or_default();
     std::thread::scope(|s| {
-        let up = s.spawn(|| upper_cache(b, &upper_id));
+        let up = s.spawn(|| upper_cache(b, &upper_id, &lower));
         s.spawn(|| crate::lower::read_trees(&b.store, &lower));
         // What CRIU will read of the lazily mounted lower files, kept on disk for the supervisor's restore.
         s.spawn(|| {
@@ -595,23 +619,37 @@ pub(crate) const IMAGES: &str = "ct-images";
 /// The lock ([`lock_layout`]) of the prefetch of what CRIU reads of a mark's lower files (nothing laid out).
 const MAPPED: &str = "ct-mapped";
 
-/// The mark's upper laid out in the host's cache ([`cached_tree`]).
-fn upper_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {
-    cached_tree(b, UPPERS, id, "the upper")
+/// The mark's upper laid out in the host's cache ([`cached_tree`]), its large files that this host lacks left
+/// out (crate::lazy_upper) for a mark with lower layers `lowers`. Returns the layout and whether files were
+/// left out: then the restore mounts the upper tree as a lazy lower layer.
+fn upper_cache(b: &CtBackend, id: &TreeId, lowers: &str) -> Result<(PathBuf, bool), BackendError> {
+    cached_tree(b, UPPERS, id, "the upper", || match b.store.tree(id) {
+        Ok(t) => crate::lazy_upper::lazy_files(&b.store, &t, lowers),
+        // The layout's own read reports it.
+        Err(_) => Default::default(),
+    })
 }
 
 /// The mark's CRIU images laid out in the host's cache ([`cached_tree`]).
 fn images_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {
-    cached_tree(b, IMAGES, id, "the images")
+    cached_tree(b, IMAGES, id, "the images", Default::default).map(|(p, _)| p)
 }
 
 /// A mark's upper is laid out (and hash-verified) once per host under `$CLADE_HOME/cache/ct-uppers/<tree id>`,
 /// read-only; each restore gets its own copy (`cp -a`: whiteouts, `trusted.overlay.*` xattrs and owners kept),
 /// which the sandbox then writes. A kernel copy of the few MB a browser's upper holds is ~10 ms where the
-/// store's read (decompress, verify, write) took 100-300 ms on this host.
-pub(crate) fn upper_for(b: &CtBackend, id: &TreeId, dest: &Path, charge: &[PathBuf]) -> Result<(), BackendError> {
-    let cache = upper_cache(b, id)?;
-    crate::disk::copy_tree_charged(&cache, dest, charge)
+/// store's read (decompress, verify, write) took 100-300 ms on this host. Returns whether the layout left
+/// large files to a lazy layer (crate::lazy_upper): the caller then mounts `upper=<id>` below the copy.
+pub(crate) fn upper_for(
+    b: &CtBackend,
+    id: &TreeId,
+    lowers: &str,
+    dest: &Path,
+    charge: &[PathBuf],
+) -> Result<bool, BackendError> {
+    let (cache, lazy) = upper_cache(b, id, lowers)?;
+    crate::disk::copy_tree_charged(&cache, dest, charge)?;
+    Ok(lazy)
 }
 
 /// The images of a mark are laid out once per host under `$CLADE_HOME/cache/ct-images/<tree id>` (read-only);

@@ -100,8 +100,13 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
     res.rw_mounted = true;
     b.check_fail(FailPoint::RunDir)?;
     let (upper, work, root) = (res.rw().join("upper"), res.rw().join("work"), run_dir.join("root"));
+    let mut lower = spec.lower.clone();
     if let Some(tree) = &spec.upper {
-        crate::restore::upper_for(b, tree, &upper, &[])?;
+        if crate::restore::upper_for(b, tree, &spec.lower, &upper, &[])? {
+            // Its large files this host lacks, read through the upper tree mounted lazily (crate::lazy_upper);
+            // /dev and /run are made opaque again below (crate::spawn), hiding the lazy layer's too.
+            lower = format!("{}{tree}:{lower}", crate::lower::UPPER_PREFIX);
+        }
         // A boot starts with empty /dev and /run, as a tmpfs there would (crate::spawn seeds them again).
         for d in ["dev", "run"] {
             let p = upper.join(d);
@@ -128,7 +133,7 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
     // Lower layers named as store trees (a disk-only mark from another host) are mounted lazily, already
     // shifted for the user namespace; host directories are idmapped.
     let shift = if userns { crate::userns::BASE } else { 0 };
-    let lowerdir = crate::lower::resolve(&b.store, &spec.lower, &run_dir, &mut res.lowers, shift).map_err(failed)?;
+    let lowerdir = crate::lower::resolve(&b.store, &lower, &run_dir, &mut res.lowers, shift).map_err(failed)?;
     let (overlay_lower, idmapped) = if userns {
         let lazy = run_dir.join("lower");
         let (dirs, pairs) =
@@ -161,7 +166,7 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
         agent,
         criu: b.cfg.criu.clone(),
         store: b.store.clone(),
-        lower: spec.lower.clone(),
+        lower,
         shape: spec.shape.clone(),
         compat: clade_core::backend::Backend::host_compat(b),
         ready_timeout: b.cfg.ready_timeout,

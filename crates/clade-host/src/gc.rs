@@ -167,12 +167,13 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
                     .and_then(|m| m.modified())
                     .is_ok_and(|t| SystemTime::now().duration_since(t).unwrap_or_default() > TEMP_AGE),
                 None if name.starts_with(".gc-") => true,
-                None => !live.contains(&name),
+                // A layout's note of the files it left lazy (`<tree>.lazy`) goes with its tree.
+                None => !live.contains(name.strip_suffix(".lazy").unwrap_or(&name)),
             };
             if !stale {
                 continue;
             }
-            dirs += 1;
+            dirs += usize::from(!name.ends_with(".lazy"));
             bytes += dir_bytes(&e.path());
             if dry_run {
                 continue;
@@ -181,7 +182,11 @@ fn sweep_tree_caches(cache: &Path, live: &BTreeSet<String>, dry_run: bool) -> an
             if aside != e.path() {
                 std::fs::rename(e.path(), &aside)?;
             }
-            std::fs::remove_dir_all(&aside)?;
+            if std::fs::symlink_metadata(&aside)?.is_dir() {
+                std::fs::remove_dir_all(&aside)?;
+            } else {
+                std::fs::remove_file(&aside)?;
+            }
         }
     }
     // The layouts' lock files (`.locks/<kind>-<tree>`), once their tree is not live.
@@ -229,18 +234,27 @@ mod tests {
             std::fs::create_dir_all(uppers.join(d)).unwrap();
             std::fs::write(uppers.join(d).join("f"), b"1234").unwrap();
         }
+        // Notes of the files a layout left lazy (clade-ct's lazy_upper) go with their layout.
+        for f in ["live.lazy", "dead.lazy"] {
+            std::fs::write(uppers.join(f), b"ab").unwrap();
+        }
         // A temp of a restore that died an hour ago, beside one still being laid out.
         let old = nix::sys::time::TimeVal::new(1_000_000, 0);
         nix::sys::stat::utimes(&uppers.join("dead.tmp7-2"), &old, &old).unwrap();
         let live: BTreeSet<String> = ["live".to_string()].into();
-        assert_eq!(sweep_tree_caches(dir.path(), &live, true).unwrap(), (3, 12), "dry run: dead, old temp, aside");
-        assert_eq!(std::fs::read_dir(&uppers).unwrap().count(), 5, "a dry run removes nothing");
-        assert_eq!(sweep_tree_caches(dir.path(), &live, false).unwrap(), (3, 12));
+        let want = (3, 14);
+        assert_eq!(
+            sweep_tree_caches(dir.path(), &live, true).unwrap(),
+            want,
+            "dry run: dead (and its note), old temp, aside"
+        );
+        assert_eq!(std::fs::read_dir(&uppers).unwrap().count(), 7, "a dry run removes nothing");
+        assert_eq!(sweep_tree_caches(dir.path(), &live, false).unwrap(), want);
         let mut left: Vec<String> = std::fs::read_dir(&uppers)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
-        assert_eq!(left, vec!["live", "live.tmp7-1"]);
+        assert_eq!(left, vec!["live", "live.lazy", "live.tmp7-1"]);
     }
 }

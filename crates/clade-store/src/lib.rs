@@ -52,7 +52,7 @@ pub use ids::{FrameId, ManifestId, ObjectId, PackId, TreeId};
 pub use lease::{Lease, Root};
 pub use maint::{FsckReport, GcReport, StoreStats};
 pub use manifest::{Extent, ImageKind, Manifest};
-pub use push::PushReport;
+pub use push::{PackedPush, PushReport};
 pub use reader::{ImageExtent, ImageReader};
 pub use store::{Store, StoreConfig};
 pub use tree::{EntryKind, Tree, TreeEntry, TreeReport};

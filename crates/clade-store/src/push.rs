@@ -24,6 +24,18 @@ pub struct PushReport {
     pub bytes_uploaded: u64,
 }
 
+/// What [`Store::push_packs`] did and left to [`Store::push_finish`].
+#[derive(Debug)]
+pub struct PackedPush {
+    man_files: Vec<Vec<(String, std::path::PathBuf)>>,
+    tree_files: Vec<Vec<(String, std::path::PathBuf)>>,
+    /// Whether the tier held each of `man_files` then `tree_files`.
+    root_have: Vec<bool>,
+    /// The pack groups (pack, index) the tier held already.
+    present: Vec<Vec<(String, std::path::PathBuf)>>,
+    rep: PushReport,
+}
+
 /// Bytes this process read from the blob tier (frames by range, roots, pack indexes), and how many reads.
 pub(crate) static FETCHED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub(crate) static FETCHES: AtomicU64 = AtomicU64::new(0);
@@ -82,8 +94,17 @@ impl crate::Store {
     }
 
     /// Make sure the blob tier holds `manifests`, `trees` and every pack (and its index) their frames live
-    /// in, uploading what it lacks from the local tier.
+    /// in, uploading what it lacks from the local tier. The caller holds a lease on the roots already.
     pub fn push_roots(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PushReport, StoreError> {
+        let packed = self.push_packs(manifests, trees)?;
+        self.push_finish(packed, false)
+    }
+
+    /// The first half of [`Store::push_roots`]: one round of HEADs for the packs (by their index) and roots the
+    /// tier lacks, then the packs it lacks, several at once (each before its index). It may run while the
+    /// caller's lease on the roots goes up: a pack uploaded now is younger than the blob gc's grace period, and
+    /// [`Store::push_finish`] asks again for the packs that were there already.
+    pub fn push_packs(&self, manifests: &[ManifestId], trees: &[TreeId]) -> Result<PackedPush, StoreError> {
         let blob = self.need_blob()?;
         let mut rep = PushReport::default();
         let mans = self.manifests_of_roots(manifests, trees)?;
@@ -92,15 +113,31 @@ impl crate::Store {
         let tree_files: Vec<_> = trees.iter().map(|t| file(self.tree_path(t))).collect();
         let packs = self.packs_of(mans.iter().map(|m| &**m))?;
         rep.packs = packs.len();
-        // Which packs (by their index) and roots the tier lacks, asked at once; then the packs (each before its
-        // index), then the manifests naming their frames, then the trees naming those: a reader that finds a
-        // key finds everything it names.
         let (ids, groups) = self.pack_groups(packs);
         let mut keys: Vec<String> = groups.iter().map(|g| g[1].0.clone()).collect();
         keys.extend(man_files.iter().chain(&tree_files).map(|g| g[0].0.clone()));
         let have = blob.has_many(&keys)?;
         let (pack_have, root_have) = have.split_at(groups.len());
         (rep.packs_uploaded, rep.bytes_uploaded) = self.blob_upload_missing(&ids, &groups, pack_have)?;
+        let present = groups.iter().zip(pack_have).filter(|(_, h)| **h).map(|(g, _)| g.clone()).collect();
+        Ok(PackedPush { man_files, tree_files, root_have: root_have.to_vec(), present, rep })
+    }
+
+    /// The second half of [`Store::push_roots`]: with `ask_again` (the lease went up while
+    /// [`Store::push_packs`] ran), the packs that were in the tier already are asked for again, since a blob gc
+    /// may have freed them before it could see the lease, and any gone is uploaded. Then the manifests naming
+    /// their frames, then the trees naming those: a reader that finds a key finds everything it names.
+    pub fn push_finish(&self, packed: PackedPush, ask_again: bool) -> Result<PushReport, StoreError> {
+        let blob = self.need_blob()?;
+        let PackedPush { man_files, tree_files, root_have, present, mut rep } = packed;
+        if ask_again && !present.is_empty() {
+            let keys: Vec<String> = present.iter().map(|g| g[1].0.clone()).collect();
+            let still = blob.has_many(&keys)?;
+            let gone: Vec<_> = present.into_iter().zip(still).filter(|(_, h)| !h).map(|(g, _)| g).collect();
+            let sent = blob.upload_groups(&gone)?;
+            rep.packs_uploaded += sent.len();
+            rep.bytes_uploaded += sent.iter().sum::<u64>();
+        }
         let mut root_have = root_have.iter();
         let mut missing = |files: Vec<Vec<(String, std::path::PathBuf)>>| -> Vec<_> {
             files.into_iter().filter(|_| !root_have.next().copied().unwrap_or(false)).collect()

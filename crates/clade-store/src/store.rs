@@ -61,6 +61,9 @@ impl Default for StoreConfig {
     }
 }
 
+/// How many locks [`Store::frame`] spreads its loads over (two frames of one stripe load one after the other).
+const FRAME_LOAD_STRIPES: usize = 64;
+
 pub(crate) struct FrameCache {
     lru: LruCache<FrameId, Arc<Vec<u8>>>,
     bytes: u64,
@@ -111,6 +114,8 @@ pub(crate) struct Inner {
     /// Held while pack indexes are loaded (or the index released), so concurrent loads read each pack once.
     pub index_loading: Mutex<()>,
     pub cache: Mutex<FrameCache>,
+    /// Held while a frame of the stripe is loaded into the cache ([`Store::frame`]).
+    pub frame_loads: [Mutex<()>; FRAME_LOAD_STRIPES],
     pub manifest_cache: Mutex<LruCache<ManifestId, Arc<Manifest>>>,
     /// Trees read from the blob tier (a local tree is a file read): a host that resumes a sandbox from another
     /// reads each of its trees several times (verify, lay out, mount lazily), each a GET otherwise.
@@ -170,6 +175,7 @@ impl Store {
                 hits: 0,
                 misses: 0,
             }),
+            frame_loads: std::array::from_fn(|_| Mutex::new(())),
             manifest_cache: Mutex::new(LruCache::new(NonZeroUsize::new(64).unwrap_or(NonZeroUsize::MIN))),
             tree_cache: Mutex::new(LruCache::new(NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN))),
             blob: cfg.blob.as_ref().map(Blob::open).transpose()?,
@@ -545,10 +551,19 @@ impl Store {
         if let Some(f) = self.cache().get(id) {
             return Ok(f);
         }
-        let data: Arc<Vec<u8>> = Arc::new(self.load_frame(id)?);
-        if keep {
-            self.cache().insert(*id, data.clone());
+        if !keep {
+            return Ok(Arc::new(self.load_frame(id)?));
         }
+        // Readers of one frame at once (a file read through a lazy mount, its 128 KiB requests answered in
+        // parallel) wait for the first to load it rather than each fetching it from the blob tier: one lock
+        // per stripe of frame ids, and a look into the cache again once it is held.
+        let _one =
+            self.inner.frame_loads[usize::from(id.0[0]) % FRAME_LOAD_STRIPES].lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = self.cache().lru.get(id).cloned() {
+            return Ok(f);
+        }
+        let data: Arc<Vec<u8>> = Arc::new(self.load_frame(id)?);
+        self.cache().insert(*id, data.clone());
         Ok(data)
     }
 

@@ -326,8 +326,20 @@ impl Store {
 
     /// Restore a tree into `dest` (which must not exist): built in a temp directory beside it, then renamed.
     pub fn get_dir(&self, id: &TreeId, dest: &Path) -> Result<(), StoreError> {
+        self.get_dir_except(id, dest, |_| false)
+    }
+
+    /// [`Store::get_dir`] without the entries `leave_out` picks (nothing of them is read or written; a left-out
+    /// directory's entries must be left out too).
+    pub fn get_dir_except(
+        &self,
+        id: &TreeId,
+        dest: &Path,
+        leave_out: impl Fn(&TreeEntry) -> bool,
+    ) -> Result<(), StoreError> {
         use std::os::unix::ffi::OsStrExt;
-        let tree = self.tree(id)?;
+        let mut tree = self.tree(id)?;
+        tree.entries.retain(|e| !leave_out(e));
         if dest.exists() {
             return Err(StoreError::Invalid(format!("{} exists; restore a tree into a new path", dest.display())));
         }
@@ -379,6 +391,17 @@ impl Store {
             let _ = fs::remove_dir_all(&tmp);
         }
         res
+    }
+
+    /// Whether every frame of `m` is in a pack file of this host (read without the blob tier). A frame this
+    /// process has not seen in any index counts as elsewhere; nothing is fetched or listed.
+    pub fn held_here(&self, m: &Manifest) -> bool {
+        let idx = self.read_index();
+        let mut seen = std::collections::HashSet::new();
+        m.frames.iter().all(|f| match idx.frames.get(f) {
+            Some(loc) => !seen.insert(loc.pack) || crate::pack::pack_path(&self.inner.packs, &loc.pack).exists(),
+            None => false,
+        })
     }
 
     /// The id a manifest would have (files inside trees are not published on their own).

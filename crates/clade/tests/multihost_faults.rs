@@ -95,7 +95,7 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     assert_eq!(state_on(a, &sbx), "suspended", "host A still has it: {err}");
     let (code, _, e) = run(b, &env_b, &["resume", &sbx]);
     assert_ne!(code, 0, "B cannot resume a push that never finished: {e}");
-    // B's blob gc, with no grace at all, keeps what A's push uploaded: A's lease (written before the upload)
+    // B's blob gc, with no grace at all, keeps what A's push uploaded: A's lease (written as the upload starts)
     // names it, though no published root does yet.
     let packs = blob_check(&g).packs;
     let gc = ok(b, &env_b, &["store", "gc", "--include-blob", "--grace-secs", "0", "--json"]);

@@ -225,11 +225,18 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     ));
     // The owner record is read while the lease goes up (each a round trip through the store's quorum): a lease
     // written for a push that is then refused only keeps its roots until the next beat.
-    // The packs the record names (a local walk of the mark's trees) are found meanwhile.
-    let (packs, both) = at_once(
+    // The packs the record names (a local walk of the mark's trees) are found meanwhile, and the packs the tier
+    // lacks go up (`Store::push_packs`; those of a push that is then refused are left to the blob gc).
+    let (packs, rest) = at_once(
         || engine.store.packs_of_roots(&mans, &trees),
-        || at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees))),
+        || {
+            at_once(
+                || at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees))),
+                || engine.store.push_packs(&mans, &trees),
+            )
+        },
     )?;
+    let (both, packed) = rest?;
     let (owner, leased) = both?;
     if let Some(o) = owner? {
         if o.state == "taken" && o.host != me {
@@ -253,9 +260,11 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     // The state record goes up beside the data: no host pulls before the owner record says `pushed`, which is
     // written once both are up (a record left by a push that failed names a mark no owner record offers).
     let record = serde_json::to_vec_pretty(&record)?;
+    // The packs that were in the tier already are asked for again now that the lease is up (push_finish).
+    let packed = packed?;
     let (put, rep) = at_once(
         || engine.store.blob_put_meta(&record_key(sandbox), record),
-        || engine.store.push_roots(&mans, &trees),
+        || engine.store.push_finish(packed, true),
     )?;
     put?;
     let rep = rep?;
@@ -370,6 +379,8 @@ fn take_into_ledger(
         let mut names = Vec::new();
         for l in &record.lowers {
             match &l.tree {
+                // Already named as a tree (of whichever form the backend gave it): kept as it is.
+                Some(t) if fp.layer_tree(&l.path).is_some_and(|p| p.to_string() == *t) => names.push(l.path.clone()),
                 Some(t) => names.push(
                     fp.tree_layer(&t.parse().map_err(|_| anyhow::anyhow!("the record's tree {t} is no tree id"))?),
                 ),
