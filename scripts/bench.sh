@@ -19,7 +19,8 @@
 #   k8s    containerd's CRI: a pod of the minimal and browser templates' images to its first ready probe, clade
 #          from the base vs runc cold, and over `clade fork`              (crates/clade-bench/src/k8s.rs)
 #   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs
-#          exec), a thousand idle siblings, kill of all, vm pool fork and 50 idle vm; needs no sandbox running (crates/clade-bench/src/scale/)
+#          exec), a thousand idle siblings, kill of all, vm pool fork and 50 idle vm; needs no sandbox running (crates/clade-bench/src/scale/);
+#          then the browser's mark pause with pre-dump / without, in a vm guest on Debian's kernel (browser_predump)
 # Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
@@ -57,6 +58,31 @@ browser_template() { # backend
   echo "=== bench: browser template for $1 (built when missing; the first time downloads ~1 GB)" >&2
   "$bin/clade" template build templates/browser --backend "$1" --json |
     python3 -c 'import json, os, sys; r = json.load(sys.stdin)["record"]; print(os.path.join(os.path.dirname(r["rootfs"]), "template.json"))'
+}
+# The browser's own mark pause with pre-dump / without, in one sandbox (docs/scale.md): inside a vm guest on
+# Debian's kernel, the only place these hosts track dirty pages (clade-vm's guest_ct_in_vm, which also runs the
+# ct jail suite there), with the browser template's rootfs ($1) copied in. Prints the figure's JSON line.
+browser_predump() { # rootfs
+  local jail pre line
+  scripts/static-agent.sh >&2
+  test_bin() { cargo test -p clade-ct --test "$1" --no-run --message-format=json 2>/dev/null |
+    sed -n "s/.*\"executable\":\"\([^\"]*$1[^\"]*\)\".*/\1/p" | tail -n1; }
+  jail=$(test_bin guest_jail); pre=$(test_bin guest_predump)
+  line=$(CT_JAIL_TEST_BIN=$jail CT_PREDUMP_TEST_BIN=$pre CT_BROWSER_ROOTFS_HOST=$1 \
+    cargo test -p clade-vm --test guest_ct_in_vm -- --nocapture 2>&1 | tee /dev/stderr | grep 'browser-predump:' | tail -n1)
+  [ -n "$line" ] || return 1
+  python3 - "$line" <<'PY'
+import json, re, sys
+line = sys.argv[1]
+full = [float(x) for x in re.search(r"full_ms=\[([^\]]*)\]", line).group(1).split(",")]
+inc = [float(x) for x in re.search(r"predump_ms=\[([^\]]*)\]", line).group(1).split(",")]
+ratio = sum(inc) / len(inc) / (sum(full) / len(full))
+tracked = "tracked=true" in line
+print(json.dumps({"name": "scale.ct.browser_mark_pause_predump_over_full", "value": ratio, "unit": "x",
+                  "bar": "<= 0.5", "pass": tracked and ratio <= 0.5, "samples": [i / f for i, f in zip(inc, full)],
+                  "detail": {"full_ms": full, "predump_ms": inc, "tracked": tracked,
+                             "where": "ct in a clade vm guest (TCG) on Debian's kernel, cgroup v2", "line": line}}))
+PY
 }
 # The minimal template's bases on both backends (cached after the first build).
 minimal_bases() {
@@ -98,7 +124,10 @@ for w in "${what[@]}"; do
       minimal_bases
       run roam $bin/clade-bench roam --rounds $r --template templates/minimal/template.toml --out "$out/roam.json" ;;
     scale) minimal_bases
-      if [ $quick = 1 ]; then run scale $bin/clade-bench scale --quick --out "$out/scale.json"; else run scale $bin/clade-bench scale --out "$out/scale.json"; fi ;;
+      if [ $quick = 1 ]; then run scale $bin/clade-bench scale --quick --out "$out/scale.json"; else run scale $bin/clade-bench scale --out "$out/scale.json"; fi
+      if [ $quick = 1 ]; then echo "=== bench scale-predump: skipped by --quick" >&2
+      elif t=$(browser_template ct); then run scale-predump browser_predump "$(dirname "$t")/rootfs"
+      else echo "=== bench scale-predump: FAILED to build the browser template" >&2; failed+=(scale-predump); fi ;;
     api) if [ $quick = 1 ]; then run api $bin/clade-bench api --quick --out "$out/api.json"; else run api $bin/clade-bench api --out "$out/api.json"; fi ;;
     e2b) n=$([ $quick = 1 ] && echo 5 || echo 15)  # the e2b SDK comes from ./x setup
       minimal_bases

@@ -42,6 +42,9 @@ pub struct DumpTimes {
     pub frozen: Duration,
     /// The pre-dump's own freeze, when there was one.
     pub pre_frozen: Option<Duration>,
+    /// Of the dump's freeze, the time CRIU spent reading the tasks' memory and writing it out (its memdump and
+    /// memwrite times), when its stats could be read: what a pre-dump can take out of the pause.
+    pub memory: Option<Duration>,
     pub wall: Duration,
 }
 
@@ -183,7 +186,8 @@ pub fn dump(spec: &DumpSpec) -> Result<DumpTimes, String> {
     // CRIU's own stats (freezing, frozen, memdump, memwrite times, pages) kept beside the log, where a slow pause
     // can be taken apart afterwards (the images themselves go into the store and are removed).
     let _ = std::fs::copy(spec.images.join("stats-dump"), spec.log.with_extension("stats"));
-    Ok(DumpTimes { frozen: frozen + pre_frozen.unwrap_or_default(), pre_frozen, wall })
+    let memory = memory_time(&spec.images.join("stats-dump"));
+    Ok(DumpTimes { frozen: frozen + pre_frozen.unwrap_or_default(), pre_frozen, memory, wall })
 }
 
 fn write_exec(path: &Path, text: &str) -> Result<(), String> {
@@ -217,14 +221,22 @@ pub fn log_tail_or(log: &Path, stderr: &[u8]) -> String {
 }
 
 /// `stats-dump`: magic (u32), stats magic (u32), then one length-prefixed `stats_entry { dump_stats_entry dump =
-/// 1 }` whose field 2 is frozen_time in microseconds.
-fn frozen_time(path: &Path) -> Option<Duration> {
+/// 1 }` whose field 2 is frozen_time in microseconds (3 memdump_time, 4 memwrite_time).
+fn dump_stat(path: &Path, field: u64) -> Option<Duration> {
     let b = std::fs::read(path).ok()?;
     let len = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?) as usize;
     let entry = b.get(12..12 + len)?;
     let dump = field_bytes(entry, 1)?;
-    let us = field_varint(dump, 2)?;
+    let us = field_varint(dump, field)?;
     Some(Duration::from_micros(us))
+}
+
+fn frozen_time(path: &Path) -> Option<Duration> {
+    dump_stat(path, 2)
+}
+
+fn memory_time(path: &Path) -> Option<Duration> {
+    Some(dump_stat(path, 3)? + dump_stat(path, 4)?)
 }
 
 fn varint(b: &[u8], i: &mut usize) -> Option<u64> {
@@ -299,8 +311,9 @@ fn field_bytes(b: &[u8], want: u64) -> Option<&[u8]> {
 mod tests {
     #[test]
     fn reads_frozen_time() {
-        // dump_stats_entry { freezing_time = 1: 10, frozen_time = 2: 150000 }
-        let dump = [0x08, 10, 0x10, 0xf0, 0x93, 0x09];
+        // dump_stats_entry { freezing_time = 1: 10, frozen_time = 2: 150000, memdump_time = 3: 20,
+        // memwrite_time = 4: 5 }
+        let dump = [0x08, 10, 0x10, 0xf0, 0x93, 0x09, 0x18, 20, 0x20, 5];
         let mut entry = vec![0x0a, dump.len() as u8];
         entry.extend_from_slice(&dump);
         let mut file = vec![0u8; 8];
@@ -309,6 +322,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("clade-ct-stats-{}", std::process::id()));
         std::fs::write(&dir, &file).unwrap();
         assert_eq!(super::frozen_time(&dir), Some(std::time::Duration::from_micros(150_000)));
+        assert_eq!(super::memory_time(&dir), Some(std::time::Duration::from_micros(25)));
         std::fs::write(&dir, [1, 2, 3]).unwrap();
         assert_eq!(super::frozen_time(&dir), None);
         let _ = std::fs::remove_file(&dir);

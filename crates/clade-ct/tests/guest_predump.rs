@@ -162,3 +162,103 @@ fn guest_freeze_stops_every_process_and_thaw_continues() {
     sb.freeze().expect("freeze again");
     Box::new(sb).kill().expect("a frozen sandbox is killed");
 }
+
+/// Waits (in the sandbox) until `check` (a shell condition) holds, up to `secs` seconds; the sandbox's
+/// `log` files are shown when it never does.
+fn wait_until(sb: &dyn Sandbox, check: &str, secs: u32, logs: &str) {
+    let script = format!("i=0; until {check}; do i=$((i+1)); [ $i -gt {} ] && exit 1; sleep 0.1; done", secs * 10);
+    let out = sb.agent().run(ExecSpec::new(["/bin/sh", "-c", &script])).expect("exec");
+    if out.status.code != Some(0) {
+        panic!("never true in {secs} s: {check}; logs: {}", sh(sb, &format!("tail -n 20 {logs} 2>&1 || true")));
+    }
+}
+
+/// The browser template's own mark pause with and without pre-dump (docs/scale.md, "Incremental ct marks"):
+/// Chromium on Xvfb with its page loaded and agent-ready, marked whole, then incrementally, in one sandbox.
+/// Needs `CT_BROWSER_ROOTFS`, the built browser template's root file system: `./x bench scale` runs it inside
+/// a vm guest on Debian's kernel (clade-vm's `guest_ct_in_vm` with `CT_BROWSER_ROOTFS_HOST`), the only place
+/// these hosts can pre-dump. Prints a `browser-predump:` line the bench reads.
+#[test]
+fn guest_browser_mark_pause_with_and_without_predump() {
+    let Some(rootfs) = std::env::var_os("CT_BROWSER_ROOTFS") else {
+        eprintln!("skip: CT_BROWSER_ROOTFS names no browser template rootfs (./x bench scale sets it)");
+        return;
+    };
+    let Some(mut e) = common::env_with("browser", 2048, false, |_| {}) else { return };
+    e.image.rootfs = rootfs.into();
+    e.image.name = "browser".into();
+    e.image.shape.vcpus = 2;
+    let tracked = clade_core::host::tracks_dirty_pages() == Some(true);
+    let t0 = Instant::now();
+    let mut sb: CtSandbox = e.backend.cold_start_ct(&e.image, &id("browser")).expect("cold start");
+    // The template's services, in its order, each waited for as `templates/browser/template.toml` says.
+    let services: [(&str, &str, &str); 6] = [
+        (
+            "xvfb",
+            "mkdir -p /tmp/clade-browser && exec Xvfb :99 -screen 0 1280x800x24 -fbdir /tmp/clade-browser -nolisten tcp -ac",
+            "[ -e /tmp/.X11-unix/X99 ]",
+        ),
+        (
+            "dbus",
+            "mkdir -p /run/dbus && exec dbus-daemon --session --nofork --address=unix:path=/run/dbus/session",
+            "[ -e /run/dbus/session ]",
+        ),
+        (
+            "openbox",
+            "DISPLAY=:99 DBUS_SESSION_BUS_ADDRESS=unix:path=/run/dbus/session exec openbox",
+            "[ -e /tmp/.X11-unix/X99 ]",
+        ),
+        ("blank", "exec /srv/browser/capture-blank.sh", "[ -e /tmp/clade-browser/blank.xwd ]"),
+        ("chromium", "exec /srv/browser/chromium.sh", "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:9222/json/version')\" 2>/dev/null"),
+        ("screen", "exec python3 /srv/browser/screen-server.py", "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:9000/title')\" 2>/dev/null"),
+    ];
+    for (name, command, ready) in services {
+        sh(&sb, &format!("setsid sh -c '{command}' </dev/null >/tmp/svc-{name}.log 2>&1 &"));
+        wait_until(&sb, ready, 600, &format!("/tmp/svc-{name}.log"));
+    }
+    wait_until(
+        &sb,
+        "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:9000/ready')\" 2>/dev/null",
+        600,
+        "/tmp/svc-*.log",
+    );
+    let ready = t0.elapsed();
+    // A first mark is slower whatever it is (CRIU's first run, caches): it is taken and not counted. Then a full
+    // mark and an incremental one, twice, alternating. Where the kernel does not track dirty pages the
+    // incremental mark falls back to a full dump: the control, at about 1x.
+    sb.set_predump(false);
+    sb.mark(&MarkOptions::default()).expect("first mark");
+    let (mut fulls, mut incs, mut pre, mut mem) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..2 {
+        sb.set_predump(false);
+        sb.mark(&MarkOptions::default()).expect("full mark");
+        let full = sb.last_dump().expect("a dump");
+        assert!(full.pre_frozen.is_none());
+        fulls.push(ms(full.frozen));
+        mem.push(full.memory.map(ms).unwrap_or(f64::NAN));
+        sb.set_predump(true);
+        sb.mark(&MarkOptions::default()).expect("incremental mark");
+        let inc = sb.last_dump().expect("a dump");
+        assert_eq!(inc.pre_frozen.is_some(), tracked, "pre-dumped exactly where the kernel tracks dirty pages");
+        incs.push(ms(inc.frozen));
+        pre.push(inc.pre_frozen.map(ms).unwrap_or(0.0));
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let ratio = mean(&incs) / mean(&fulls);
+    eprintln!(
+        "browser-predump: ready_ms={:.0} full_ms={fulls:.1?} predump_ms={incs:.1?} pre_freeze_ms={pre:.1?} \
+         full_memory_ms={mem:.1?} ratio={ratio:.3} tracked={tracked}",
+        ms(ready)
+    );
+    if tracked {
+        assert!(ratio <= 0.5, "incremental pause {incs:?} ms vs full {fulls:?} ms");
+    }
+    // Still agent-ready after the marks.
+    wait_until(
+        &sb,
+        "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:9000/ready')\" 2>/dev/null",
+        120,
+        "/tmp/svc-*.log",
+    );
+    Box::new(sb).kill().expect("kill");
+}

@@ -55,6 +55,10 @@ pub struct GcReport {
     /// older than the grace period.
     #[serde(default)]
     pub kept_frames_deleted: u64,
+    /// Copies of the tier's pack indexes and trees (and its listing) kept likewise (`blob-idx/`, `blob-trees/`),
+    /// removed once older than the grace period: a later process fetches them again.
+    #[serde(default)]
+    pub kept_copies_deleted: u64,
     /// Bytes freed on disk.
     pub bytes_freed: u64,
 }
@@ -262,6 +266,9 @@ impl Store {
         // Frames kept for another process (a restore reads them within seconds of their fetch).
         let kept = self.inner.dir.join(crate::prefetch::KEPT_FRAMES);
         rep.kept_frames_deleted += remove_older(&kept, grace, dry_run, &mut rep.bytes_freed);
+        for dir in [crate::store::KEPT_INDEXES, crate::tree::KEPT_TREES] {
+            rep.kept_copies_deleted += remove_older(&self.inner.dir.join(dir), grace, dry_run, &mut rep.bytes_freed);
+        }
         // Trash not named by a live lease.
         let leased: HashSet<String> = leases
             .iter()

@@ -373,13 +373,13 @@ impl Store {
         listed.extend(keys.iter().cloned());
         listed.sort();
         listed.dedup();
-        self.keep("blob-idx", LISTED, listed.join("\n").as_bytes());
+        self.keep(KEPT_INDEXES, LISTED, listed.join("\n").as_bytes());
         self.load_blob_indexes(blob, keys)
     }
 
     /// The kept listing's keys if it is younger than [`LISTED_FRESH`].
     fn recent_listing(&self) -> Option<Vec<String>> {
-        let path = self.inner.dir.join("blob-idx").join(LISTED);
+        let path = self.inner.dir.join(KEPT_INDEXES).join(LISTED);
         let fresh = std::fs::metadata(&path)
             .and_then(|m| m.modified())
             .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < LISTED_FRESH));
@@ -394,7 +394,7 @@ impl Store {
     /// for the other processes of this host ([`Store::locate_in_blob`]).
     fn list_and_load(&self, blob: &crate::blob::Blob) -> Result<usize, StoreError> {
         let all: Vec<String> = blob.list("packs")?.into_iter().filter(|k| k.ends_with(".idx")).collect();
-        self.keep("blob-idx", LISTED, all.join("\n").as_bytes());
+        self.keep(KEPT_INDEXES, LISTED, all.join("\n").as_bytes());
         self.load_blob_indexes(blob, all)
     }
 
@@ -408,7 +408,7 @@ impl Store {
         let mut got: Vec<Option<Vec<u8>>> = keys
             .iter()
             .zip(&ids)
-            .map(|(k, id)| id.as_ref().and_then(|id| self.kept("blob-idx", &name(k), |b| PackId::of(b) == *id)))
+            .map(|(k, id)| id.as_ref().and_then(|id| self.kept(KEPT_INDEXES, &name(k), |b| PackId::of(b) == *id)))
             .collect();
         let missing: Vec<String> = keys.iter().zip(&got).filter(|(_, g)| g.is_none()).map(|(k, _)| k.clone()).collect();
         let mut fetched = blob.get_many(&missing)?.into_iter();
@@ -416,7 +416,7 @@ impl Store {
             if g.is_none() {
                 *g = fetched.next().flatten();
                 if let Some(b) = g.as_ref() {
-                    self.keep("blob-idx", &name(k), b);
+                    self.keep(KEPT_INDEXES, &name(k), b);
                 }
             }
         }
@@ -735,6 +735,9 @@ impl Store {
         Ok((sent.len(), sent.iter().sum()))
     }
 }
+
+/// Where copies of the tier's pack indexes are kept for the host's other processes (crate::kept).
+pub(crate) const KEPT_INDEXES: &str = "blob-idx";
 
 /// The kept listing of the tier's pack indexes (`blob-idx/.listed`, crate::kept) and how long it is trusted.
 /// Its keys are only candidates: a frame still missing after them is looked for with a LIST.

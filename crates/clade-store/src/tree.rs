@@ -194,6 +194,9 @@ fn walk(root: &Path, rel: &Path, out: &mut Vec<(PathBuf, fs::Metadata)>) -> Resu
     Ok(())
 }
 
+/// Where copies of trees read from the blob tier are kept for the host's other processes (crate::kept).
+pub(crate) const KEPT_TREES: &str = "blob-trees";
+
 impl Store {
     pub(crate) fn tree_path(&self, id: &TreeId) -> PathBuf {
         self.inner.trees.join(id.fanout()).join(id.to_hex())
@@ -293,12 +296,12 @@ impl Store {
                         }
                         from_blob = true;
                         let hex = id.to_hex();
-                        match self.kept("blob-trees", &hex, |b| TreeId::of(b) == *id) {
+                        match self.kept(KEPT_TREES, &hex, |b| TreeId::of(b) == *id) {
                             Some(b) => (b, format!("{}/blob-trees/{hex}", self.inner.dir.display())),
                             None => {
                                 let got = self.blob_get_root(&path, "tree", &hex)?;
                                 if TreeId::of(&got.0) == *id {
-                                    self.keep("blob-trees", &hex, &got.0);
+                                    self.keep(KEPT_TREES, &hex, &got.0);
                                 }
                                 got
                             }

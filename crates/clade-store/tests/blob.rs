@@ -345,7 +345,11 @@ fn frames_fetched_for_another_process_are_kept_on_disk() {
     }
     assert!(read(&with_blob(&b_dir, tier.clone())).is_err(), "a torn copy is never read as the frame");
 
-    let g = with_blob(&b_dir, tier).gc(false).unwrap();
+    let g = with_blob(&b_dir, tier.clone()).gc(false).unwrap();
     assert_eq!(g.kept_frames_deleted, kept.len() as u64, "{g:?}");
     assert_eq!(std::fs::read_dir(&kept_dir).unwrap().count(), 0);
+    // The kept index copies and the listing go too; the next process reads the indexes from the tier again.
+    assert!(g.kept_copies_deleted > packs.len() as u64, "{g:?}");
+    assert_eq!(std::fs::read_dir(b_dir.join("blob-idx")).unwrap().count(), 0);
+    assert_eq!(with_blob(&b_dir, tier).load_blob_packs(&packs).unwrap(), packs.len());
 }
