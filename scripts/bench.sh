@@ -68,7 +68,7 @@ browser_predump() { # rootfs
   test_bin() { cargo test -p clade-ct --test "$1" --no-run --message-format=json 2>/dev/null |
     sed -n "s/.*\"executable\":\"\([^\"]*$1[^\"]*\)\".*/\1/p" | tail -n1; }
   jail=$(test_bin guest_jail); pre=$(test_bin guest_predump)
-  line=$(CT_JAIL_TEST_BIN=$jail CT_PREDUMP_TEST_BIN=$pre CT_BROWSER_ROOTFS_HOST=$1 \
+  line=$(CT_JAIL_TEST_BIN=$jail CT_PREDUMP_TEST_BIN=$pre CT_BROWSER_ROOTFS_HOST=$1 timeout 3600 \
     cargo test -p clade-vm --test guest_ct_in_vm -- --nocapture 2>&1 | tee /dev/stderr | grep 'browser-predump:' | tail -n1)
   [ -n "$line" ] || return 1
   python3 - "$line" <<'PY'
