@@ -481,18 +481,17 @@ fn child_setup(
 /// A store tree laid out once per host under `$CLADE_HOME/cache/<kind>/<tree id>` (read from the store,
 /// hash-verified, written to a temp name and renamed; a racing restore that lost the rename drops its copy),
 /// without the entries `leave_out` names (asked only when this call lays it out: crate::lazy_upper), which are
-/// noted beside it first. Returns the layout and whether it left entries out.
+/// noted beside it first ([`crate::lazy_upper::marker_of`]).
 fn cached_tree(
     b: &CtBackend,
     kind: &str,
     id: &TreeId,
     what: &str,
     leave_out: impl FnOnce() -> std::collections::BTreeSet<Vec<u8>>,
-) -> Result<(PathBuf, bool), BackendError> {
+) -> Result<PathBuf, BackendError> {
     let cache = b.home.cache_dir().join(kind).join(id.to_hex());
-    let marker = crate::lazy_upper::marker_of(&cache);
     if cache.exists() {
-        return Ok((cache, marker.exists()));
+        return Ok(cache);
     }
     // One process lays a tree out at a time, the others wait and find it (siblings forked at once; a pull's
     // fetch-ahead and the restore that follows it). The lock only saves work: a layout is a temp directory
@@ -510,6 +509,7 @@ fn cached_tree(
         if !left.is_empty() {
             // Before the layout is in place: whoever finds the layout finds the note. A note beside a whole
             // layout (a racing restore's) only adds a lazy layer whose files the upper hides.
+            let marker = crate::lazy_upper::marker_of(&cache);
             let note: Vec<u8> = left.iter().flat_map(|p| p.iter().copied().chain(std::iter::once(b'\n'))).collect();
             let tmp_note = clade_core::home::temp_beside(&marker);
             std::fs::write(&tmp_note, note)
@@ -521,7 +521,7 @@ fn cached_tree(
             let _ = std::fs::remove_dir_all(&tmp);
         }
     }
-    Ok((cache, marker.exists()))
+    Ok(cache)
 }
 
 /// The file ranges CRIU will read because it writes dumped pages over private mappings of them
@@ -623,16 +623,18 @@ const MAPPED: &str = "ct-mapped";
 /// out (crate::lazy_upper) for a mark with lower layers `lowers`. Returns the layout and whether files were
 /// left out: then the restore mounts the upper tree as a lazy lower layer.
 fn upper_cache(b: &CtBackend, id: &TreeId, lowers: &str) -> Result<(PathBuf, bool), BackendError> {
-    cached_tree(b, UPPERS, id, "the upper", || match b.store.tree(id) {
+    let cache = cached_tree(b, UPPERS, id, "the upper", || match b.store.tree(id) {
         Ok(t) => crate::lazy_upper::lazy_files(&b.store, &t, lowers),
         // The layout's own read reports it.
         Err(_) => Default::default(),
-    })
+    })?;
+    let lazy = crate::lazy_upper::marker_of(&cache).exists();
+    Ok((cache, lazy))
 }
 
 /// The mark's CRIU images laid out in the host's cache ([`cached_tree`]).
 fn images_cache(b: &CtBackend, id: &TreeId) -> Result<PathBuf, BackendError> {
-    cached_tree(b, IMAGES, id, "the images", Default::default).map(|(p, _)| p)
+    cached_tree(b, IMAGES, id, "the images", Default::default)
 }
 
 /// A mark's upper is laid out (and hash-verified) once per host under `$CLADE_HOME/cache/ct-uppers/<tree id>`,

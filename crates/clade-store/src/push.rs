@@ -33,7 +33,16 @@ pub struct PackedPush {
     root_have: Vec<bool>,
     /// The pack groups (pack, index) the tier held already.
     present: Vec<Vec<(String, std::path::PathBuf)>>,
+    /// Every pack the roots' frames live in.
+    packs: Vec<crate::PackId>,
     rep: PushReport,
+}
+
+impl PackedPush {
+    /// Every pack the roots' frames live in (what [`crate::Store::packs_of_roots`] answers).
+    pub fn packs(&self) -> &[crate::PackId] {
+        &self.packs
+    }
 }
 
 /// Bytes this process read from the blob tier (frames by range, roots, pack indexes), and how many reads.
@@ -113,6 +122,7 @@ impl crate::Store {
         let tree_files: Vec<_> = trees.iter().map(|t| file(self.tree_path(t))).collect();
         let packs = self.packs_of(mans.iter().map(|m| &**m))?;
         rep.packs = packs.len();
+        let all: Vec<crate::PackId> = packs.iter().copied().collect();
         let (ids, groups) = self.pack_groups(packs);
         let mut keys: Vec<String> = groups.iter().map(|g| g[1].0.clone()).collect();
         keys.extend(man_files.iter().chain(&tree_files).map(|g| g[0].0.clone()));
@@ -120,7 +130,7 @@ impl crate::Store {
         let (pack_have, root_have) = have.split_at(groups.len());
         (rep.packs_uploaded, rep.bytes_uploaded) = self.blob_upload_missing(&ids, &groups, pack_have)?;
         let present = groups.iter().zip(pack_have).filter(|(_, h)| **h).map(|(g, _)| g.clone()).collect();
-        Ok(PackedPush { man_files, tree_files, root_have: root_have.to_vec(), present, rep })
+        Ok(PackedPush { man_files, tree_files, root_have: root_have.to_vec(), present, packs: all, rep })
     }
 
     /// The second half of [`Store::push_roots`]: with `ask_again` (the lease went up while
@@ -129,14 +139,13 @@ impl crate::Store {
     /// their frames, then the trees naming those: a reader that finds a key finds everything it names.
     pub fn push_finish(&self, packed: PackedPush, ask_again: bool) -> Result<PushReport, StoreError> {
         let blob = self.need_blob()?;
-        let PackedPush { man_files, tree_files, root_have, present, mut rep } = packed;
+        let PackedPush { man_files, tree_files, root_have, present, mut rep, .. } = packed;
         if ask_again && !present.is_empty() {
             let keys: Vec<String> = present.iter().map(|g| g[1].0.clone()).collect();
             let still = blob.has_many(&keys)?;
-            let gone: Vec<_> = present.into_iter().zip(still).filter(|(_, h)| !h).map(|(g, _)| g).collect();
-            let sent = blob.upload_groups(&gone)?;
-            rep.packs_uploaded += sent.len();
-            rep.bytes_uploaded += sent.iter().sum::<u64>();
+            let (n, bytes) = self.blob_upload_missing(&[], &present, &still)?;
+            rep.packs_uploaded += n;
+            rep.bytes_uploaded += bytes;
         }
         let mut root_have = root_have.iter();
         let mut missing = |files: Vec<Vec<(String, std::path::PathBuf)>>| -> Vec<_> {

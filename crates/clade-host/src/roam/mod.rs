@@ -225,19 +225,14 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
     ));
     // The owner record is read while the lease goes up (each a round trip through the store's quorum): a lease
     // written for a push that is then refused only keeps its roots until the next beat.
-    // The packs the record names (a local walk of the mark's trees) are found meanwhile, and the packs the tier
-    // lacks go up (`Store::push_packs`; those of a push that is then refused are left to the blob gc).
-    let (packs, rest) = at_once(
-        || engine.store.packs_of_roots(&mans, &trees),
-        || {
-            at_once(
-                || at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees))),
-                || engine.store.push_packs(&mans, &trees),
-            )
-        },
+    // Meanwhile the packs the tier lacks go up (`Store::push_packs`, which also finds the packs the record
+    // names; those of a push that is then refused are left to the blob gc).
+    let (both, packed) = at_once(
+        || at_once(|| read_owner(&engine.store, sandbox), || beat(engine, &me, &lease(&trees))),
+        || engine.store.push_packs(&mans, &trees),
     )?;
-    let (both, packed) = rest?;
     let (owner, leased) = both?;
+    let packed = packed?;
     if let Some(o) = owner? {
         if o.state == "taken" && o.host != me {
             return Err(conflict(format!("sandbox {sandbox} in {tier} is owned by host {} (it took it)", o.host)));
@@ -255,13 +250,12 @@ pub fn push(engine: &Engine, sandbox: &str, progress: &mut dyn FnMut(&str)) -> a
         full_bytes: full,
         pushed_by: me.clone(),
         pushed_ms: now_ms(),
-        packs: packs?.iter().map(|p| p.to_hex()).collect(),
+        packs: packed.packs().iter().map(|p| p.to_hex()).collect(),
     };
     // The state record goes up beside the data: no host pulls before the owner record says `pushed`, which is
     // written once both are up (a record left by a push that failed names a mark no owner record offers).
     let record = serde_json::to_vec_pretty(&record)?;
     // The packs that were in the tier already are asked for again now that the lease is up (push_finish).
-    let packed = packed?;
     let (put, rep) = at_once(
         || engine.store.blob_put_meta(&record_key(sandbox), record),
         || engine.store.push_finish(packed, true),
