@@ -61,14 +61,18 @@ browser_template() { # backend
 }
 # The browser's own mark pause with pre-dump / without, in one sandbox (docs/scale.md): inside a vm guest on
 # Debian's kernel, the only place these hosts track dirty pages (clade-vm's guest_ct_in_vm, which also runs the
-# ct jail suite there), with the browser template's rootfs ($1) copied in. Prints the figure's JSON line.
+# ct jail suite there), with the browser template's rootfs ($1) copied in. The guest boots Debian stable's
+# (trixie's) kernel, fetched beside setup's by scripts/guest-kernel.sh: before Linux 6.7 (bookworm's 6.1) CRIU
+# reads the page map of Chromium's three 1.3 TiB address-space reservations entry by entry, ~65 s of every
+# freeze under TCG. Prints the figure's JSON line.
 browser_predump() { # rootfs
-  local jail pre line
+  local jail pre line kernel
   scripts/static-agent.sh >&2
+  kernel=$(scripts/guest-kernel.sh trixie)
   test_bin() { cargo test -p clade-ct --test "$1" --no-run --message-format=json 2>/dev/null |
     sed -n "s/.*\"executable\":\"\([^\"]*$1[^\"]*\)\".*/\1/p" | tail -n1; }
   jail=$(test_bin guest_jail); pre=$(test_bin guest_predump)
-  line=$(CT_JAIL_TEST_BIN=$jail CT_PREDUMP_TEST_BIN=$pre CT_BROWSER_ROOTFS_HOST=$1 timeout 3600 \
+  line=$(CLADE_GUEST_KERNEL=$kernel CT_JAIL_TEST_BIN=$jail CT_PREDUMP_TEST_BIN=$pre CT_BROWSER_ROOTFS_HOST=$1 timeout 3600 \
     cargo test -p clade-vm --test guest_ct_in_vm -- --nocapture 2>&1 | tee /dev/stderr | grep 'browser-predump:' | tail -n1)
   [ -n "$line" ] || return 1
   python3 - "$line" <<'PY'
@@ -81,7 +85,7 @@ tracked = "tracked=true" in line
 print(json.dumps({"name": "scale.ct.browser_mark_pause_predump_over_full", "value": ratio, "unit": "x",
                   "bar": "<= 0.5", "pass": tracked and ratio <= 0.5, "samples": [i / f for i, f in zip(inc, full)],
                   "detail": {"full_ms": full, "predump_ms": inc, "tracked": tracked,
-                             "where": "ct in a clade vm guest (TCG) on Debian's kernel, cgroup v2", "line": line}}))
+                             "where": "ct in a clade vm guest (TCG) on Debian trixie's kernel, cgroup v2", "line": line}}))
 PY
 }
 # The minimal template's bases on both backends (cached after the first build).

@@ -23,6 +23,9 @@ quiet=0
 say() { echo "setup: $*" >&2; }
 info() { [ $quiet = 1 ] || say "$@"; }
 die() { say "ERROR: $*"; exit 1; }
+# private_apt (a private apt configuration for one suite) and extract_kernel (a linux-image .deb into
+# $CLADE_HOME/kernel/<release>).
+. "$(dirname "${BASH_SOURCE[0]}")/debian-lib.sh"
 
 [ "$(id -u)" = 0 ] || die "run as root (clade needs namespaces, mounts and /dev/shm files)"
 command -v apt-get >/dev/null || die "no apt-get: setup supports Debian/Ubuntu; install QEMU, busybox-static, cpio, debootstrap, e2fsprogs by hand"
@@ -32,7 +35,7 @@ start=$(date +%s.%N)
 # ---- 1. Debian packages -----------------------------------------------------------------------------------
 # chromium: the benchmark report is checked to render in it (a test), as a reader would open it.
 # libc6-dev: libc.a, which the static clade-agent links (scripts/static-agent.sh).
-pkgs=(libc6-dev qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils iproute2 nftables kmod chromium containerd runc protobuf-compiler)
+pkgs=(libc6-dev qemu-system-x86 qemu-utils busybox-static cpio debootstrap e2fsprogs python3 libnbd-bin b3sum xz-utils zstd iproute2 nftables kmod chromium containerd runc protobuf-compiler)
 apt_updated=0
 apt_update() {
   [ $apt_updated = 1 ] && return 0
@@ -81,30 +84,8 @@ if ! kernel_ok; then
       || die "could not download $pkg: the Debian mirror must be reachable (apt-get download $pkg)"
     deb=$(ls "$CLADE_HOME"/debs/kernel/linux-image-*-amd64_*.deb | sort -V | tail -n1)
   fi
-  say "extracting guest kernel from $(basename "$deb")"
-  tmp=$(mktemp -d "$CLADE_HOME/tmp/kernel.XXXXXX")
-  trap 'rm -rf "$tmp"' EXIT
-  dpkg-deb -x "$deb" "$tmp/root"
-  vmlinuz=$(ls "$tmp"/root/boot/vmlinuz-* | head -n1)
-  kver=${vmlinuz##*/vmlinuz-}
-  mkdir -p "$tmp/k"
-  # Debian's package ships no modules.dep (depmod runs at install time): make it, so the initramfs builder
-  # can load each module after its dependencies.
-  [ -d "$tmp/root/lib/modules/$kver" ] || { mkdir -p "$tmp/root/lib/modules"; mv "$tmp/root/usr/lib/modules/$kver" "$tmp/root/lib/modules/"; }
-  depmod -b "$tmp/root" "$kver" || die "depmod failed for the guest kernel $kver (is kmod installed?)"
-  cp "$vmlinuz" "$tmp/k/vmlinuz"
-  cp "$tmp/root/boot/config-$kver" "$tmp/k/config" 2>/dev/null || true
-  mv "$tmp/root/lib/modules/$kver" "$tmp/k/modules"
-  echo "$kver" > "$tmp/k/release"
-  # The uncompressed ELF: find the xz stream inside the bzImage and decompress it.
-  off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$tmp/k/vmlinuz" | head -n1 | cut -d: -f1)
-  [ -n "$off" ] || die "no xz stream found in $vmlinuz"
-  tail -c +$((off + 1)) "$tmp/k/vmlinuz" | xz -dcq > "$tmp/k/vmlinux" 2>/dev/null || true
-  head -c 4 "$tmp/k/vmlinux" | grep -q 'ELF' || die "could not extract an ELF vmlinux from $vmlinuz"
-  rm -rf "$CLADE_HOME/kernel/$kver"
-  mv "$tmp/k" "$CLADE_HOME/kernel/$kver"
+  kver=$(extract_kernel "$deb")
   ln -sfn "$kver" "$CLADE_HOME/kernel/current.tmp" && mv -T "$CLADE_HOME/kernel/current.tmp" "$CLADE_HOME/kernel/current"
-  rm -rf "$tmp"; trap - EXIT
   say "guest kernel $kver ready in $CLADE_HOME/kernel/current"
 fi
 
@@ -112,28 +93,7 @@ fi
 criu_ok() { [ -x "$CLADE_HOME/criu/bin/criu" ] && "$CLADE_HOME/criu/bin/criu" --version >/dev/null 2>&1; }
 if ! criu_ok; then
   if ! ls "$CLADE_HOME"/debs/criu/criu_*.deb >/dev/null 2>&1; then
-    apt_dir="$CLADE_HOME/apt-sid"
-    mkdir -p "$apt_dir"/{lists/partial,cache/archives/partial,sources.list.d,preferences.d,apt.conf.d}
-    touch "$apt_dir/status"
-    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] ${CLADE_SID_MIRROR:-http://deb.debian.org/debian} sid main" > "$apt_dir/sources.list"
-    cat > "$apt_dir/apt.conf" <<APT
-Dir::Etc::SourceList "$apt_dir/sources.list";
-Dir::Etc::SourceParts "$apt_dir/sources.list.d";
-Dir::Etc::Parts "$apt_dir/apt.conf.d";
-Dir::Etc::Preferences "$apt_dir/preferences";
-Dir::Etc::PreferencesParts "$apt_dir/preferences.d";
-Dir::State::Lists "$apt_dir/lists";
-Dir::State::status "$apt_dir/status";
-Dir::Cache "$apt_dir/cache";
-APT::Architecture "amd64";
-APT::Architectures { "amd64"; };
-Acquire::Languages "none";
-Acquire::Check-Valid-Until "false";
-APT::Sandbox::User "root";
-APT
-    export APT_CONFIG="$apt_dir/apt.conf"
-    say "fetching Debian sid's package lists into a private apt configuration ($apt_dir)"
-    apt-get update -qq || die "could not fetch sid's package lists: the Debian mirror must be reachable (set CLADE_SID_MIRROR to use another)"
+    private_apt "$CLADE_HOME/apt-sid" sid "${CLADE_SID_MIRROR:-http://deb.debian.org/debian}"
     mapfile -t cpkgs < <(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks \
       --no-replaces --no-enhances criu 2>/dev/null | grep -v '^[ <]' | sort -u)
     [ ${#cpkgs[@]} -gt 0 ] || die "sid has no criu package in its lists"

@@ -54,9 +54,19 @@ fn module_name(path: &str) -> String {
     file.trim_end_matches(".ko").replace('-', "_")
 }
 
-/// The relative paths of `wanted` and all their dependencies, each after what it depends on.
+/// Modules built into the kernel (`modules.builtin`; none when the kernel has no such list): a kernel that
+/// builds in what another ships as a module (trixie's `virtio_pci`) needs nothing loaded for it.
+fn read_builtin(modules_dir: &Path) -> HashSet<String> {
+    std::fs::read_to_string(modules_dir.join("modules.builtin"))
+        .map(|t| t.lines().map(module_name).collect())
+        .unwrap_or_default()
+}
+
+/// The relative paths of `wanted` and all their dependencies, each after what it depends on. A wanted module
+/// built into the kernel is left out.
 pub fn load_order(modules_dir: &Path, wanted: &[&str]) -> Result<Vec<String>, BootError> {
     let deps = read_deps(modules_dir)?;
+    let builtin = read_builtin(modules_dir);
     let mut order = Vec::new();
     let mut seen = HashSet::new();
     fn visit(
@@ -76,7 +86,7 @@ pub fn load_order(modules_dir: &Path, wanted: &[&str]) -> Result<Vec<String>, Bo
         order.push(path.clone());
         Ok(())
     }
-    for w in wanted {
+    for w in wanted.iter().filter(|w| !builtin.contains(**w) || deps.contains_key(**w)) {
         visit(w, &deps, &mut seen, &mut order)?;
     }
     Ok(order)
@@ -202,6 +212,12 @@ mod tests {
         let order = load_order(dir.path(), &["virtio_blk", "ext4"]).unwrap();
         let names: Vec<String> = order.iter().map(|p| module_name(p)).collect();
         assert_eq!(names, ["virtio_ring", "virtio", "virtio_blk", "jbd2", "mbcache", "crc16", "ext4"]);
+        assert!(matches!(load_order(dir.path(), &["nope"]), Err(BootError::UnknownModule(_))));
+        // Built in (trixie's virtio_pci): nothing to load, no error.
+        std::fs::write(dir.path().join("modules.builtin"), "kernel/drivers/virtio/virtio_pci.ko\n").unwrap();
+        let order = load_order(dir.path(), &["virtio_pci", "virtio_blk"]).unwrap();
+        let names: Vec<String> = order.iter().map(|p| module_name(p)).collect();
+        assert_eq!(names, ["virtio_ring", "virtio", "virtio_blk"]);
         assert!(matches!(load_order(dir.path(), &["nope"]), Err(BootError::UnknownModule(_))));
     }
 }

@@ -4,7 +4,9 @@
 //! hosts are cgroup v1 on another kernel; most users' are v2. The same guest then runs the incremental-mark test
 //! (`crates/clade-ct/tests/guest_predump.rs`), since that kernel tracks dirty pages and these hosts' do not.
 //! About 40 s under TCG. `./x test` passes the built test binaries as `CT_JAIL_TEST_BIN` and
-//! `CT_PREDUMP_TEST_BIN` (scripts/test.sh); without the first the test says so and skips.
+//! `CT_PREDUMP_TEST_BIN` (scripts/test.sh); without the first the test says so and skips. `CLADE_GUEST_KERNEL`
+//! boots another extracted kernel instead (scripts/guest-kernel.sh; `./x bench scale` boots Debian trixie's for
+//! the browser's mark pause, docs/scale.md).
 mod common;
 
 use std::path::Path;
@@ -32,6 +34,10 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
         return;
     }
     let chome = clade_core::CladeHome::at(home.clone());
+    // `CLADE_GUEST_KERNEL`: another extracted kernel to boot (scripts/guest-kernel.sh; `./x bench scale` boots
+    // trixie's for the browser's mark pause), through a home of its own whose `kernel/current` is that one.
+    let other_kernel = std::env::var_os("CLADE_GUEST_KERNEL").map(std::path::PathBuf::from);
+    let kernel = other_kernel.clone().unwrap_or_else(|| home.join("kernel/current"));
     let testroot = clade_ct::testroot::ensure(&chome, &agent).expect("the ct test rootfs");
     let work = tempfile::Builder::new().prefix("clade-ctvm").tempdir_in("/var/tmp").unwrap();
     let w = work.path();
@@ -80,8 +86,12 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
         "net/netfilter/nf_conntrack_netlink",
     ] {
         let name = Path::new(m).file_name().unwrap().to_string_lossy().to_string();
-        std::fs::copy(home.join(format!("kernel/current/modules/kernel/{m}.ko")), root.join(format!("{name}.ko")))
-            .expect("a guest kernel module");
+        let ko = kernel.join(format!("modules/kernel/{m}.ko"));
+        if other_kernel.is_some() && !ko.exists() {
+            eprintln!("note: {} has no module {m} (built in or gone): not loaded", kernel.display());
+            continue;
+        }
+        std::fs::copy(&ko, root.join(format!("{name}.ko"))).expect("a guest kernel module");
         insmod.push_str(&format!("insmod /{name}.ko; "));
     }
     copy_tree(&home.join("criu"), &root.join("var/lib/clade/criu"));
@@ -103,7 +113,16 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
     let store = clade_store::Store::open(&w.join("store"), clade_store::StoreConfig::default()).unwrap();
     let disk = store.put_file(&img, clade_store::ImageKind::Disk).unwrap().id.unwrap().to_string();
     let shm = tempfile::Builder::new().prefix("clade-ctvm-shm").tempdir_in("/dev/shm").unwrap();
-    let backend = clade_vm::backend::VmBackend::open(&chome, store, Some(shm.path().to_path_buf())).unwrap();
+    let vhome = match &other_kernel {
+        Some(k) => {
+            let h = w.join("home");
+            std::fs::create_dir_all(h.join("kernel")).unwrap();
+            std::os::unix::fs::symlink(k, h.join("kernel/current")).unwrap();
+            clade_core::CladeHome::at(h)
+        }
+        None => chome.clone(),
+    };
+    let backend = clade_vm::backend::VmBackend::open(&vhome, store, Some(shm.path().to_path_buf())).unwrap();
     let image = TemplateImage {
         name: "ct-in-vm".into(),
         hash: "test".into(),
@@ -126,12 +145,16 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
                   /opt/guest_predump --nocapture guest_incremental_mark 2>&1; \
                   CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade CLADE_AGENT_BIN=/usr/lib/clade/clade-agent \
                   /opt/guest_predump --nocapture guest_freeze 2>&1; fi"
-        + if browser.is_some() {
-            "; CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade CLADE_AGENT_BIN=/usr/lib/clade/clade-agent \
-             CT_BROWSER_ROOTFS=/var/lib/clade/browser-rootfs RUST_BACKTRACE=1 \
-             /opt/guest_predump --nocapture guest_browser 2>&1"
+        + &if browser.is_some() {
+            // CRIU's timestamped log, where the browser's pauses go, when asked for (CLADE_CRIU_VERBOSE=1).
+            let verbose = if std::env::var_os("CLADE_CRIU_VERBOSE").is_some() { "CLADE_CRIU_VERBOSE=1" } else { "" };
+            format!(
+                "; CLADE_HOME=/var/lib/clade CLADE_TEST_HOME=/var/lib/clade CLADE_AGENT_BIN=/usr/lib/clade/clade-agent \
+                 CT_BROWSER_ROOTFS=/var/lib/clade/browser-rootfs RUST_BACKTRACE=1 {verbose} \
+                 /opt/guest_predump --nocapture guest_browser 2>&1"
+            )
         } else {
-            ""
+            String::new()
         };
     let spec = ExecSpec { argv: vec!["/bin/sh".into(), "-c".into(), script], ..Default::default() };
     let out = sb.agent().run(spec).unwrap();

@@ -76,6 +76,8 @@ fn multihost_faults_push_killed_or_cut_midway_then_retried_ct() {
     let endpoint_a = format!("http://127.0.0.1:{}", link.port);
     // Host A works without the blob tier until it pushes, so the push has the whole mark to upload.
     let none: Env = vec![(NETNS_VAR, net.ns.name.clone())];
+    let _end_a = common::KillAllOnDrop { home: a, env: none.clone() };
+    let _end_b = common::KillAllOnDrop { home: b, env: env_b.clone() };
     let new_sandbox = |tag: &str| -> (String, String) {
         let r = ok(a, &none, &["run", "ctbox", "--backend", "ct", "--json"]);
         let sbx = r["sandboxes"][0]["sandbox"].as_str().unwrap().to_string();

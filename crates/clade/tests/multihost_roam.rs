@@ -39,6 +39,8 @@ impl Host {
 
 impl Drop for Host {
     fn drop(&mut self) {
+        // A test that failed midway leaves this host's sandboxes running: end them before their mounts go.
+        let _ = run(&self.home, &self.env, &["kill", "--all"]);
         if let Some((_, shm)) = self.env.iter().find(|(k, _)| *k == "CLADE_SHM") {
             for e in std::fs::read_dir(Path::new(shm).join("lazy")).into_iter().flatten().flatten() {
                 let _ = nix::mount::umount2(&e.path(), nix::mount::MntFlags::MNT_DETACH);

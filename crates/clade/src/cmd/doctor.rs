@@ -197,6 +197,15 @@ fn ct_checks(home: &CladeHome, checks: &mut Vec<Check>) {
         }
     }
     let (ok, text) = clade_ct::criu::criu_check(&bin);
+    checks.push(match clade_ct::criu::scans_page_maps(&bin) {
+        Some(true) => Check::ok("pagemap-scan", "PAGEMAP_SCAN: a ct mark skips empty address space"),
+        _ => Check::missing(
+            "pagemap-scan",
+            "CRIU has no PAGEMAP_SCAN here (Linux < 6.7): a ct mark reads every mapping's page map entry by entry, \
+             so a browser's or JVM's large address-space reservations add seconds to its pause",
+            "Linux 6.7 or later (Debian trixie's 6.12) for short marks of browsers",
+        ),
+    });
     if ok {
         checks.push(Check::ok("criu-check", "criu check: looks good"));
     } else {

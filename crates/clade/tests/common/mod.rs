@@ -158,6 +158,19 @@ pub fn run_env(home: &Path, env: &Env, args: &[&str]) -> (i32, String, String) {
     clade_with(home, &env, args)
 }
 
+/// Ends every sandbox of a home when dropped, so a test that fails midway leaves none running (their mounts and
+/// cgroups would outlive the test's directories).
+pub struct KillAllOnDrop<'a> {
+    pub home: &'a Path,
+    pub env: Env,
+}
+
+impl Drop for KillAllOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = run_env(self.home, &self.env, &["kill", "--all"]);
+    }
+}
+
 /// [`run_env`] that must succeed and print JSON.
 pub fn ok_env(home: &Path, env: &Env, args: &[&str]) -> serde_json::Value {
     let (code, out, err) = run_env(home, env, args);
