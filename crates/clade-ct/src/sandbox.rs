@@ -99,10 +99,16 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
     mount_tmpfs(&res.rw(), b.cfg.rw_bytes).map_err(failed)?;
     res.rw_mounted = true;
     b.check_fail(FailPoint::RunDir)?;
+    // The cgroup before the upper, so the upper's pages copied onto the tmpfs are charged to the sandbox, as a
+    // restore's are (crate::disk::copy_tree_charged), not to this process.
+    let limits = b.limits(spec.shape);
+    let cpu_ms = limits.cpu_ms_per_100ms;
+    res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
+    let charge = res.cgroup.as_ref().map(Cgroup::procs_files).unwrap_or_default();
     let (upper, work, root) = (res.rw().join("upper"), res.rw().join("work"), run_dir.join("root"));
     let mut lower = spec.lower.clone();
     if let Some(tree) = &spec.upper {
-        if crate::restore::upper_for(b, tree, &spec.lower, &upper, &[])? {
+        if crate::restore::upper_for(b, tree, &spec.lower, &upper, &charge)? {
             // Its large files this host lacks, read through the upper tree mounted lazily (crate::lazy_upper);
             // /dev and /run are made opaque again below (crate::spawn), hiding the lazy layer's too.
             lower = format!("{}{tree}:{lower}", crate::lower::UPPER_PREFIX);
@@ -119,9 +125,6 @@ pub(crate) fn boot(b: &CtBackend, spec: &BootSpec<'_>, id: &Identity) -> Result<
         std::fs::create_dir_all(d).map_err(|e| failed(format!("create {}: {e}", d.display())))?;
     }
     b.check_fail(FailPoint::Files)?;
-    let limits = b.limits(spec.shape);
-    let cpu_ms = limits.cpu_ms_per_100ms;
-    res.cgroup = Some(Cgroup::create(&id.sandbox_id, &limits).map_err(failed)?);
     b.check_fail(FailPoint::Cgroup)?;
     let programs = b.jail_programs()?;
     // Jailed means in a user namespace (crate::userns): the lower layers are then mounted idmapped.

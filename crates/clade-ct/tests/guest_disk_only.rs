@@ -74,6 +74,7 @@ fn disk_only_boots_cold(jail: bool) {
     }
 
     // A disk-only suspend: the processes end, the disk as they left it boots cold.
+    sh(&base, "head -c 33554432 /dev/urandom > /root/big");
     let suspended = Box::new(base).suspend(&MarkOptions { disk_only: true, ..Default::default() }).expect("suspend");
     assert!(suspended.boots_cold());
     let resumed = e.backend.restore_ct(&suspended, &id(&format!("{tag}-resumed"))).expect("resume");
@@ -81,6 +82,10 @@ fn disk_only_boots_cold(jail: bool) {
     let resumed_boot = sh(&resumed, BOOT_ID);
     assert!(resumed_boot != boot && resumed_boot != new_boot, "a new boot");
     assert_eq!(sh(&resumed, SLEEPER), "0");
+    // The upper copied onto the sandbox's tmpfs at the boot (32 MiB of it in /root/big) is charged to the
+    // sandbox's memory cgroup, not to the process that booted it.
+    let charged = resumed.cgroup_memory().expect("the sandbox's memory usage");
+    assert!(charged >= 32 << 20, "the boot's upper is charged to the sandbox: {} MiB", charged >> 20);
     // A disk-only mark has nothing to prepare ahead (a warm pool restores it whole).
     use clade_core::backend::Backend;
     assert!(e.backend.prepare(&suspended, &id(&format!("{tag}-prep"))).expect("prepare").is_none());
