@@ -37,6 +37,14 @@ fn guest_vm_volume_is_a_copy_kept_by_a_mark() {
     std::fs::File::create(big.join("f")).unwrap().set_len(65 << 20).unwrap();
     let err = s.bind(&big, "/big", false).expect_err("a volume over the limit");
     assert!(err.to_string().contains("at most 64 MiB"), "{err}");
+    // A copy that fails after its stage was filled (a directory volume onto a path that is a file) leaves no
+    // stage mounted: the only copy in the guest is the first volume's.
+    let stages = |s: &dyn Sandbox| sh(s, "grep -c ' /run/clade/volumes/' /proc/mounts").1;
+    assert_eq!(stages(s.as_ref()), "1", "the first volume's stage");
+    sh(s.as_ref(), "echo not-a-dir > /notdir");
+    let err = s.bind(&vol, "/notdir/below", false).expect_err("a mount point under a file");
+    assert!(err.to_string().contains("/notdir/below"), "{err}");
+    assert_eq!(stages(s.as_ref()), "1", "the failed copy's stage is gone");
 
     let mark = s.mark(&MarkOptions::default()).expect("a mark with the volume mounted");
     let sib = e.backend.restore(&mark, &clade_core::hygiene::new_identity(&format!("v{tag}s"), 2)).expect("restore");

@@ -117,8 +117,9 @@ root_domain = ".s3.garage.localhost"
             g.start_node(i)?;
         }
         for i in 1..n {
+            // A node that answers its status may not take peers' RPCs yet ("No handler"): connect again.
             let id = g.nodes[i].id.clone();
-            g.cli(0, &["node", "connect", &id])?;
+            g.retry(|g| g.cli(0, &["node", "connect", &id]).map(drop))?;
         }
         for i in 0..n {
             let short = g.nodes[i].id.split('@').next().unwrap_or_default().to_string();

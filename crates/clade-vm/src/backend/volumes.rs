@@ -35,16 +35,34 @@ pub const MAX_BYTES: u64 = 64 << 20;
 /// Copies of this process: a stage name is `<pid>-<n>`, distinct from a sibling's inherited ones.
 static COPIES: AtomicU64 = AtomicU64::new(0);
 
-/// Copy the host file or directory `host` into the guest and mount it at `inside` (see the module's doc).
+/// Copy the host file or directory `host` into the guest and mount it at `inside` (see the module's doc). A copy
+/// that fails midway takes its stage away again, so no tmpfs is left holding guest memory.
 pub(super) fn copy_in(agent: &AgentClient, host: &Path, inside: &str, readonly: bool) -> Result<(), BackendError> {
     let top = check_size(host, "volume")?;
     let stage = format!("{VOLUMES}/{}-{}", std::process::id(), COPIES.fetch_add(1, Ordering::Relaxed));
-    fill_tmpfs(agent, host, &top, &stage)?;
+    let copied =
+        fill_tmpfs(agent, host, &top, &stage).and_then(|()| show_at(agent, host, &top, &stage, inside, readonly));
+    if copied.is_err() {
+        let _ = agent.unmount(&stage);
+        let _ = agent.remove(&stage, false);
+    }
+    copied
+}
+
+/// Mount the filled stage (or, for a file volume, the copy of the file in it) at `inside`.
+fn show_at(
+    agent: &AgentClient,
+    host: &Path,
+    top: &std::fs::Metadata,
+    stage: &str,
+    inside: &str,
+    readonly: bool,
+) -> Result<(), BackendError> {
     let shown = if top.is_dir() {
-        stage.clone()
+        stage.to_string()
     } else {
         let file = format!("{stage}/file");
-        copy_file(agent, host, &file, &top)?;
+        copy_file(agent, host, &file, top)?;
         file
     };
     // The mount point: a directory, or for a file an empty file where none is.
