@@ -20,7 +20,7 @@
 #          from the base vs runc cold, and over `clade fork`              (crates/clade-bench/src/k8s.rs)
 #   scale  many siblings on one host: bulk fork cold and from a pool, host memory per idle sibling (zygote vs
 #          exec), a thousand idle siblings, kill of all, vm pool fork and 50 idle vm; needs no sandbox running (crates/clade-bench/src/scale/);
-#          then the browser's mark pause with pre-dump / without, in a vm guest on Debian's kernel (browser_predump)
+#          then the browser's mark pause with pre-dump / without, in a vm guest on Debian trixie's kernel (browser_predump)
 # Then `clade-bench report` gathers bench/out into report.json and report.html (docs/report.md).
 # Default: all. --quick: fewer samples and smaller images, no browser template (a CI-like check, minutes).
 # `ct` and `browser` build the browser template (and `browser` its bases) first when missing: debootstrap
@@ -68,7 +68,7 @@ browser_template() { # backend
 browser_predump() { # rootfs
   local jail pre line kernel
   scripts/static-agent.sh >&2
-  kernel=$(scripts/guest-kernel.sh trixie)
+  kernel=$(scripts/guest-kernel.sh trixie) || return 1
   test_bin() { cargo test -p clade-ct --test "$1" --no-run --message-format=json 2>/dev/null |
     sed -n "s/.*\"executable\":\"\([^\"]*$1[^\"]*\)\".*/\1/p" | tail -n1; }
   jail=$(test_bin guest_jail); pre=$(test_bin guest_predump)
