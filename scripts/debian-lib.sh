@@ -35,15 +35,17 @@ extract_kernel() {
   local deb=$1 tmp vmlinuz kver off z
   say "extracting guest kernel from $(basename "$deb")"
   tmp=$(mktemp -d "$CLADE_HOME/tmp/kernel.XXXXXX")
-  dpkg-deb -x "$deb" "$tmp/root"
-  vmlinuz=$(ls "$tmp"/root/boot/vmlinuz-* | head -n1)
+  fail() { rm -rf "$tmp"; die "$@"; }
+  dpkg-deb -x "$deb" "$tmp/root" || fail "could not unpack $deb (a partial download? remove it and run again)"
+  vmlinuz=$(ls "$tmp"/root/boot/vmlinuz-* 2>/dev/null | head -n1 || true)
+  [ -n "$vmlinuz" ] || fail "$deb holds no boot/vmlinuz-*: not a linux-image package"
   kver=${vmlinuz##*/vmlinuz-}
   mkdir -p "$tmp/k"
   [ -d "$tmp/root/lib/modules/$kver" ] || { mkdir -p "$tmp/root/lib/modules"; mv "$tmp/root/usr/lib/modules/$kver" "$tmp/root/lib/modules/"; }
-  find "$tmp/root/lib/modules/$kver" -name '*.ko.xz' -exec xz -dq {} + || { rm -rf "$tmp"; die "could not decompress the modules of $kver (is xz-utils installed?)"; }
+  find "$tmp/root/lib/modules/$kver" -name '*.ko.xz' -exec xz -dq {} + || fail "could not decompress the modules of $kver (is xz-utils installed?)"
   # Debian's package ships no modules.dep (depmod runs at install time): make it, so the initramfs builder
   # can load each module after its dependencies.
-  depmod -b "$tmp/root" "$kver" || { rm -rf "$tmp"; die "depmod failed for the guest kernel $kver (is kmod installed?)"; }
+  depmod -b "$tmp/root" "$kver" || fail "depmod failed for the guest kernel $kver (is kmod installed?)"
   cp "$vmlinuz" "$tmp/k/vmlinuz"
   cp "$tmp/root/boot/config-$kver" "$tmp/k/config" 2>/dev/null || true
   mv "$tmp/root/lib/modules/$kver" "$tmp/k/modules"
@@ -57,7 +59,7 @@ extract_kernel() {
     head -c 4 "$tmp/k/vmlinux" | grep -q 'ELF' && break
   done
   head -c 4 "$tmp/k/vmlinux" 2>/dev/null | grep -q 'ELF' \
-    || { rm -rf "$tmp"; die "could not extract an ELF vmlinux from $vmlinuz (no xz or zstd stream; are xz-utils and zstd installed?)"; }
+    || fail "could not extract an ELF vmlinux from $vmlinuz (no xz or zstd stream; are xz-utils and zstd installed?)"
   rm -rf "$CLADE_HOME/kernel/$kver"
   mv "$tmp/k" "$CLADE_HOME/kernel/$kver"
   rm -rf "$tmp"

@@ -34,8 +34,9 @@ fn guest_ct_jail_suite_in_a_cgroup_v2_vm() {
         return;
     }
     let chome = clade_core::CladeHome::at(home.clone());
-    // `CLADE_GUEST_KERNEL`: another extracted kernel to boot (scripts/guest-kernel.sh; `./x bench scale` boots
-    // trixie's for the browser's mark pause), through a home of its own whose `kernel/current` is that one.
+    // Another kernel (module doc) boots through a home of its own whose `kernel/current` is that one. Its cache
+    // is its own too: the accelerator probe's one entry is keyed by kernel release, and sharing it would make
+    // the next run on setup's kernel probe again.
     let other_kernel = std::env::var_os("CLADE_GUEST_KERNEL").filter(|k| !k.is_empty()).map(std::path::PathBuf::from);
     let kernel = other_kernel.clone().unwrap_or_else(|| home.join("kernel/current"));
     let testroot = clade_ct::testroot::ensure(&chome, &agent).expect("the ct test rootfs");
